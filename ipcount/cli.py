@@ -1,0 +1,229 @@
+"""Command line: ``bin/ipcount <command> --help``.
+
+    epoch      run one checkpoint epoch (the code path the DAG's Spark job runs)
+    watch      print a line per epoch as epochs commit (reads the ledger, no JVM)
+    generate   produce access-log traffic to the source topic
+    kafka      start / stop / status of the embedded broker; create-topic
+    config     print the effective configuration
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Sequence
+
+from ipcount.config import STATE_DIR, ConfigError, PipelineConfig
+
+log = logging.getLogger("ipcount")
+
+EXIT_OK, EXIT_USAGE, EXIT_DATA_LOSS, EXIT_BROKER, EXIT_FAILED = 0, 2, 3, 4, 1
+
+_HELP = {
+    "pipeline_id": "name of the pipeline; Delta txnAppId of its writes",
+    "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
+    "topic": "source topic",
+    "warehouse": "directory holding the Delta tables (counts, ledger, dead_letters, late_records)",
+    "counts_table": "location of the counts table (default <warehouse>/counts)",
+    "ledger_table": "location of the offset ledger (default <warehouse>/ledger)",
+    "dead_letter_table": "location of the dead-letter table (default <warehouse>/dead_letters)",
+    "late_table": "location of the late-records table (default <warehouse>/late_records)",
+    "window_seconds": "tumbling event-time window size",
+    "allowed_lateness_seconds": "how long after its end (by the watermark) a window still accepts records",
+    "max_records_per_epoch": "cap on the offsets one epoch reads, split across partitions by backlog",
+    "start_position": "where a pipeline with an empty ledger starts: earliest or latest",
+    "group_id": "Kafka consumer group that receives the committed offsets (monitoring only)",
+    "commit_offsets": "commit the ledger's offsets to the consumer group after each epoch",
+    "max_value_bytes": "larger record values go to the dead-letter table as too_large",
+    "spark_master": "Spark master for the in-process session (spark-submit passes its own)",
+    "kafka_timeout_seconds": "timeout of broker requests",
+}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "pipeline settings (override --config file and IPCOUNT_* environment variables)")
+    group.add_argument("--config", metavar="FILE", help="TOML or JSON file of settings (or $IPCOUNT_CONFIG)")
+    for f in fields(PipelineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(PipelineConfig, f.name, None)
+        help_text = f"{_HELP.get(f.name, '')} (default: {default}; env IPCOUNT_{f.name.upper()})"
+        if str(f.type) == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, metavar=f.name.upper(), default=None, help=help_text)
+
+
+def load_config(args: argparse.Namespace) -> PipelineConfig:
+    overrides = {f.name: getattr(args, f.name, None) for f in fields(PipelineConfig)}
+    return PipelineConfig.load(config_file=args.config, **overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ipcount", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+
+    p = sub.add_parser("epoch", help="run one checkpoint epoch",
+                       description="Run one exactly-once epoch: plan the next offset ranges from the ledger "
+                                   "(or finish an unfinished epoch with its recorded ranges), read them from "
+                                   "Kafka, count per IP and window into Delta, commit the ledger, then commit "
+                                   "the offsets to the consumer group (if commit_offsets). Exit codes: 0 done "
+                                   "or nothing to read, 2 bad settings, 3 data loss, 4 broker unreachable.")
+    _add_config_flags(p)
+    p.add_argument("--run-id", help="Airflow run id recorded in the ledger (set by the DAG)")
+    p.add_argument("--skip-offset-commit", action="store_true",
+                   help="stop after the ledger commit; the DAG commits offsets in its own task")
+    p.add_argument("--summary-json", action="store_true", help="print the epoch summary as JSON")
+
+    p = sub.add_parser("watch", help="print a line per epoch as epochs commit",
+                       description="Follow the ledger and print one line per committed epoch.")
+    _add_config_flags(p)
+    p.add_argument("--epochs", type=int, default=None, help="exit after this many new epochs")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 1)")
+    p.add_argument("--from-start", action="store_true", help="also print epochs committed before now")
+
+    p = sub.add_parser("generate", help="produce access-log traffic to the source topic",
+                       description="Produce generated access-log records (JSON and NGINX lines, some "
+                                   "out of order, a few late, ~1%% malformed) to the source topic.")
+    _add_config_flags(p)
+    p.add_argument("--rate", type=float, default=200.0, help="records per second (default 200)")
+    p.add_argument("--count", type=int, default=None, help="stop after this many records (default: forever)")
+    p.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
+
+    p = sub.add_parser("kafka", help="manage the embedded Kafka broker",
+                       description="Start, stop or inspect the embedded single-node KRaft broker, or "
+                                   "create the source topic.")
+    p.add_argument("action", choices=("start", "stop", "status", "create-topic"))
+    p.add_argument("--port", type=int, default=9092, help="broker port on 127.0.0.1 (default 9092)")
+    p.add_argument("--state-dir", default=str(STATE_DIR / "kafka"), help="broker config, data and log")
+    p.add_argument("--partitions", type=int, default=3, help="partitions of a created topic (default 3)")
+    _add_config_flags(p)
+
+    p = sub.add_parser("config", help="print the effective configuration as JSON")
+    _add_config_flags(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    for noisy in ("kafka", "py4j"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args)
+    except ConfigError as e:
+        parser.exit(EXIT_USAGE, f"ipcount {args.command}: error: {e}\n")
+    return {"epoch": _epoch, "watch": _watch, "generate": _generate, "kafka": _kafka,
+            "config": _config}[args.command](args, cfg)
+
+
+def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount import epoch as epoch_mod
+    from ipcount.kafka_io import BrokerUnavailableError, UnknownTopicError
+    from ipcount.offsets import DataLossError
+    from ipcount.session import MissingJarsError, get_spark
+
+    crash = epoch_mod.crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
+    try:
+        spark = get_spark(cfg)
+        summary = epoch_mod.run_epoch(cfg, spark, run_id=args.run_id, crash=crash)
+    except DataLossError as e:
+        log.error("%s", e)
+        return EXIT_DATA_LOSS
+    except (BrokerUnavailableError, UnknownTopicError) as e:
+        log.error("%s", e)
+        return EXIT_BROKER
+    except MissingJarsError as e:
+        log.error("%s", e)
+        return EXIT_USAGE
+    if summary is not None:
+        print(summary.line(), flush=True)
+        if args.summary_json:
+            print(json.dumps({"epoch": summary.epoch, "records_read": summary.records_read,
+                              "records_counted": summary.records_counted, "records_late": summary.records_late,
+                              "records_malformed": summary.records_malformed, "seconds": summary.seconds,
+                              "stage_seconds": summary.stage_seconds, "sink_version": summary.sink_version}))
+    else:
+        print("no new records: no epoch committed", flush=True)
+    if not args.skip_offset_commit:
+        crash("before_kafka_commit")
+        epoch_mod.commit_group_offsets_from_ledger(cfg)
+    return EXIT_OK
+
+
+def _watch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.ledger_view import committed_epochs
+
+    last = 0
+    if not args.from_start:
+        done = committed_epochs(cfg.ledger_path)
+        last = done[-1].epoch if done else 0
+    seen, started = 0, time.monotonic()
+    print(f"watching ledger {cfg.ledger_path} (epochs after {last})", flush=True)
+    while args.epochs is None or seen < args.epochs:
+        for e in committed_epochs(cfg.ledger_path, after_epoch=last):
+            print(e.line(), flush=True)
+            last, seen = e.epoch, seen + 1
+        if args.timeout is not None and time.monotonic() - started > args.timeout:
+            print(f"timed out after {args.timeout:.0f}s with {seen} new epoch(s)", file=sys.stderr)
+            return EXIT_FAILED
+        if args.epochs is None or seen < args.epochs:
+            time.sleep(2)
+    return EXIT_OK
+
+
+def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.generator import TrafficGenerator, stream
+
+    gen = TrafficGenerator(seed=args.seed, events_per_second=args.rate)
+    log.info("generating %s records at %.0f/s to %s on %s", args.count or "unbounded", args.rate, cfg.topic,
+             cfg.bootstrap_servers)
+    try:
+        sent = stream(cfg.bootstrap_servers, cfg.topic, gen, args.count)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    log.info("generator sent %d records", sent)
+    return EXIT_OK
+
+
+def _kafka(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.embedded_kafka import BrokerStartError, EmbeddedKafka
+    from ipcount.kafka_io import BrokerUnavailableError, create_topic
+
+    broker = EmbeddedKafka(state_dir=Path(args.state_dir), port=args.port, controller_port=args.port + 1)
+    try:
+        if args.action == "start":
+            broker.start()
+        elif args.action == "stop":
+            broker.stop()
+        elif args.action == "status":
+            print(broker.status())
+            return EXIT_OK if broker.pid() else EXIT_FAILED
+        else:
+            create_topic(cfg, args.partitions)
+    except (BrokerStartError, BrokerUnavailableError) as e:
+        log.error("%s", e)
+        return EXIT_BROKER
+    return EXIT_OK
+
+
+def _config(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    out = cfg.to_dict()
+    out.update(counts_path=cfg.counts_path, ledger_path=cfg.ledger_path,
+               dead_letter_path=cfg.dead_letter_path, late_path=cfg.late_path)
+    print(json.dumps(out, indent=2))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Pipeline configuration: one frozen, validated object passed to every component.
+
+Precedence, lowest first: built-in defaults, a TOML/JSON config file, ``IPCOUNT_*``
+environment variables, explicit overrides (CLI flags, DAG params). Nothing deeper in the
+code reads ``os.environ``; it receives a :class:`PipelineConfig`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STATE_DIR = REPO_ROOT / ".local"
+ENV_PREFIX = "IPCOUNT_"
+START_POSITIONS = ("earliest", "latest")
+_IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
+
+
+class ConfigError(ValueError):
+    """A setting has a value the pipeline cannot run with; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything an epoch needs to know. Validated when built.
+
+    Table locations default to ``<warehouse>/<table>``; set them one by one to place a
+    table elsewhere.
+    """
+
+    pipeline_id: str = "ipcount"
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic: str = "ip_count_source"
+    warehouse: str = str(STATE_DIR / "warehouse")
+    counts_table: str = ""
+    ledger_table: str = ""
+    dead_letter_table: str = ""
+    late_table: str = ""
+    window_seconds: int = 5
+    allowed_lateness_seconds: int = 5
+    max_records_per_epoch: int = 500_000
+    start_position: str = "earliest"
+    group_id: str = "ipcount"
+    commit_offsets: bool = True
+    max_value_bytes: int = 65_536
+    spark_master: str = "local[*]"
+    kafka_timeout_seconds: int = 30
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline_id", "group_id"):
+            value = getattr(self, name)
+            if not _IDENTIFIER.match(value):
+                raise ConfigError(
+                    f"{name} must start with a letter and hold only letters, digits, '_', '.', '-' "
+                    f"(at most 100 characters); found {value!r}")
+        if not re.match(r"^[A-Za-z0-9._-]{1,249}$", self.topic):
+            raise ConfigError(f"topic must be a legal Kafka topic name; found {self.topic!r}")
+        if not self.bootstrap_servers.strip():
+            raise ConfigError("bootstrap_servers is empty; expected host:port[,host:port...]")
+        for hostport in self.bootstrap_servers.split(","):
+            if not re.match(r"^[^:\s]+:\d{1,5}$", hostport.strip()):
+                raise ConfigError(
+                    f"bootstrap_servers entry {hostport!r} is not host:port (in {self.bootstrap_servers!r})")
+        positive = {"window_seconds": 1, "max_records_per_epoch": 1, "max_value_bytes": 1,
+                    "kafka_timeout_seconds": 1, "allowed_lateness_seconds": 0}
+        for name, minimum in positive.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ConfigError(f"{name} must be an integer >= {minimum}; found {value!r}")
+        if self.start_position not in START_POSITIONS:
+            raise ConfigError(
+                f"start_position must be one of {', '.join(START_POSITIONS)}; found {self.start_position!r}")
+        if not self.warehouse:
+            raise ConfigError("warehouse is empty; expected a directory for the Delta tables")
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, config_file: str | os.PathLike[str] | None = None,
+             environ: Mapping[str, str] | None = None, **overrides: Any) -> PipelineConfig:
+        """Defaults < ``config_file`` (or ``$IPCOUNT_CONFIG``) < ``IPCOUNT_*`` env < overrides."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        config_file = config_file or environ.get(f"{ENV_PREFIX}CONFIG") or None
+        if config_file:
+            values.update(read_config_file(config_file))
+        values.update(_from_env(environ))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> PipelineConfig:
+        """Build from plain values (strings are converted to each field's type)."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        converted = {name: _convert(name, known[name].type, value) for name, value in values.items()}
+        return cls(**converted)
+
+    def replace(self, **changes: Any) -> PipelineConfig:
+        """A copy with some settings changed, validated again."""
+        return PipelineConfig.from_mapping({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to_args(self) -> list[str]:
+        """The settings as CLI flags of ``ipcount epoch`` (used to hand them to spark-submit)."""
+        args: list[str] = []
+        for name, value in self.to_dict().items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + name.replace("_", "-"))
+            else:
+                args += [flag, str(value)]
+        return args
+
+    # Table locations: an explicit setting wins, else <warehouse>/<table>.
+    @property
+    def counts_path(self) -> str:
+        return self.counts_table or str(Path(self.warehouse) / "counts")
+
+    @property
+    def ledger_path(self) -> str:
+        return self.ledger_table or str(Path(self.warehouse) / "ledger")
+
+    @property
+    def dead_letter_path(self) -> str:
+        return self.dead_letter_table or str(Path(self.warehouse) / "dead_letters")
+
+    @property
+    def late_path(self) -> str:
+        return self.late_table or str(Path(self.warehouse) / "late_records")
+
+    @property
+    def window_ms(self) -> int:
+        return self.window_seconds * 1000
+
+    @property
+    def allowed_lateness_ms(self) -> int:
+        return self.allowed_lateness_seconds * 1000
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a ``.toml`` or ``.json`` file of settings (top-level keys, or an ``[ipcount]`` table)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a table/object of settings")
+    return dict(data.get("ipcount", data))
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    names = {f.name for f in fields(PipelineConfig)}
+    out = {}
+    for key, value in environ.items():
+        if key.startswith(ENV_PREFIX) and key != f"{ENV_PREFIX}CONFIG":
+            name = key[len(ENV_PREFIX):].lower()
+            if name in names:
+                out[name] = value
+    return out
+
+
+def _convert(name: str, type_name: Any, value: Any) -> Any:
+    type_name = str(type_name)
+    if type_name == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name} must be true or false; found {value!r}")
+    if type_name == "int":
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be an integer; found {value!r}")
+        try:
+            return int(str(value).replace("_", "")) if not isinstance(value, int) else value
+        except ValueError as e:
+            raise ConfigError(f"{name} must be an integer; found {value!r}") from e
+    return str(value)
+
+

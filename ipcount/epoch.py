@@ -1,0 +1,195 @@
+"""One checkpoint epoch: plan -> record plan -> read -> parse -> sink -> ledger commit.
+
+The order is the exactly-once protocol (Flink's pre-commit/commit, Spark's offsets and
+commits logs):
+
+1. The ranges are planned from the ledger, never from Kafka's consumer group, and
+   recorded (``planned``) before anything is read. If the ledger already holds an
+   unfinished epoch, that epoch is re-run with exactly its recorded ranges and watermark.
+2. The records are read with ``read_committed`` and classified deterministically.
+3. The sink commits idempotently (Delta txnAppId/txnVersion = epoch).
+4. The ledger marks the epoch ``committed``.
+
+A crash between any two steps leaves a ``planned`` epoch that the next run finishes, and
+the result equals a run that never crashed. Committing offsets to the Kafka consumer
+group happens after all this (:func:`commit_group_offsets_from_ledger`), for monitoring.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from ipcount import kafka_io, transform
+from ipcount.config import PipelineConfig
+from ipcount.ledger import Ledger, PartitionMetrics
+from ipcount.offsets import EpochPlan, check_readable, plan_ranges
+from ipcount.sink import Sink
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
+
+# Step boundaries where a crash can be injected (tests SIGKILL the process there).
+CRASH_POINTS = ("after_plan", "after_sink", "after_ledger", "before_kafka_commit")
+
+
+def crash_hook(crash_at: str | None) -> Callable[[str], None]:
+    """A hook that kills this process with SIGKILL at the named step boundary."""
+    if crash_at is not None and crash_at not in CRASH_POINTS:
+        raise ValueError(f"crash point must be one of {', '.join(CRASH_POINTS)}; found {crash_at!r}")
+
+    def hook(point: str) -> None:
+        if point == crash_at:
+            log.warning("crash injected at %s: SIGKILL", point)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+@dataclass
+class EpochSummary:
+    epoch: int
+    plan: EpochPlan
+    records_read: int = 0
+    records_counted: int = 0
+    records_late: int = 0
+    records_malformed: int = 0
+    watermark_ms: int | None = None
+    sink_version: int | None = None
+    seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    resumed: bool = False
+
+    def line(self) -> str:
+        ranges = " ".join(f"p{r.partition}[{r.from_offset},{r.until_offset})" for r in self.plan.ranges)
+        return (f"epoch {self.epoch} committed{' (resumed)' if self.resumed else ''}: {ranges} | "
+                f"read {self.records_read} counted {self.records_counted} late {self.records_late} "
+                f"malformed {self.records_malformed} | {self.seconds:.1f}s")
+
+
+def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,
+              crash: Callable[[str], None] = lambda point: None) -> EpochSummary | None:
+    """Run one epoch to its ledger commit. Returns None when there was nothing to read."""
+    started = time.monotonic()
+    stages: dict[str, float] = {}
+    ledger, sink = Ledger(spark, cfg.ledger_path), Sink(spark, cfg)
+    ledger.ensure()
+    sink.ensure()
+
+    t = time.monotonic()
+    state = ledger.state(cfg.topic)
+    earliest, latest = kafka_io.partition_offsets(cfg)
+    resumed = state.pending is not None
+    if resumed:
+        plan = state.pending
+        log.info("resuming unfinished epoch %d with its recorded ranges %s", plan.epoch, plan.describe())
+    else:
+        if state.committed:
+            log.info("ledger has entries: starting from its positions (start_position %r not used)",
+                     cfg.start_position)
+        ranges = plan_ranges(cfg.topic, state.committed, earliest, latest, cfg.start_position,
+                             cfg.max_records_per_epoch)
+        plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms)
+        # A pipeline with history skips empty epochs; the very first epoch is recorded even
+        # when empty, so that a "latest" start position is pinned in the ledger.
+        if plan.size == 0 and state.committed:
+            log.info("nothing new to read on %s: %s", cfg.topic, plan.describe())
+            return None
+        ledger.record_plan(plan, run_id)
+        log.info("planned epoch %d: %s", plan.epoch, plan.describe())
+    crash("after_plan")
+    for r in plan.nonempty_ranges:  # data that aged out since planning fails loudly, too
+        check_readable(cfg.topic, r.partition, r.from_offset, earliest.get(r.partition, 0),
+                       latest.get(r.partition, -1))
+    stages["plan"] = time.monotonic() - t
+
+    t = time.monotonic()
+    classified = _read_and_classify(spark, cfg, plan)
+    metrics_rows = transform.partition_metrics(classified).collect() if classified is not None else []
+    stages["read_parse"] = time.monotonic() - t
+
+    metrics = {r.partition: PartitionMetrics(r.records_read, r.records_counted, r.records_late,
+                                             r.records_malformed) for r in metrics_rows}
+    epoch_max = max((r.max_event_ms for r in metrics_rows if r.max_event_ms is not None), default=None)
+    watermark_after = max((w for w in (plan.watermark_ms, epoch_max) if w is not None), default=None)
+
+    t = time.monotonic()
+    sink_version = sink.write(plan.epoch, classified, plan.watermark_ms) if classified is not None else None
+    stages["sink"] = time.monotonic() - t
+    if classified is not None:
+        classified.unpersist()
+    crash("after_sink")
+
+    t = time.monotonic()
+    seconds = time.monotonic() - started
+    ledger.commit(plan, metrics, watermark_after, sink_version, round(seconds, 3), run_id)
+    stages["ledger"] = time.monotonic() - t
+    crash("after_ledger")
+
+    summary = EpochSummary(
+        epoch=plan.epoch, plan=plan, watermark_ms=watermark_after, sink_version=sink_version,
+        records_read=sum(m.records_read for m in metrics.values()),
+        records_counted=sum(m.records_counted for m in metrics.values()),
+        records_late=sum(m.records_late for m in metrics.values()),
+        records_malformed=sum(m.records_malformed for m in metrics.values()),
+        seconds=time.monotonic() - started, stage_seconds=stages, resumed=resumed)
+    log.info("%s", summary.line())
+    return summary
+
+
+def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -> DataFrame | None:
+    from pyspark import StorageLevel
+
+    if not plan.nonempty_ranges:
+        return None
+    raw = (spark.read.format("kafka")
+           .option("kafka.bootstrap.servers", cfg.bootstrap_servers)
+           .option("assign", _assign_json(plan))
+           .option("startingOffsets", plan.starting_offsets_json())
+           .option("endingOffsets", plan.ending_offsets_json())
+           .option("kafka.isolation.level", "read_committed")
+           .option("failOnDataLoss", "true")
+           .load())
+    parsed = transform.parse(raw, cfg.max_value_bytes)
+    classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
+    # Read Kafka once: the sink's three writes and the metrics all use these rows.
+    return classified.persist(StorageLevel.MEMORY_AND_DISK)
+
+
+def _assign_json(plan: EpochPlan) -> str:
+    import json
+
+    by_topic: dict[str, list[int]] = {}
+    for r in plan.nonempty_ranges:
+        by_topic.setdefault(r.topic, []).append(r.partition)
+    return json.dumps(by_topic, sort_keys=True)
+
+
+def commit_group_offsets_from_ledger(cfg: PipelineConfig) -> bool:
+    """Commit the ledger's committed positions to the consumer group (step 7, optional).
+
+    Always the ledger's latest positions, so a commit that failed last time is caught up
+    now. A failure only warns: recovery never reads these offsets.
+    """
+    from ipcount.ledger_view import committed_positions
+
+    if not cfg.commit_offsets:
+        log.info("offset commits to Kafka are off (commit_offsets=false); group %s untouched", cfg.group_id)
+        return False
+    epoch, positions = committed_positions(cfg.ledger_path, cfg.topic)
+    if not positions:
+        log.info("ledger has no committed epoch yet; nothing to commit to group %s", cfg.group_id)
+        return False
+    try:
+        kafka_io.commit_group_offsets(cfg, positions, epoch)
+    except Exception as e:  # noqa: BLE001 - monitoring only; must never fail the epoch
+        log.warning("could not commit offsets to consumer group %s (monitoring only; retried after "
+                    "the next epoch): %s", cfg.group_id, e)
+        return False
+    log.info("committed epoch %d positions to consumer group %s: %s", epoch, cfg.group_id,
+             " ".join(f"p{p}={o}" for p, o in sorted(positions.items())))
+    return True

@@ -1,0 +1,98 @@
+"""Talking to the broker outside Spark: partition offsets, topic set-up, group offset commits."""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Iterator, Mapping
+
+from kafka import IsolationLevel, KafkaAdminClient, OffsetSpec, TopicPartition
+from kafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata
+
+from ipcount.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+class BrokerUnavailableError(RuntimeError):
+    """The configured bootstrap servers did not answer."""
+
+
+class UnknownTopicError(RuntimeError):
+    pass
+
+
+@contextmanager
+def admin_client(cfg: PipelineConfig) -> Iterator[KafkaAdminClient]:
+    try:
+        client = KafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers.split(","),
+                                  client_id=f"{cfg.pipeline_id}-admin",
+                                  request_timeout_ms=cfg.kafka_timeout_seconds * 1000,
+                                  bootstrap_timeout_ms=cfg.kafka_timeout_seconds * 1000)
+    except (KafkaTimeoutError, KafkaConnectionError) as e:
+        raise BrokerUnavailableError(
+            f"no Kafka broker answered at {cfg.bootstrap_servers} (setting bootstrap_servers / "
+            "IPCOUNT_BOOTSTRAP_SERVERS); is it running? The embedded one starts with "
+            "`bin/ipcount kafka start`") from e
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def partitions_of(client: KafkaAdminClient, topic: str) -> list[int]:
+    described = client.describe_topics([topic])
+    if not described or described[0].get("error_code", 0) != 0 or not described[0].get("partitions"):
+        raise UnknownTopicError(
+            f"topic {topic!r} does not exist on the broker (setting topic / IPCOUNT_TOPIC); "
+            f"create it, e.g. `bin/ipcount kafka create-topic --topic {topic}`")
+    return sorted(p["partition_index"] for p in described[0]["partitions"])
+
+
+def partition_offsets(cfg: PipelineConfig) -> tuple[dict[int, int], dict[int, int]]:
+    """(earliest, latest) offset per partition of the topic. ``latest`` is the last stable
+    offset (read_committed): an epoch never plans past an open transaction."""
+    with admin_client(cfg) as client:
+        tps = [TopicPartition(cfg.topic, p) for p in partitions_of(client, cfg.topic)]
+        earliest = client.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in tps})
+        latest = client.list_partition_offsets({tp: OffsetSpec.LATEST for tp in tps},
+                                               isolation_level=IsolationLevel.READ_COMMITTED)
+    return ({tp.partition: earliest[tp].offset for tp in tps},
+            {tp.partition: latest[tp].offset for tp in tps})
+
+
+def create_topic(cfg: PipelineConfig, partitions: int) -> bool:
+    """Create the topic; False (and a log line) if it already exists."""
+    with admin_client(cfg) as client:
+        try:
+            client.create_topics({cfg.topic: {"num_partitions": partitions, "replication_factor": 1}})
+        except TopicAlreadyExistsError:
+            log.info("topic %s already exists", cfg.topic)
+            return False
+    log.info("created topic %s with %d partitions", cfg.topic, partitions)
+    return True
+
+
+def commit_group_offsets(cfg: PipelineConfig, positions: Mapping[int, int], epoch: int) -> None:
+    """Write the ledger's positions to the consumer group, for lag monitoring only.
+
+    The pipeline never reads these back once its ledger has entries: the ledger is the
+    source of truth, so a lost or stale group commit costs nothing but a lag reading.
+    """
+    offsets = {TopicPartition(cfg.topic, p): OffsetAndMetadata(o, f"{cfg.pipeline_id} epoch {epoch}", -1)
+               for p, o in sorted(positions.items())}
+    with admin_client(cfg) as client:
+        client.alter_group_offsets(cfg.group_id, offsets)
+
+
+def group_offsets(cfg: PipelineConfig) -> dict[int, int]:
+    """The consumer group's committed offsets for the topic (for monitoring and tests)."""
+    with admin_client(cfg) as client:
+        result = client.list_group_offsets({cfg.group_id: None})
+    entries = result.get(cfg.group_id, result) if isinstance(result, dict) else result
+    return {tp.partition: meta.offset for tp, meta in dict(entries).items()
+            if tp.topic == cfg.topic and meta.offset >= 0}
+
+
+__all__ = ["BrokerUnavailableError", "UnknownTopicError", "KafkaError", "admin_client",
+           "partition_offsets", "create_topic", "commit_group_offsets", "group_offsets"]

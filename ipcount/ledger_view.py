@@ -1,0 +1,87 @@
+"""Read-only views of the ledger without a JVM (delta-rs), for Airflow tasks and watchers.
+
+Spark writes the tables; these readers only look. They are cheap enough to call from a
+DAG task or a terminal loop every few seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def _read(path: str, columns: list[str] | None = None, filters: list | None = None) -> list[dict[str, Any]]:
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    if not (Path(path) / "_delta_log").is_dir():
+        return []
+    try:
+        table = DeltaTable(path)
+    except TableNotFoundError:
+        return []
+    return table.to_pyarrow_table(columns=columns, filters=filters).to_pylist()
+
+
+def committed_positions(ledger_path: str, topic: str) -> tuple[int, dict[int, int]]:
+    """(last committed epoch, partition -> next offset) for ``topic``; (0, {}) if none."""
+    rows = _read(ledger_path, ["epoch", "partition", "until_offset"],
+                 [("topic", "=", topic), ("status", "=", "committed")])
+    positions: dict[int, int] = {}
+    for r in rows:
+        positions[r["partition"]] = max(positions.get(r["partition"], 0), r["until_offset"])
+    return max((r["epoch"] for r in rows), default=0), positions
+
+
+@dataclass(frozen=True)
+class CommittedEpoch:
+    """One committed epoch, assembled from its per-partition ledger rows."""
+
+    epoch: int
+    ranges: dict[int, tuple[int, int]]
+    records_read: int
+    records_counted: int
+    records_late: int
+    records_malformed: int
+    seconds: float
+    sink_version: int | None
+    watermark_after_ms: int | None
+    run_id: str | None
+
+    def line(self) -> str:
+        ranges = " ".join(f"p{p}[{f},{u})" for p, (f, u) in sorted(self.ranges.items()))
+        return (f"epoch {self.epoch} committed: {ranges} | read {self.records_read} counted "
+                f"{self.records_counted} late {self.records_late} malformed {self.records_malformed}"
+                f" | {self.seconds:.1f}s")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch,
+                "ranges": {str(p): {"from_offset": f, "until_offset": u} for p, (f, u) in sorted(self.ranges.items())},
+                "records_read": self.records_read, "records_counted": self.records_counted,
+                "records_late": self.records_late, "records_malformed": self.records_malformed,
+                "seconds": self.seconds, "sink_version": self.sink_version,
+                "watermark_after_ms": self.watermark_after_ms, "run_id": self.run_id}
+
+
+def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None = None) -> list[CommittedEpoch]:
+    """Committed epochs with id > ``after_epoch`` (optionally only those a run committed),
+    oldest first."""
+    filters = [("status", "=", "committed"), ("epoch", ">", after_epoch)]
+    if run_id is not None:
+        filters.append(("run_id", "=", run_id))
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
+    for r in _read(ledger_path, filters=filters):
+        by_epoch.setdefault(r["epoch"], []).append(r)
+    out = []
+    for epoch, rows in sorted(by_epoch.items()):
+        first = rows[0]
+        out.append(CommittedEpoch(
+            epoch=epoch,
+            ranges={r["partition"]: (r["from_offset"], r["until_offset"]) for r in rows},
+            records_read=sum(r["records_read"] or 0 for r in rows),
+            records_counted=sum(r["records_counted"] or 0 for r in rows),
+            records_late=sum(r["records_late"] or 0 for r in rows),
+            records_malformed=sum(r["records_malformed"] or 0 for r in rows),
+            seconds=first["duration_seconds"] or 0.0, sink_version=first["sink_version"],
+            watermark_after_ms=first["watermark_after_ms"], run_id=first["run_id"]))
+    return out

@@ -1,0 +1,110 @@
+"""The epoch's Spark transformations: parse, classify late records, aggregate.
+
+Built from Spark's own functions only (no Python UDFs), so records never leave the JVM.
+The rules are those of :mod:`ipcount.records`, which the tests use as ground truth.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+
+from ipcount import records as R
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+
+def _variant_kind(variant: Column, path: str) -> Column:
+    """Type name of a JSON field ("STRING", "BIGINT", ...), NULL when absent."""
+    return F.schema_of_variant(F.try_variant_get(variant, path, "variant"))
+
+
+def parse(raw: DataFrame, max_value_bytes: int) -> DataFrame:
+    """Kafka rows -> rows with ``ip``, ``event_ms`` and ``reason`` (NULL when well formed).
+
+    Keeps topic, partition, offset, timestamp, key and value so that malformed records
+    can be written to the dead-letter table as they arrived.
+    """
+    value = F.col("value")
+    text = F.btrim(F.col("value").cast("string"), F.lit(R.WHITESPACE))
+    is_utf8 = F.try_validate_utf8(value).isNotNull()
+    is_json = text.startswith("{")
+    doc = F.try_parse_json(text)
+    ip_kind, ts_kind = _variant_kind(doc, "$.ip"), _variant_kind(doc, "$.ts")
+    json_ip = F.try_variant_get(doc, "$.ip", "string")
+    json_ts = F.try_variant_get(doc, "$.ts", "string")
+
+    nginx_ip = F.regexp_extract(text, R.NGINX_PATTERN, 1)
+    nginx_time = F.regexp_extract(text, R.NGINX_PATTERN, 2)
+    ip = F.when(is_json, json_ip).otherwise(nginx_ip)
+
+    iso_ms = _iso_to_ms(json_ts)
+    epoch_ms = json_ts.try_cast("long")
+    nginx_ms = F.when(nginx_time.rlike(R.NGINX_TIME_PATTERN),
+                      F.unix_millis(F.try_to_timestamp(nginx_time, F.lit("dd/MMM/yyyy:HH:mm:ss Z"))))
+    event_ms = F.when(is_json, F.when(ts_kind == "STRING", iso_ms).otherwise(epoch_ms)).otherwise(nginx_ms)
+    event_ms = F.when((event_ms >= R.MIN_EVENT_MS) & (event_ms < R.MAX_EVENT_MS), event_ms.cast("long"))
+
+    reason = (
+        F.when(value.isNull(), R.NULL_VALUE)
+        .when(F.length(value) == 0, R.EMPTY_VALUE)
+        .when(F.length(value) > max_value_bytes, R.TOO_LARGE)
+        .when(~is_utf8, R.NOT_UTF8)
+        .when(is_json & doc.isNull(), R.BAD_JSON)
+        .when(is_json & ~F.schema_of_variant(doc).startswith("OBJECT"), R.BAD_JSON)
+        .when(is_json & ((ip_kind.isNull() | (ip_kind != "STRING"))
+                         | ~(ts_kind.isNotNull() & ((ts_kind == "STRING") | (ts_kind == "BIGINT")))),
+              R.BAD_SHAPE)
+        .when(~is_json & ~text.rlike(R.NGINX_PATTERN), R.UNRECOGNIZED)
+        .when(~ip.rlike(R.IP_PATTERN), R.INVALID_IP)
+        .when(event_ms.isNull(), R.INVALID_TIMESTAMP)
+    )
+    return raw.select(
+        "topic", "partition", "offset", "timestamp", "key", "value",
+        reason.alias("reason"),
+        F.when(reason.isNull(), F.lower(ip)).alias("ip"),
+        F.when(reason.isNull(), event_ms).alias("event_ms"),
+    )
+
+
+def _iso_to_ms(ts: Column) -> Column:
+    """ISO-8601 text -> epoch ms, NULL unless it matches :data:`records.ISO_PATTERN` and is a
+    real instant. Seconds are parsed without the fraction, which is then added in ms."""
+    seconds_part = F.concat(F.regexp_extract(ts, R.ISO_PATTERN, 0).substr(1, 19),
+                            F.regexp_extract(ts, R.ISO_PATTERN, 9))
+    whole = F.unix_millis(F.try_to_timestamp(seconds_part, F.lit("yyyy-MM-dd'T'HH:mm:ssXXX")))
+    fraction = F.rpad(F.regexp_extract(ts, R.ISO_PATTERN, 8), 3, "0").substr(1, 3).cast("long")
+    return F.when(ts.rlike(R.ISO_PATTERN), whole + fraction)
+
+
+def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int,
+             watermark_ms: int | None) -> DataFrame:
+    """Add ``window_start_ms`` and ``late`` (see :func:`ipcount.records.is_late`)."""
+    start = F.col("event_ms") - F.pmod(F.col("event_ms"), F.lit(window_ms))
+    late = F.lit(False) if watermark_ms is None else (
+        start + F.lit(window_ms + allowed_lateness_ms) <= F.lit(watermark_ms))
+    return parsed.withColumn("window_start_ms", start).withColumn(
+        "late", F.when(F.col("reason").isNull(), late))
+
+
+def window_counts(classified: DataFrame, window_ms: int) -> DataFrame:
+    """Counts per (window, ip) of the records that are neither malformed nor late."""
+    return (classified.where(F.col("reason").isNull() & ~F.col("late"))
+            .groupBy("window_start_ms", "ip").agg(F.count(F.lit(1)).alias("count"))
+            .select(F.timestamp_millis("window_start_ms").alias("window_start"),
+                    F.timestamp_millis(F.col("window_start_ms") + window_ms).alias("window_end"),
+                    "ip", "count"))
+
+
+def partition_metrics(classified: DataFrame) -> DataFrame:
+    """Per partition: records read, counted, late, malformed, and the max event time."""
+    is_bad = F.col("reason").isNotNull()
+    return classified.groupBy("partition").agg(
+        F.count(F.lit(1)).alias("records_read"),
+        F.count(F.when(~is_bad & ~F.col("late"), 1)).alias("records_counted"),
+        F.count(F.when(~is_bad & F.col("late"), 1)).alias("records_late"),
+        F.count(F.when(is_bad, 1)).alias("records_malformed"),
+        F.max("event_ms").alias("max_event_ms"),
+    )

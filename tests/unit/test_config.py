@@ -1,0 +1,68 @@
+"""Configuration: precedence, conversion and error messages that say what to fix."""
+from __future__ import annotations
+
+import pytest
+
+from ipcount.cli import build_parser, load_config
+from ipcount.config import ConfigError, PipelineConfig
+
+
+def test_defaults_match_the_reference_job():
+    cfg = PipelineConfig()
+    assert (cfg.topic, cfg.window_seconds, cfg.allowed_lateness_seconds) == ("ip_count_source", 5, 5)
+    assert cfg.counts_path.endswith("/warehouse/counts") and cfg.ledger_path.endswith("/warehouse/ledger")
+
+
+def test_precedence_file_then_env_then_overrides(tmp_path):
+    f = tmp_path / "p.toml"
+    f.write_text('[ipcount]\ntopic = "from_file"\nwindow_seconds = 10\nmax_records_per_epoch = 7\n')
+    env = {"IPCOUNT_WINDOW_SECONDS": "20", "IPCOUNT_COMMIT_OFFSETS": "false", "OTHER": "x"}
+    cfg = PipelineConfig.load(config_file=f, environ=env, max_records_per_epoch="9")
+    assert (cfg.topic, cfg.window_seconds, cfg.commit_offsets, cfg.max_records_per_epoch) == \
+        ("from_file", 20, False, 9)
+
+
+def test_table_paths_follow_the_warehouse_unless_set():
+    cfg = PipelineConfig(warehouse="/w", ledger_table="/elsewhere/ledger")
+    assert (cfg.counts_path, cfg.ledger_path) == ("/w/counts", "/elsewhere/ledger")
+    assert cfg.replace(warehouse="/v").counts_path == "/v/counts"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"window_seconds": 0}, "window_seconds must be an integer >= 1; found 0"),
+    ({"start_position": "middle"}, "start_position must be one of earliest, latest; found 'middle'"),
+    ({"bootstrap_servers": "localhost"}, "bootstrap_servers entry 'localhost' is not host:port"),
+    ({"topic": "bad topic"}, "topic must be a legal Kafka topic name"),
+    ({"pipeline_id": "1abc"}, "pipeline_id must start with a letter"),
+    ({"max_records_per_epoch": "lots"}, "max_records_per_epoch must be an integer; found 'lots'"),
+    ({"commit_offsets": "perhaps"}, "commit_offsets must be true or false; found 'perhaps'"),
+    ({"windw_seconds": 3}, "unknown setting(s) windw_seconds"),
+])
+def test_bad_settings_are_named_with_the_value_found(changes, message):
+    with pytest.raises(ConfigError) as e:
+        PipelineConfig.from_mapping(changes)
+    assert message in str(e.value)
+
+
+def test_bad_config_file_is_reported(tmp_path):
+    f = tmp_path / "p.toml"
+    f.write_text("topic = [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        PipelineConfig.load(config_file=f, environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        PipelineConfig.load(config_file=tmp_path / "missing.toml", environ={})
+
+
+def test_cli_flags_round_trip_through_to_args():
+    cfg = PipelineConfig(topic="t", commit_offsets=False, window_seconds=7)
+    args = build_parser().parse_args(["epoch", *cfg.to_args()])
+    assert load_config(args) == cfg
+
+
+def test_cli_rejects_bad_values_with_exit_code_2(capsys):
+    from ipcount.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["config", "--window-seconds", "-1"])
+    assert e.value.code == 2
+    assert "window_seconds must be an integer >= 1; found -1" in capsys.readouterr().err

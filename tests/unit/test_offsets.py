@@ -1,0 +1,83 @@
+"""Range planning: pure logic, literal inputs and outputs."""
+from __future__ import annotations
+
+import pytest
+
+from ipcount.offsets import DataLossError, EpochPlan, OffsetRange, plan_ranges, split_cap
+
+T = "ip_count_source"
+
+
+def r(p: int, f: int, u: int) -> OffsetRange:
+    return OffsetRange(T, p, f, u)
+
+
+def test_first_epoch_starts_at_earliest_by_default():
+    got = plan_ranges(T, {}, earliest={0: 5, 1: 0}, latest={0: 9, 1: 3}, start_position="earliest", max_records=100)
+    assert got == (r(0, 5, 9), r(1, 0, 3))
+
+
+def test_first_epoch_at_latest_is_empty_but_pins_positions():
+    got = plan_ranges(T, {}, earliest={0: 0, 1: 0}, latest={0: 9, 1: 3}, start_position="latest", max_records=100)
+    assert got == (r(0, 9, 9), r(1, 3, 3))
+
+
+def test_epochs_chain_from_ledger_positions_and_ignore_start_position():
+    got = plan_ranges(T, {0: 7, 1: 3}, earliest={0: 0, 1: 0}, latest={0: 10, 1: 3}, start_position="latest",
+                      max_records=100)
+    assert got == (r(0, 7, 10), r(1, 3, 3))
+
+
+def test_partition_new_to_the_ledger_starts_at_its_earliest_offset():
+    got = plan_ranges(T, {0: 7}, earliest={0: 0, 1: 2}, latest={0: 7, 1: 4}, start_position="latest",
+                      max_records=100)
+    assert got == (r(0, 7, 7), r(1, 2, 4))
+
+
+def test_cap_is_split_by_backlog_and_total_is_exact():
+    got = plan_ranges(T, {0: 0, 1: 0, 2: 0}, earliest={0: 0, 1: 0, 2: 0}, latest={0: 600, 1: 300, 2: 100},
+                      start_position="earliest", max_records=100)
+    assert got == (r(0, 0, 60), r(1, 0, 30), r(2, 0, 10))
+
+
+def test_small_backlog_is_not_starved():
+    assert split_cap({0: 10_000, 1: 1, 2: 0}, 50) == {0: 49, 1: 1, 2: 0}
+
+
+def test_rounding_remainder_goes_to_largest_fraction():
+    assert split_cap({0: 1, 1: 1, 2: 1}, 2) == {0: 1, 1: 1, 2: 0}
+    assert split_cap({0: 5, 1: 3, 2: 2}, 7) == {0: 4, 1: 2, 2: 1}
+    assert sum(split_cap({0: 7, 1: 11, 2: 13}, 17).values()) == 17
+
+
+def test_under_the_cap_everything_is_read():
+    assert split_cap({0: 3, 1: 4}, 100) == {0: 3, 1: 4}
+
+
+def test_deleted_offsets_fail_loudly_naming_partition_and_range():
+    with pytest.raises(DataLossError, match=r"ip_count_source-1: offsets \[3, 8\) were deleted"):
+        plan_ranges(T, {0: 0, 1: 3}, earliest={0: 0, 1: 8}, latest={0: 5, 1: 20}, start_position="earliest",
+                    max_records=100)
+
+
+def test_offsets_going_backwards_fail_loudly():
+    with pytest.raises(DataLossError, match=r"ip_count_source-0: the ledger has counted up to offset 50"):
+        plan_ranges(T, {0: 50}, earliest={0: 0}, latest={0: 10}, start_position="earliest", max_records=100)
+
+
+def test_partition_missing_from_broker_fails_loudly():
+    with pytest.raises(DataLossError, match=r"ip_count_source-2 are in the ledger but no longer exist"):
+        plan_ranges(T, {0: 1, 2: 4}, earliest={0: 0}, latest={0: 1}, start_position="earliest", max_records=10)
+
+
+def test_offset_range_is_half_open_and_validated():
+    assert r(0, 3, 7).size == 4
+    with pytest.raises(ValueError, match=r"\[7, 3\)"):
+        r(0, 7, 3)
+
+
+def test_spark_offsets_json_is_sorted_and_skips_empty_ranges():
+    plan = EpochPlan(4, (r(2, 5, 9), r(0, 1, 1), r(1, 0, 3)))
+    assert plan.starting_offsets_json() == '{"ip_count_source":{"1":0,"2":5}}'
+    assert plan.ending_offsets_json() == '{"ip_count_source":{"1":3,"2":9}}'
+    assert plan.size == 7

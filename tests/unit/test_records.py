@@ -1,0 +1,130 @@
+"""The record format spec: both formats, every malformed class, windows and lateness."""
+from __future__ import annotations
+
+import ipaddress
+import random
+import re
+
+import pytest
+
+from ipcount import records as R
+from ipcount.generator import MALFORMED_SAMPLES, TrafficGenerator
+from ipcount.records import Event, Malformed, is_late, parse_value, window_start
+
+MS_2026_11_21_10_00_03 = 1_795_255_203_000
+
+
+def test_json_with_iso_timestamp():
+    got = parse_value(b'{"ip": "203.0.113.9", "ts": "2026-11-21T10:00:03.120Z"}')
+    assert got == Event("203.0.113.9", MS_2026_11_21_10_00_03 + 120)
+
+
+def test_json_with_epoch_millis_and_offset_timestamps():
+    assert parse_value(b'{"ip": "203.0.113.9", "ts": 1795255203120}') == Event("203.0.113.9", 1_795_255_203_120)
+    assert parse_value(b'{"ts": "2026-11-21T11:00:03+01:00", "ip": "::1"}') == Event("::1", MS_2026_11_21_10_00_03)
+    # Nanosecond fractions are truncated to milliseconds.
+    assert parse_value(b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03.987654321Z"}').event_ms == \
+        MS_2026_11_21_10_00_03 + 987
+
+
+def test_nginx_combined_and_common_lines():
+    combined = b'203.0.113.9 - - [21/Nov/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512 "-" "curl/8"'
+    common = b'203.0.113.9 - frank [21/Nov/2026:11:00:03 +0100] "POST /x HTTP/2.0" 404 -'
+    assert parse_value(combined) == Event("203.0.113.9", MS_2026_11_21_10_00_03)
+    assert parse_value(common) == Event("203.0.113.9", MS_2026_11_21_10_00_03)
+    assert parse_value(combined + b"\n") == Event("203.0.113.9", MS_2026_11_21_10_00_03)
+
+
+def test_ipv6_is_lowercased():
+    assert parse_value(b'{"ip": "2001:DB8::A", "ts": 1795255203000}').ip == "2001:db8::a"
+
+
+@pytest.mark.parametrize("value, reason", [
+    (None, R.NULL_VALUE),
+    (b"", R.EMPTY_VALUE),
+    (b"x" * 101, R.TOO_LARGE),
+    (b"\xff\xfe{}", R.NOT_UTF8),
+    (b'{"ip": "1.2.3.4", "ts": ', R.BAD_JSON),
+    (b'{"ip": "1.2.3.4", "ts": 1} trailing', R.BAD_JSON),
+    (b'{"ip": "1.2.3.4", "ip": "5.6.7.8", "ts": 1795255203000}', R.BAD_JSON),
+    (b'{"ip": 1234, "ts": 1795255203000}', R.BAD_SHAPE),
+    (b'{"ip": "1.2.3.4"}', R.BAD_SHAPE),
+    (b'{"ip": "1.2.3.4", "ts": 1795255203000.5}', R.BAD_SHAPE),
+    (b'{"ip": "1.2.3.4", "ts": true}', R.BAD_SHAPE),
+    (b"GET / 200", R.UNRECOGNIZED),
+    (b"   ", R.UNRECOGNIZED),
+    (b'{"ip": "256.1.1.1", "ts": 1795255203000}', R.INVALID_IP),
+    (b'{"ip": "01.1.1.1", "ts": 1795255203000}', R.INVALID_IP),
+    (b'{"ip": "fe80::1%eth0", "ts": 1795255203000}', R.INVALID_IP),
+    (b'not-an-ip - - [21/Nov/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512', R.INVALID_IP),
+    (b'{"ip": "1.2.3.4", "ts": "2026-13-01T00:00:00Z"}', R.INVALID_TIMESTAMP),
+    (b'{"ip": "1.2.3.4", "ts": "yesterday"}', R.INVALID_TIMESTAMP),
+    (b'{"ip": "1.2.3.4", "ts": "1795255203000"}', R.INVALID_TIMESTAMP),
+    (b'{"ip": "1.2.3.4", "ts": -5}', R.INVALID_TIMESTAMP),
+    (b'{"ip": "1.2.3.4", "ts": 99999999999999}', R.INVALID_TIMESTAMP),
+    (b'1.2.3.4 - - [31/Feb/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512', R.INVALID_TIMESTAMP),
+])
+def test_each_malformed_class_has_its_reason(value, reason):
+    assert parse_value(value, max_value_bytes=100) == Malformed(reason)
+
+
+def test_generator_malformed_samples_have_the_reason_they_claim():
+    for reason, value in MALFORMED_SAMPLES:
+        assert parse_value(value) == Malformed(reason), value
+
+
+def test_ip_pattern_agrees_with_ipaddress_module():
+    """The regex Spark uses must accept exactly what Python's ipaddress accepts."""
+    rng = random.Random(3)
+    samples = ["::", "::1", "1::", "1:2:3:4:5:6:7:8", "1:2:3:4:5:6:7::", "::2:3:4:5:6:7:8", "1::8",
+               "::ffff:1.2.3.4", "1:2:3:4:5:6:1.2.3.4", "1::1.2.3.4", "::1.2.3.4", "1:2:3:4:5:6:7:8:9",
+               "1::2::3", ":1::", "1:2:3:4:5:6:7", "12345::", "1.2.3", "1.2.3.4.5", "0.0.0.0",
+               "255.255.255.255", "1.2.3.04", "1:2:3:4:5::1.2.3.4", "1:2:3:4:5:6:7:1.2.3.4", "g::1", ""]
+    for _ in range(3000):
+        groups = [f"{rng.randrange(0, 1 << rng.choice((4, 8, 16))):x}" for _ in range(rng.randint(1, 9))]
+        if rng.random() < 0.5:
+            groups.insert(rng.randrange(len(groups) + 1), "")
+        text = ":".join(groups)
+        if rng.random() < 0.2:
+            text += ":" + ".".join(str(rng.randrange(0, 300)) for _ in range(4))
+        samples.append(text)
+        samples.append(".".join(str(rng.choice((0, 1, 9, 10, 99, 100, 199, 200, 249, 250, 255, 256)))
+                                for _ in range(rng.choice((3, 4, 4, 4, 5)))))
+    pattern = re.compile(R.IP_PATTERN)
+    for text in samples:
+        try:
+            ipaddress.ip_address(text)
+            expected = True
+        except ValueError:
+            expected = False
+        assert bool(pattern.match(text)) == expected, text
+
+
+def test_windows_are_tumbling_and_aligned():
+    assert window_start(12_345, 5_000) == 10_000
+    assert window_start(10_000, 5_000) == 10_000
+    assert window_start(9_999, 5_000) == 5_000
+
+
+def test_lateness_rule():
+    # window [10s, 15s) with 5 s allowed lateness closes when the watermark reaches 20 s.
+    assert not is_late(12_000, 5_000, 5_000, None)
+    assert not is_late(12_000, 5_000, 5_000, 19_999)
+    assert is_late(12_000, 5_000, 5_000, 20_000)
+    assert is_late(12_000, 5_000, 0, 15_000)
+
+
+def test_generator_is_seedable_and_mixes_formats():
+    a = list(TrafficGenerator(seed=1).records(2000, MS_2026_11_21_10_00_03))
+    b = list(TrafficGenerator(seed=1).records(2000, MS_2026_11_21_10_00_03))
+    assert a == b
+    parsed = [parse_value(x.value) for x in a]
+    events = [p for p in parsed if isinstance(p, Event)]
+    assert 0 < len(parsed) - len(events) < 60           # ~1% malformed
+    assert any(x.value and x.value.startswith(b"{") for x in a)
+    assert any(x.value and x.value[:1].isdigit() for x in a)
+    assert any(":" in e.ip for e in events)             # some IPv6
+    top = max(sum(1 for e in events if e.ip == ip) for ip in {e.ip for e in events})
+    assert top > 10 * len(events) / len({e.ip for e in events})  # heavy hitters
+    # out of order, but a record's event time is never after the stream's clock
+    assert any(events[i].event_ms > events[i + 1].event_ms for i in range(len(events) - 1))
