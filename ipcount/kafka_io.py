@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from typing import Iterator, Mapping
 
 from kafka import IsolationLevel, KafkaAdminClient, OffsetSpec, TopicPartition
-from kafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import (KafkaConnectionError, KafkaError, KafkaTimeoutError, RetriableError,
+                          TopicAlreadyExistsError)
 from kafka.structs import OffsetAndMetadata
 
 from ipcount.config import PipelineConfig
@@ -82,13 +84,28 @@ def commit_group_offsets(cfg: PipelineConfig, positions: Mapping[int, int], epoc
     offsets = {TopicPartition(cfg.topic, p): OffsetAndMetadata(o, f"{cfg.pipeline_id} epoch {epoch}", -1)
                for p, o in sorted(positions.items())}
     with admin_client(cfg) as client:
-        client.alter_group_offsets(cfg.group_id, offsets)
+        _retrying(lambda: client.alter_group_offsets(cfg.group_id, offsets), cfg.kafka_timeout_seconds)
+
+
+def _retrying(call, timeout_seconds: float):
+    """Retry retriable broker errors (e.g. the group coordinator is still loading)."""
+    deadline = time.monotonic() + timeout_seconds
+    delay = 0.2
+    while True:
+        try:
+            return call()
+        except RetriableError as e:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.info("retrying after %s", e)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 def group_offsets(cfg: PipelineConfig) -> dict[int, int]:
     """The consumer group's committed offsets for the topic (for monitoring and tests)."""
     with admin_client(cfg) as client:
-        result = client.list_group_offsets({cfg.group_id: None})
+        result = _retrying(lambda: client.list_group_offsets({cfg.group_id: None}), cfg.kafka_timeout_seconds)
     entries = result.get(cfg.group_id, result) if isinstance(result, dict) else result
     return {tp.partition: meta.offset for tp, meta in dict(entries).items()
             if tp.topic == cfg.topic and meta.offset >= 0}

@@ -32,6 +32,11 @@ def parse(raw: DataFrame, max_value_bytes: int) -> DataFrame:
     is_utf8 = F.try_validate_utf8(value).isNotNull()
     is_json = text.startswith("{")
     doc = F.try_parse_json(text)
+    # parse_json stops after the first value and ignores what follows; a record must be
+    # exactly one object. Wrapped in an array, the text must be one element, and one more
+    # element appended must make two (text that closes the array early fails the second).
+    whole = ((F.json_array_length(F.concat(F.lit("["), text, F.lit("]"))) == 1)
+             & (F.json_array_length(F.concat(F.lit("["), text, F.lit(",0]"))) == 2))
     ip_kind, ts_kind = _variant_kind(doc, "$.ip"), _variant_kind(doc, "$.ts")
     json_ip = F.try_variant_get(doc, "$.ip", "string")
     json_ts = F.try_variant_get(doc, "$.ts", "string")
@@ -52,7 +57,7 @@ def parse(raw: DataFrame, max_value_bytes: int) -> DataFrame:
         .when(F.length(value) == 0, R.EMPTY_VALUE)
         .when(F.length(value) > max_value_bytes, R.TOO_LARGE)
         .when(~is_utf8, R.NOT_UTF8)
-        .when(is_json & doc.isNull(), R.BAD_JSON)
+        .when(is_json & (doc.isNull() | ~F.coalesce(whole, F.lit(False))), R.BAD_JSON)
         .when(is_json & ~F.schema_of_variant(doc).startswith("OBJECT"), R.BAD_JSON)
         .when(is_json & ((ip_kind.isNull() | (ip_kind != "STRING"))
                          | ~(ts_kind.isNotNull() & ((ts_kind == "STRING") | (ts_kind == "BIGINT")))),

@@ -1,0 +1,48 @@
+"""Shared fixtures: one real Kafka broker and one Spark session for the whole run."""
+from __future__ import annotations
+
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ipcount.config import PipelineConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory):
+    from ipcount.embedded_kafka import EmbeddedKafka
+
+    port = free_port()
+    kafka = EmbeddedKafka(state_dir=tmp_path_factory.mktemp("kafka"), port=port, controller_port=free_port())
+    kafka.start()
+    yield kafka
+    kafka.stop()
+
+
+@pytest.fixture(scope="session")
+def spark(broker):
+    from ipcount.session import get_spark
+
+    session = get_spark(PipelineConfig(spark_master="local[2]"), app_name="ipcount-tests")
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def cfg(broker, tmp_path) -> PipelineConfig:
+    """A pipeline of its own: fresh topic (3 partitions), warehouse and consumer group."""
+    from ipcount.kafka_io import create_topic
+
+    name = f"t_{uuid.uuid4().hex[:10]}"
+    config = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, topic=name, group_id=f"g_{name}",
+                            warehouse=str(Path(tmp_path) / "warehouse"), spark_master="local[2]")
+    create_topic(config, 3)
+    return config

@@ -1,0 +1,120 @@
+"""Epochs against the real broker, Spark and Delta, checked against plain-Python ground truth."""
+from __future__ import annotations
+
+from collections import Counter
+
+from tests.ground_truth import expected_tables
+from ipcount import epoch as epoch_mod
+from ipcount import kafka_io
+from ipcount.generator import TrafficGenerator, produce
+from ipcount.sink import Sink
+from tests.tables import counts, dead_letters, epoch_ranges, late_records, snapshot
+
+BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
+
+
+def produce_dataset(cfg, n=1500, seed=11):
+    gen = TrafficGenerator(seed=seed, events_per_second=50, late_share=0.04, malformed_share=0.03)
+    return produce(cfg.bootstrap_servers, cfg.topic, gen.records(n, BASE_MS), partition_of=lambda i, r: i % 3)
+
+
+def run_until_idle(cfg, spark, limit=20):
+    summaries = []
+    for _ in range(limit):
+        s = epoch_mod.run_epoch(cfg, spark)
+        if s is None:
+            return summaries
+        summaries.append(s)
+    raise AssertionError(f"still planning epochs after {limit}")
+
+
+def assert_contiguous(ranges_per_epoch, ends, cap):
+    """Per partition the committed ranges start at 0, chain with no gap or overlap, and end
+    at the partition's end; no epoch spans more than the cap."""
+    position = {p: 0 for p in ends}
+    for ranges in ranges_per_epoch:
+        assert sum(u - f for f, u in ranges.values()) <= cap
+        for p, (f, u) in ranges.items():
+            assert f == position[p], (p, f, position[p])
+            assert u >= f
+            position[p] = u
+    assert position == ends
+
+
+def test_epochs_count_exactly_what_was_produced(cfg, spark):
+    cfg = cfg.replace(max_records_per_epoch=400)
+    produced = produce_dataset(cfg)
+    summaries = run_until_idle(cfg, spark)
+
+    ends = Counter(p.partition for p in produced)
+    ranges = epoch_ranges(cfg)
+    assert len(ranges) == len(summaries) >= 4  # 1500 records at 400 per epoch
+    assert [s.epoch for s in summaries] == list(range(1, len(summaries) + 1))
+    assert_contiguous(ranges, dict(ends), 400)
+
+    expected = expected_tables(produced, ranges)
+    assert counts(cfg) == expected.counts
+    assert dead_letters(cfg) == expected.dead
+    assert late_records(cfg) == expected.late
+    # the data set exercises every path, and everything read is accounted for exactly once
+    assert expected.late and expected.dead and len(expected.counts) > 100
+    assert sum(expected.counts.values()) + len(expected.late) + len(expected.dead) == len(produced)
+    assert sum(s.records_read for s in summaries) == len(produced)
+    assert sum(s.records_late for s in summaries) == len(expected.late)
+    assert sum(s.records_malformed for s in summaries) == len(expected.dead)
+
+
+def test_group_offsets_follow_the_ledger_and_are_never_read_back(cfg, spark):
+    produced = produce_dataset(cfg, n=300)
+    epoch_mod.run_epoch(cfg, spark)
+    assert epoch_mod.commit_group_offsets_from_ledger(cfg)
+    ends = dict(Counter(p.partition for p in produced))
+    assert kafka_io.group_offsets(cfg) == ends
+
+    # A group rewound to 0 by someone else does not make the pipeline re-read anything.
+    kafka_io.commit_group_offsets(cfg, {0: 0, 1: 0, 2: 0}, epoch=0)
+    assert epoch_mod.run_epoch(cfg, spark) is None
+    more = produce_dataset(cfg, n=30, seed=12)
+    s = epoch_mod.run_epoch(cfg, spark)
+    assert s.records_read == len(more)
+    assert {r.partition: r.from_offset for r in s.plan.ranges} == ends
+
+
+def test_offset_commit_off_leaves_the_group_untouched(cfg, spark):
+    cfg = cfg.replace(commit_offsets=False)
+    produce_dataset(cfg, n=60)
+    epoch_mod.run_epoch(cfg, spark)
+    assert not epoch_mod.commit_group_offsets_from_ledger(cfg)
+    assert kafka_io.group_offsets(cfg) == {}
+
+
+def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
+    """The sink's writes and the ledger commit, repeated for a committed epoch, are no-ops."""
+    from ipcount.epoch import _read_and_classify
+    from ipcount.ledger import Ledger
+
+    produce_dataset(cfg, n=200)
+    first = epoch_mod.run_epoch(cfg, spark)
+    produce_dataset(cfg, n=200, seed=12)
+    second = epoch_mod.run_epoch(cfg, spark)
+    before = snapshot(cfg)
+    for s in (first, second):
+        classified = _read_and_classify(spark, cfg, s.plan)
+        assert Sink(spark, cfg).write(s.epoch, classified, s.plan.watermark_ms) == s.sink_version
+        Ledger(spark, cfg.ledger_path).commit(s.plan, {}, None, None, 0.0, "replay")
+    assert snapshot(cfg) == before
+    assert epoch_mod.run_epoch(cfg, spark) is None
+
+
+def test_first_epoch_at_latest_skips_history_and_then_chains(cfg, spark):
+    cfg = cfg.replace(start_position="latest")
+    old = produce_dataset(cfg, n=90)
+    first = epoch_mod.run_epoch(cfg, spark)
+    assert first.records_read == 0
+    assert {r.partition: (r.from_offset, r.until_offset) for r in first.plan.ranges} == \
+        {p: (n, n) for p, n in Counter(x.partition for x in old).items()}
+    new = produce_dataset(cfg, n=60, seed=3)
+    second = epoch_mod.run_epoch(cfg, spark)
+    assert second.records_read == len(new)
+    expected = expected_tables(new, [{r.partition: (r.from_offset, r.until_offset) for r in second.plan.ranges}])
+    assert counts(cfg) == expected.counts

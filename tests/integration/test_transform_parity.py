@@ -1,0 +1,75 @@
+"""The Spark parser (built-in functions) agrees with the Python format spec, record by record."""
+from __future__ import annotations
+
+import random
+from datetime import datetime, timezone
+
+from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
+
+from ipcount import transform
+from ipcount.generator import MALFORMED_SAMPLES, TrafficGenerator
+from ipcount.records import Event, parse_value
+
+KAFKA_SCHEMA = StructType([
+    StructField("topic", StringType()), StructField("partition", IntegerType()), StructField("offset", LongType()),
+    StructField("timestamp", TimestampType()), StructField("key", BinaryType()), StructField("value", BinaryType()),
+])
+
+HAND_PICKED = [
+    b'{"ip": "203.0.113.9", "ts": "2026-11-21T10:00:03.120Z"}',
+    b'{"ip": "2001:DB8::A", "ts": "2026-11-21T11:00:03.5+01:00"}',
+    b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03.987654321Z"}',
+    b'  {"ip": "1.2.3.4", "ts": 1795255203120}\n',
+    b'{"ip": "1.2.3.4", "ts": 1795255203000.5}', b'{"ip": "1.2.3.4", "ts": 1e12}', b'{"ip": "1.2.3.4", "ts": true}',
+    b'{"ip": "1.2.3.4", "ts": 99999999999999999999}', b'{"ip": "1.2.3.4", "ts": -5}',
+    b'{"ip": "1.2.3.4", "ts": "1795255203000"}', b'{"ip": "1.2.3.4", "ts": "2026-02-30T00:00:00Z"}',
+    b'{"ip": "1.2.3.4", "ts": "2026-11-21T24:00:00Z"}', b'{"ip": "1.2.3.4", "ts": "1999-12-31T23:59:59Z"}',
+    b'{"ip": "1.2.3.4", "ip": "5.6.7.8", "ts": 1795255203000}', b'{"ip": "1.2.3.4", "ts": 1} trailing',
+    b'{"ip": null, "ts": 1795255203000}', b'{"ts": 1795255203000}', b'{}', b'{', b'{"a": [1, 2}',
+    b'["1.2.3.4", 1795255203000]', b'"1.2.3.4"',
+    b'203.0.113.9 - - [21/Nov/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512 "-" "curl/8"',
+    b'203.0.113.9 - frank [21/Nov/2026:11:00:03 +0100] "POST /x HTTP/2.0" 404 -',
+    b'::1 - - [21/Nov/2026:10:00:03 -0130] "GET / HTTP/1.1" 200 512',
+    b'1.2.3.4 - - [31/Feb/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512',
+    b'1.2.3.4 - - [21/NOV/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512',
+    b'1.2.3.4 - - [21/Nov/2026:10:00:03] "GET / HTTP/1.1" 200 512', b'01.2.3.4 - - [21/Nov/2026:10:00:03 +0000] "G" 200 1',
+    b'fe80::1%eth0 - - [21/Nov/2026:10:00:03 +0000] "G" 200 1', b"GET / 200", b"   ", b"\t\r\n", b"",
+    b"\xff\xfe\xfd", b"\xc3\x28", b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03Z", "x": "\xe2\x82\xac"}',
+    b"x" * 70_000, None,
+]
+
+
+def _mutations(rng: random.Random, values: list[bytes]) -> list[bytes]:
+    out = []
+    for v in values:
+        for _ in range(3):
+            b = bytearray(v)
+            op = rng.randrange(3)
+            if op == 0 and b:
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            elif op == 1 and b:
+                del b[rng.randrange(len(b)):]
+            else:
+                b.insert(rng.randrange(len(b) + 1), rng.choice(b' {}":,-[]0aZ\\'))
+            out.append(bytes(b))
+    return out
+
+
+def test_spark_parser_matches_python_spec_on_every_record(spark):
+    start = 1_795_255_203_000
+    generated = [r.value for r in TrafficGenerator(seed=5, malformed_share=0.05).records(3000, start)]
+    values = HAND_PICKED + [v for _, v in MALFORMED_SAMPLES] + generated
+    values += _mutations(random.Random(9), [v for v in generated[:400] if v])
+    now = datetime(2026, 11, 21, tzinfo=timezone.utc)
+    df = spark.createDataFrame([("t", 0, i, now, None, v) for i, v in enumerate(values)], KAFKA_SCHEMA)
+    got = {r.offset: (r.reason, r.ip, r.event_ms) for r in transform.parse(df, 65_536).collect()}
+
+    mismatches = []
+    for i, v in enumerate(values):
+        p = parse_value(v, 65_536)
+        want = (None, p.ip, p.event_ms) if isinstance(p, Event) else (p.reason, None, None)
+        if got[i] != want:
+            mismatches.append((v[:120] if v else v, want, got[i]))
+    assert not mismatches, mismatches[:10]
+    reasons = {g[0] for g in got.values()}
+    assert len(reasons) == 10  # every malformed class plus well-formed (None) occurred

@@ -1,0 +1,54 @@
+"""Read the pipeline's Delta tables into plain Python values for comparison (delta-rs)."""
+from __future__ import annotations
+
+from collections import Counter
+
+from deltalake import DeltaTable
+
+from ipcount.config import PipelineConfig
+
+
+def _rows(path: str) -> list[dict]:
+    return DeltaTable(path).to_pyarrow_table().to_pylist()
+
+
+def _ms(ts) -> int:
+    return int(ts.timestamp() * 1000)
+
+
+def counts(cfg: PipelineConfig) -> Counter:
+    return Counter({(_ms(r["window_start"]), r["ip"]): r["count"] for r in _rows(cfg.counts_path)})
+
+
+def dead_letters(cfg: PipelineConfig) -> set:
+    return {(r["partition"], r["offset"], r["reason"]) for r in _rows(cfg.dead_letter_path)}
+
+
+def late_records(cfg: PipelineConfig) -> set:
+    return {(r["partition"], r["offset"], _ms(r["window_start"]), _ms(r["watermark"]))
+            for r in _rows(cfg.late_path)}
+
+
+def ledger(cfg: PipelineConfig) -> list[dict]:
+    return sorted(_rows(cfg.ledger_path), key=lambda r: (r["epoch"], r["partition"]))
+
+
+def epoch_ranges(cfg: PipelineConfig) -> list[dict[int, tuple[int, int]]]:
+    """Committed epochs in order, each as partition -> (from, until)."""
+    out: dict[int, dict[int, tuple[int, int]]] = {}
+    for r in ledger(cfg):
+        assert r["status"] == "committed", r
+        out.setdefault(r["epoch"], {})[r["partition"]] = (r["from_offset"], r["until_offset"])
+    return [out[e] for e in sorted(out)]
+
+
+def snapshot(cfg: PipelineConfig) -> dict:
+    """Every table as sorted rows, minus the ledger's wall-clock columns: what an
+    exactly-once comparison between two runs looks at."""
+    wall_clock = {"planned_at", "committed_at", "duration_seconds", "run_id"}
+
+    def rows(path: str, drop: set = frozenset()) -> list[tuple]:
+        return sorted((tuple((k, v) for k, v in r.items() if k not in drop) for r in _rows(path)), key=repr)
+
+    return {"counts": rows(cfg.counts_path), "dead_letters": rows(cfg.dead_letter_path),
+            "late": rows(cfg.late_path), "ledger": rows(cfg.ledger_path, wall_clock)}
