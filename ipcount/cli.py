@@ -42,6 +42,7 @@ _HELP = {
     "max_value_bytes": "larger record values go to the dead-letter table as too_large",
     "spark_master": "Spark master for the in-process session (spark-submit passes its own)",
     "kafka_timeout_seconds": "timeout of broker requests",
+    "schedule": "the DAG's schedule: cron expression or preset (read when Airflow parses the DAG)",
 }
 
 
@@ -107,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partitions", type=int, default=3, help="partitions of a created topic (default 3)")
     _add_config_flags(p)
 
+    p = sub.add_parser("airflow", help="run an airflow command in the embedded stack's environment",
+                       description="Run `airflow ARGS...` with the embedded stack's settings (SQLite in "
+                                   "AIRFLOW_HOME, LocalExecutor, this repo's dags/ and plugins/, the "
+                                   "spark_default connection), e.g. `bin/ipcount airflow dags list`.")
+    p.add_argument("--airflow-home", default=str(STATE_DIR / "airflow"), help="AIRFLOW_HOME (default .local/airflow)")
+    p.add_argument("--api-port", type=int, default=8080, help="api-server port (default 8080)")
+    p.add_argument("airflow_args", nargs=argparse.REMAINDER, help="arguments for airflow")
+    _add_config_flags(p)
+
     p = sub.add_parser("config", help="print the effective configuration as JSON")
     _add_config_flags(p)
     return parser
@@ -124,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"ipcount {args.command}: error: {e}\n")
     return {"epoch": _epoch, "watch": _watch, "generate": _generate, "kafka": _kafka,
-            "config": _config}[args.command](args, cfg)
+            "airflow": _airflow, "config": _config}[args.command](args, cfg)
 
 
 def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
@@ -215,6 +225,18 @@ def _kafka(args: argparse.Namespace, cfg: PipelineConfig) -> int:
         log.error("%s", e)
         return EXIT_BROKER
     return EXIT_OK
+
+
+def _airflow(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.airflow_env import airflow_env
+
+    env = airflow_env(Path(args.airflow_home), args.api_port, spark_master=cfg.spark_master)
+    # The DAG reads its settings from IPCOUNT_* variables: hand over any given as flags.
+    for name, value in cfg.to_dict().items():
+        if getattr(args, name, None) is not None:
+            env[f"IPCOUNT_{name.upper()}"] = str(value)
+    airflow = str(Path(sys.executable).parent / "airflow")
+    os.execve(airflow, [airflow, *args.airflow_args], env)
 
 
 def _config(args: argparse.Namespace, cfg: PipelineConfig) -> int:

@@ -50,6 +50,7 @@ class PipelineConfig:
     max_value_bytes: int = 65_536
     spark_master: str = "local[*]"
     kafka_timeout_seconds: int = 30
+    schedule: str = "* * * * *"
 
     def __post_init__(self) -> None:
         for name in ("pipeline_id", "group_id"):
@@ -75,6 +76,9 @@ class PipelineConfig:
         if self.start_position not in START_POSITIONS:
             raise ConfigError(
                 f"start_position must be one of {', '.join(START_POSITIONS)}; found {self.start_position!r}")
+        if not self.schedule.strip():
+            raise ConfigError("schedule is empty; expected a cron expression such as '* * * * *' or a "
+                              "preset such as '@hourly'")
         if not self.warehouse:
             raise ConfigError("warehouse is empty; expected a directory for the Delta tables")
 

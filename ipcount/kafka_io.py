@@ -14,6 +14,8 @@ from kafka.structs import OffsetAndMetadata
 from ipcount.config import PipelineConfig
 
 log = logging.getLogger(__name__)
+# kafka-python logs every connection at INFO; in task logs that buries the epoch's own lines.
+logging.getLogger("kafka").setLevel(logging.WARNING)
 
 
 class BrokerUnavailableError(RuntimeError):
