@@ -133,8 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args)
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"ipcount {args.command}: error: {e}\n")
-    return {"epoch": _epoch, "watch": _watch, "generate": _generate, "kafka": _kafka,
-            "airflow": _airflow, "config": _config}[args.command](args, cfg)
+    command = {"epoch": _epoch, "watch": _watch, "generate": _generate, "kafka": _kafka,
+               "airflow": _airflow, "config": _config}[args.command]
+    try:
+        return command(args, cfg)
+    except KeyboardInterrupt:
+        return 130
 
 
 def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
@@ -198,10 +202,7 @@ def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     gen = TrafficGenerator(seed=args.seed, events_per_second=args.rate)
     log.info("generating %s records at %.0f/s to %s on %s", args.count or "unbounded", args.rate, cfg.topic,
              cfg.bootstrap_servers)
-    try:
-        sent = stream(cfg.bootstrap_servers, cfg.topic, gen, args.count)
-    except KeyboardInterrupt:
-        return EXIT_OK
+    sent = stream(cfg.bootstrap_servers, cfg.topic, gen, args.count)
     log.info("generator sent %d records", sent)
     return EXIT_OK
 

@@ -117,11 +117,15 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
     epoch_max = max((r.max_event_ms for r in metrics_rows if r.max_event_ms is not None), default=None)
     watermark_after = max((w for w in (plan.watermark_ms, epoch_max) if w is not None), default=None)
 
+    totals = PartitionMetrics(*(sum(getattr(m, f) for m in metrics.values()) for f in
+                                ("records_read", "records_counted", "records_late", "records_malformed")))
     t = time.monotonic()
-    sink_version = sink.write(plan.epoch, classified, plan.watermark_ms) if classified is not None else None
-    stages["sink"] = time.monotonic() - t
+    sink_version = None
     if classified is not None:
+        sink_version = sink.write(plan.epoch, classified, plan.watermark_ms, malformed=totals.records_malformed,
+                                  late=totals.records_late, counted=totals.records_counted)
         classified.unpersist()
+    stages["sink"] = time.monotonic() - t
     crash("after_sink")
 
     t = time.monotonic()
@@ -132,10 +136,8 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
 
     summary = EpochSummary(
         epoch=plan.epoch, plan=plan, watermark_ms=watermark_after, sink_version=sink_version,
-        records_read=sum(m.records_read for m in metrics.values()),
-        records_counted=sum(m.records_counted for m in metrics.values()),
-        records_late=sum(m.records_late for m in metrics.values()),
-        records_malformed=sum(m.records_malformed for m in metrics.values()),
+        records_read=totals.records_read, records_counted=totals.records_counted,
+        records_late=totals.records_late, records_malformed=totals.records_malformed,
         seconds=time.monotonic() - started, stage_seconds=stages, resumed=resumed)
     log.info("%s", summary.line())
     return summary

@@ -43,6 +43,15 @@ LEDGER_SCHEMA = StructType([
 ])
 
 
+def ensure_table(spark: SparkSession, path: str, schema: StructType) -> None:
+    """Create an empty Delta table at ``path`` unless one is there (checked first: creating
+    is a commit, checking is a cheap look at the log)."""
+    from delta.tables import DeltaTable
+
+    if not DeltaTable.isDeltaTable(spark, path):
+        DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).execute()
+
+
 @dataclass(frozen=True)
 class LedgerState:
     """What planning needs from the ledger for one topic."""
@@ -66,38 +75,33 @@ class Ledger:
         self.spark, self.path = spark, path
 
     def ensure(self) -> None:
-        from delta.tables import DeltaTable
-
-        (DeltaTable.createIfNotExists(self.spark).location(self.path)
-         .addColumns(LEDGER_SCHEMA).execute())
-
-    def _rows(self, topic: str):
-        return self.spark.read.format("delta").load(self.path).where(F.col("topic") == topic)
+        ensure_table(self.spark, self.path, LEDGER_SCHEMA)
 
     def state(self, topic: str) -> LedgerState:
-        all_rows = self.spark.read.format("delta").load(self.path)
-        last_epoch = all_rows.agg(F.max("epoch")).first()[0] or 0
-        rows = self._rows(topic)
-        committed_rows = rows.where(F.col("status") == COMMITTED)
-        committed = {r.partition: r.until for r in committed_rows.groupBy("partition")
-                     .agg(F.max("until_offset").alias("until")).collect()}
-        last = committed_rows.orderBy(F.desc("epoch")).select("watermark_after_ms").first()
-        watermark = last.watermark_after_ms if last is not None else None
-        pending_rows = rows.where(F.col("status") == PLANNED).collect()
+        """One aggregate over the ledger (plus a look at the rows of an unfinished epoch)."""
+        table = self.spark.read.format("delta").load(self.path)
+        groups = table.groupBy("topic", "status", "partition").agg(
+            F.max("epoch").alias("epoch"), F.max("until_offset").alias("until"),
+            F.max_by("watermark_after_ms", "epoch").alias("watermark")).collect()
+        last_epoch = max((g.epoch for g in groups), default=0)
+        mine = [g for g in groups if g.topic == topic]
+        committed = {g.partition: g.until for g in mine if g.status == COMMITTED}
+        latest = max((g for g in mine if g.status == COMMITTED), key=lambda g: g.epoch, default=None)
         pending = None
-        if pending_rows:
-            epochs = sorted({r.epoch for r in pending_rows})
-            if len(epochs) > 1:
-                raise RuntimeError(f"ledger {self.path} has several unfinished epochs {epochs}; "
-                                   "only one can be in flight")
-            epoch_rows = sorted(pending_rows, key=lambda r: r.partition)
-            pending = EpochPlan(
-                epoch=epochs[0],
-                ranges=tuple(OffsetRange(r.topic, r.partition, r.from_offset, r.until_offset)
-                             for r in epoch_rows),
-                watermark_ms=epoch_rows[0].watermark_before_ms)
-        return LedgerState(last_epoch=last_epoch, committed=committed, watermark_ms=watermark,
-                           pending=pending)
+        if any(g.status == PLANNED for g in mine):
+            pending = self._pending_plan(table.where((F.col("topic") == topic) & (F.col("status") == PLANNED)))
+        return LedgerState(last_epoch=last_epoch, committed=committed,
+                           watermark_ms=latest.watermark if latest is not None else None, pending=pending)
+
+    def _pending_plan(self, planned) -> EpochPlan:
+        rows = sorted(planned.collect(), key=lambda r: r.partition)
+        epochs = sorted({r.epoch for r in rows})
+        if len(epochs) > 1:
+            raise RuntimeError(f"ledger {self.path} has several unfinished epochs {epochs}; "
+                               "only one can be in flight")
+        return EpochPlan(epoch=epochs[0],
+                         ranges=tuple(OffsetRange(r.topic, r.partition, r.from_offset, r.until_offset) for r in rows),
+                         watermark_ms=rows[0].watermark_before_ms)
 
     def record_plan(self, plan: EpochPlan, run_id: str | None) -> None:
         """The write-ahead: the epoch's ranges are durable before anything is read or written."""

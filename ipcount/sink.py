@@ -15,6 +15,7 @@ from pyspark.sql.types import (BinaryType, IntegerType, LongType, StringType, St
                                StructType, TimestampType)
 
 from ipcount.config import PipelineConfig
+from ipcount.ledger import ensure_table
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -60,27 +61,32 @@ class Sink:
         self.spark, self.cfg = spark, cfg
 
     def ensure(self) -> None:
-        from delta.tables import DeltaTable
-
         for path, schema in ((self.cfg.counts_path, COUNTS_SCHEMA),
                              (self.cfg.dead_letter_path, DEAD_LETTER_SCHEMA),
                              (self.cfg.late_path, LATE_SCHEMA)):
-            DeltaTable.createIfNotExists(self.spark).location(path).addColumns(schema).execute()
+            ensure_table(self.spark, path, schema)
 
-    def write(self, epoch: int, classified: DataFrame, watermark_ms: int | None) -> int | None:
+    def write(self, epoch: int, classified: DataFrame, watermark_ms: int | None, malformed: int, late: int,
+              counted: int) -> int | None:
         """Write the epoch's dead letters, late records and counts; return the counts table
-        version that holds this epoch. Each step is skipped if a previous attempt did it."""
-        self._append(epoch, self.cfg.dead_letter_path, classified.where(F.col("reason").isNotNull()).select(
-            F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset",
-            F.col("timestamp").alias("kafka_timestamp"), "key", "value", "reason"))
-        if watermark_ms is not None:  # before the first watermark nothing can be late
+        version that holds this epoch (None if it counted nothing).
+
+        Each write is skipped if a previous attempt of the epoch committed it. A write with
+        no rows is not attempted at all: a replay finds no rows either, so skipping it is
+        just as idempotent and saves a commit.
+        """
+        if malformed:
+            self._append(epoch, self.cfg.dead_letter_path, classified.where(F.col("reason").isNotNull()).select(
+                F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset",
+                F.col("timestamp").alias("kafka_timestamp"), "key", "value", "reason"))
+        if late and watermark_ms is not None:  # before the first watermark nothing can be late
             self._append(epoch, self.cfg.late_path, classified.where(F.col("late")).select(
                 F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset", "ip",
                 F.timestamp_millis("event_ms").alias("event_time"),
                 F.timestamp_millis("window_start_ms").alias("window_start"),
                 F.timestamp_millis(F.col("window_start_ms") + self.cfg.window_ms).alias("window_end"),
                 F.timestamp_millis(F.lit(watermark_ms)).alias("watermark")))
-        return self._merge_counts(epoch, classified)
+        return self._merge_counts(epoch, classified) if counted else None
 
     def _append(self, epoch: int, path: str, rows: DataFrame) -> None:
         (rows.write.format("delta").mode("append")

@@ -100,7 +100,8 @@ def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
     before = snapshot(cfg)
     for s in (first, second):
         classified = _read_and_classify(spark, cfg, s.plan)
-        assert Sink(spark, cfg).write(s.epoch, classified, s.plan.watermark_ms) == s.sink_version
+        assert Sink(spark, cfg).write(s.epoch, classified, s.plan.watermark_ms, malformed=s.records_malformed,
+                                      late=s.records_late, counted=s.records_counted) == s.sink_version
         Ledger(spark, cfg.ledger_path).commit(s.plan, {}, None, None, 0.0, "replay")
     assert snapshot(cfg) == before
     assert epoch_mod.run_epoch(cfg, spark) is None
@@ -118,3 +119,16 @@ def test_first_epoch_at_latest_skips_history_and_then_chains(cfg, spark):
     assert second.records_read == len(new)
     expected = expected_tables(new, [{r.partition: (r.from_offset, r.until_offset) for r in second.plan.ranges}])
     assert counts(cfg) == expected.counts
+
+
+def test_failed_group_commit_only_warns_and_the_next_commit_catches_up(cfg, spark, caplog):
+    from tests.conftest import free_port
+
+    produced = produce_dataset(cfg, n=120)
+    epoch_mod.run_epoch(cfg, spark)
+    unreachable = cfg.replace(bootstrap_servers=f"127.0.0.1:{free_port()}", kafka_timeout_seconds=2)
+    assert epoch_mod.commit_group_offsets_from_ledger(unreachable) is False
+    assert "could not commit offsets to consumer group" in caplog.text
+    assert kafka_io.group_offsets(cfg) == {}
+    assert epoch_mod.commit_group_offsets_from_ledger(cfg)  # the next epoch's commit
+    assert kafka_io.group_offsets(cfg) == dict(Counter(p.partition for p in produced))

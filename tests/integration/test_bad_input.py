@@ -1,0 +1,57 @@
+"""Bad input fails clearly and loses nothing: unreachable broker, missing topic, lost offsets."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from kafka import KafkaAdminClient, TopicPartition
+
+from ipcount import epoch as epoch_mod
+from ipcount.generator import TrafficGenerator, produce
+from ipcount.offsets import DataLossError
+from tests.conftest import free_port
+from tests.tables import ledger, snapshot
+
+
+def _epoch_cli(cfg, *extra):
+    return subprocess.run([sys.executable, "-m", "ipcount.cli", "epoch", *cfg.to_args(), *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_unreachable_broker_exits_4_naming_the_servers(cfg):
+    bad = cfg.replace(bootstrap_servers=f"127.0.0.1:{free_port()}", kafka_timeout_seconds=3)
+    proc = _epoch_cli(bad)
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert f"no Kafka broker answered at {bad.bootstrap_servers}" in proc.stderr
+
+
+def test_missing_topic_exits_4_and_says_how_to_create_it(cfg):
+    proc = _epoch_cli(cfg.replace(topic="no_such_topic"))
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "topic 'no_such_topic' does not exist" in proc.stderr
+    assert "create-topic" in proc.stderr
+
+
+def test_bad_setting_exits_2_before_touching_anything(cfg, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ipcount.cli", "epoch", "--start-position", "middle",
+                           "--warehouse", str(tmp_path / "w")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "start_position must be one of earliest, latest; found 'middle'" in proc.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def test_offsets_deleted_before_they_were_counted_fail_loudly_and_write_nothing(cfg, spark):
+    gen = TrafficGenerator(seed=4)
+    produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, 1_795_255_200_000), partition_of=lambda i, r: i % 3)
+    epoch_mod.run_epoch(cfg, spark)  # counts [0, 30) of each partition
+    produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, 1_795_255_260_000), partition_of=lambda i, r: i % 3)
+    admin = KafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers)
+    admin.delete_records({TopicPartition(cfg.topic, 1): 42})  # 30..41 of partition 1 never counted
+    admin.close()
+    before = snapshot(cfg)
+
+    with pytest.raises(DataLossError, match=rf"data loss on {cfg.topic}-1: offsets \[30, 42\) were deleted"):
+        epoch_mod.run_epoch(cfg, spark)
+    assert snapshot(cfg) == before
+    assert {r["status"] for r in ledger(cfg)} == {"committed"}
