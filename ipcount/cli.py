@@ -36,7 +36,12 @@ _HELP = {
     "window_seconds": "tumbling event-time window size",
     "allowed_lateness_seconds": "how long after its end (by the watermark) a window still accepts records",
     "max_records_per_epoch": "cap on the offsets one epoch reads, split across partitions by backlog",
-    "start_position": "where a pipeline with an empty ledger starts: earliest or latest",
+    "start_position": "where a pipeline with an empty ledger starts: earliest, latest, timestamp, "
+                      "group-offsets or specific (ignored once the ledger has entries)",
+    "start_timestamp_ms": "for start_position timestamp: per partition, the first offset at or after this time",
+    "start_offsets": "for start_position specific: 'partition:offset,...' (others start at earliest)",
+    "group_offsets_reset": "for start_position group-offsets: partitions without a committed offset start "
+                           "at earliest or latest, or fail (none)",
     "group_id": "Kafka consumer group that receives the committed offsets (monitoring only)",
     "commit_offsets": "commit the ledger's offsets to the consumer group after each epoch",
     "max_value_bytes": "larger record values go to the dead-letter table as too_large",
@@ -143,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount import epoch as epoch_mod
-    from ipcount.kafka_io import BrokerUnavailableError, UnknownTopicError
+    from ipcount.kafka_io import BrokerUnavailableError, StartPositionError, UnknownTopicError
     from ipcount.offsets import DataLossError
     from ipcount.session import MissingJarsError, get_spark
 
@@ -157,7 +162,7 @@ def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     except (BrokerUnavailableError, UnknownTopicError) as e:
         log.error("%s", e)
         return EXIT_BROKER
-    except MissingJarsError as e:
+    except (MissingJarsError, StartPositionError) as e:
         log.error("%s", e)
         return EXIT_USAGE
     if summary is not None:

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = REPO_ROOT / ".local"
 ENV_PREFIX = "IPCOUNT_"
-START_POSITIONS = ("earliest", "latest")
+START_POSITIONS = ("earliest", "latest", "timestamp", "group-offsets", "specific")
+RESET_POLICIES = ("earliest", "latest", "none")
 _IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
 
@@ -45,6 +46,9 @@ class PipelineConfig:
     allowed_lateness_seconds: int = 5
     max_records_per_epoch: int = 500_000
     start_position: str = "earliest"
+    start_timestamp_ms: int = -1         # start_position "timestamp": epoch ms
+    start_offsets: str = ""              # start_position "specific": "partition:offset,..."
+    group_offsets_reset: str = "earliest"  # start_position "group-offsets": partitions with none
     group_id: str = "ipcount"
     commit_offsets: bool = True
     max_value_bytes: int = 65_536
@@ -76,6 +80,16 @@ class PipelineConfig:
         if self.start_position not in START_POSITIONS:
             raise ConfigError(
                 f"start_position must be one of {', '.join(START_POSITIONS)}; found {self.start_position!r}")
+        if self.group_offsets_reset not in RESET_POLICIES:
+            raise ConfigError(f"group_offsets_reset must be one of {', '.join(RESET_POLICIES)}; "
+                              f"found {self.group_offsets_reset!r}")
+        if self.start_position == "timestamp" and self.start_timestamp_ms < 0:
+            raise ConfigError("start_position 'timestamp' needs start_timestamp_ms (epoch milliseconds, >= 0); "
+                              f"found {self.start_timestamp_ms}")
+        specific = self.specific_start_offsets  # validates the format
+        if self.start_position == "specific" and not specific:
+            raise ConfigError("start_position 'specific' needs start_offsets, e.g. '0:100,2:250' "
+                              "(partitions not named start at earliest)")
         if not self.schedule.strip():
             raise ConfigError("schedule is empty; expected a cron expression such as '* * * * *' or a "
                               "preset such as '@hourly'")
@@ -124,6 +138,20 @@ class PipelineConfig:
             else:
                 args += [flag, str(value)]
         return args
+
+    @property
+    def specific_start_offsets(self) -> dict[int, int]:
+        """``start_offsets`` parsed: "0:100, 2:250" -> {0: 100, 2: 250}."""
+        out: dict[int, int] = {}
+        for item in filter(None, (x.strip() for x in self.start_offsets.split(","))):
+            m = re.match(r"^(\d+)\s*:\s*(\d+)$", item)
+            if not m:
+                raise ConfigError(f"start_offsets entry {item!r} is not partition:offset "
+                                  f"(e.g. '0:100,2:250'); found {self.start_offsets!r}")
+            if int(m.group(1)) in out:
+                raise ConfigError(f"start_offsets names partition {m.group(1)} twice: {self.start_offsets!r}")
+            out[int(m.group(1))] = int(m.group(2))
+        return out
 
     # Table locations: an explicit setting wins, else <warehouse>/<table>.
     @property

@@ -91,8 +91,12 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
         if state.committed:
             log.info("ledger has entries: starting from its positions (start_position %r not used)",
                      cfg.start_position)
-        ranges = plan_ranges(cfg.topic, state.committed, earliest, latest, cfg.start_position,
-                             cfg.max_records_per_epoch)
+            initial: dict[int, int] = {}
+        else:
+            initial = kafka_io.start_offsets(cfg, earliest, latest)
+            log.info("empty ledger: start_position %s resolves to %s", cfg.start_position,
+                     " ".join(f"p{p}={o}" for p, o in sorted(initial.items())))
+        ranges = plan_ranges(cfg.topic, state.committed, earliest, latest, initial, cfg.max_records_per_epoch)
         plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms)
         # A pipeline with history skips empty epochs; the very first epoch is recorded even
         # when empty, so that a "latest" start position is pinned in the ledger.

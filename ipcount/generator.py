@@ -104,12 +104,14 @@ class Produced:
     offset: int
     key: bytes | None
     value: bytes | None
+    timestamp_ms: int = -1
 
 
 def produce(bootstrap_servers: str, topic: str, records: Iterator[Record] | list[Record],
-            partition_of=None) -> list[Produced]:
-    """Send records (to ``partition_of(i, record)`` if given, else by key) and return where
-    each landed. Used by tests to know the exact ground truth."""
+            partition_of=None, timestamp_of=None) -> list[Produced]:
+    """Send records (to ``partition_of(i, record)`` if given, else by key; with Kafka
+    timestamp ``timestamp_of(i, record)`` if given) and return where each landed. Used by
+    tests to know the exact ground truth."""
     from kafka import KafkaProducer
 
     producer = KafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", linger_ms=5,
@@ -117,12 +119,14 @@ def produce(bootstrap_servers: str, topic: str, records: Iterator[Record] | list
     sent = []
     for i, rec in enumerate(records):
         partition = partition_of(i, rec) if partition_of else None
-        sent.append((rec, producer.send(topic, key=rec.key, value=rec.value, partition=partition)))
+        timestamp = timestamp_of(i, rec) if timestamp_of else None
+        sent.append((rec, producer.send(topic, key=rec.key, value=rec.value, partition=partition,
+                                        timestamp_ms=timestamp)))
     producer.flush()
     out = []
     for rec, future in sent:
         meta = future.get(timeout=30)
-        out.append(Produced(meta.partition, meta.offset, rec.key, rec.value))
+        out.append(Produced(meta.partition, meta.offset, rec.key, rec.value, meta.timestamp))
     producer.close()
     return out
 

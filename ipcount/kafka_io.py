@@ -65,6 +65,57 @@ def partition_offsets(cfg: PipelineConfig) -> tuple[dict[int, int], dict[int, in
             {tp.partition: latest[tp].offset for tp in tps})
 
 
+class StartPositionError(ValueError):
+    """The configured start position cannot be resolved on this topic."""
+
+
+def start_offsets(cfg: PipelineConfig, earliest: Mapping[int, int], latest: Mapping[int, int]) -> dict[int, int]:
+    """Resolve ``cfg.start_position`` to an offset per partition, for a pipeline whose ledger
+    is empty (the ledger always wins once it has entries)."""
+    position = cfg.start_position
+    if position == "earliest":
+        return dict(earliest)
+    if position == "latest":
+        return dict(latest)
+    if position == "timestamp":
+        # The first offset whose record timestamp is >= the time; none yet -> the end.
+        with admin_client(cfg) as client:
+            found = client.list_partition_offsets(
+                {TopicPartition(cfg.topic, p): cfg.start_timestamp_ms for p in latest},
+                isolation_level=IsolationLevel.READ_COMMITTED)
+        return {tp.partition: (o.offset if o.offset >= 0 else latest[tp.partition]) for tp, o in found.items()}
+    if position == "group-offsets":
+        return _group_start(cfg, earliest, latest)
+    specific = cfg.specific_start_offsets
+    unknown = sorted(set(specific) - set(latest))
+    if unknown:
+        raise StartPositionError(f"start_offsets names partition(s) {unknown} that {cfg.topic} does not have "
+                                 f"(it has {sorted(latest)})")
+    for p, offset in sorted(specific.items()):
+        if not earliest[p] <= offset <= latest[p]:
+            raise StartPositionError(
+                f"start_offsets {cfg.topic}-{p}:{offset} is outside the partition's offsets "
+                f"[{earliest[p]}, {latest[p]}]")
+    return {p: specific.get(p, earliest[p]) for p in latest}
+
+
+def _group_start(cfg: PipelineConfig, earliest: Mapping[int, int], latest: Mapping[int, int]) -> dict[int, int]:
+    committed = group_offsets(cfg)
+    missing = sorted(set(latest) - set(committed))
+    if missing and cfg.group_offsets_reset == "none":
+        raise StartPositionError(
+            f"consumer group {cfg.group_id!r} has no committed offset for {cfg.topic} partition(s) {missing} "
+            "and group_offsets_reset is 'none'; set it to earliest or latest, or commit offsets for them")
+    fallback = earliest if cfg.group_offsets_reset == "earliest" else latest
+    out = {}
+    for p in latest:
+        offset = committed.get(p, fallback[p])
+        # A committed offset that retention has since deleted is the group's problem, not
+        # data this pipeline ever owned: start at what is left, as Kafka's reset does.
+        out[p] = min(max(offset, earliest[p]), latest[p])
+    return out
+
+
 def create_topic(cfg: PipelineConfig, partitions: int) -> bool:
     """Create the topic; False (and a log line) if it already exists."""
     with admin_client(cfg) as client:

@@ -81,16 +81,17 @@ def offsets_json(ranges: Iterable[OffsetRange], which: str) -> str:
 
 
 def plan_ranges(topic: str, committed: Mapping[int, int], earliest: Mapping[int, int],
-                latest: Mapping[int, int], start_position: str, max_records: int) -> tuple[OffsetRange, ...]:
+                latest: Mapping[int, int], initial: Mapping[int, int], max_records: int) -> tuple[OffsetRange, ...]:
     """The next epoch's ranges.
 
     Args:
         committed: partition -> first offset not yet counted, from the ledger (empty for
             a pipeline that has never committed).
         earliest / latest: partition -> the broker's log start offset / last stable offset.
-        start_position: where an empty ledger starts ("earliest" or "latest"). Once the
-            ledger has entries it always wins; partitions it has never seen (added to the
-            topic later) start at their earliest offset.
+        initial: partition -> where an empty ledger starts (the resolved start position;
+            partitions it does not name start at earliest). Once the ledger has entries it
+            always wins; partitions it has never seen (added to the topic later) start at
+            their earliest offset.
         max_records: cap on the total span of the epoch, split across partitions by
             backlog (see :func:`split_cap`).
 
@@ -107,10 +108,10 @@ def plan_ranges(topic: str, committed: Mapping[int, int], earliest: Mapping[int,
     for p in sorted(latest):
         if p in committed:
             start = committed[p]
-        elif committed or start_position == "earliest":
-            start = earliest[p]
+        elif not committed and p in initial:
+            start = initial[p]
         else:
-            start = latest[p]
+            start = earliest[p]
         check_readable(topic, p, start, earliest[p], latest[p])
         starts[p] = start
     budgets = split_cap({p: latest[p] - starts[p] for p in starts}, max_records)

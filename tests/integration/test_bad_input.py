@@ -37,7 +37,7 @@ def test_bad_setting_exits_2_before_touching_anything(cfg, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ipcount.cli", "epoch", "--start-position", "middle",
                            "--warehouse", str(tmp_path / "w")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "start_position must be one of earliest, latest; found 'middle'" in proc.stderr
+    assert "start_position must be one of earliest, latest, timestamp, group-offsets, specific; found 'middle'" in proc.stderr
     assert not (tmp_path / "w").exists()
 
 

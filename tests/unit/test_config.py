@@ -30,7 +30,7 @@ def test_table_paths_follow_the_warehouse_unless_set():
 
 @pytest.mark.parametrize("changes, message", [
     ({"window_seconds": 0}, "window_seconds must be an integer >= 1; found 0"),
-    ({"start_position": "middle"}, "start_position must be one of earliest, latest; found 'middle'"),
+    ({"start_position": "middle"}, "start_position must be one of earliest, latest, timestamp, group-offsets, specific; found 'middle'"),
     ({"bootstrap_servers": "localhost"}, "bootstrap_servers entry 'localhost' is not host:port"),
     ({"topic": "bad topic"}, "topic must be a legal Kafka topic name"),
     ({"pipeline_id": "1abc"}, "pipeline_id must start with a letter"),

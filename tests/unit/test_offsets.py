@@ -13,30 +13,36 @@ def r(p: int, f: int, u: int) -> OffsetRange:
 
 
 def test_first_epoch_starts_at_earliest_by_default():
-    got = plan_ranges(T, {}, earliest={0: 5, 1: 0}, latest={0: 9, 1: 3}, start_position="earliest", max_records=100)
+    got = plan_ranges(T, {}, earliest={0: 5, 1: 0}, latest={0: 9, 1: 3}, initial={}, max_records=100)
     assert got == (r(0, 5, 9), r(1, 0, 3))
 
 
 def test_first_epoch_at_latest_is_empty_but_pins_positions():
-    got = plan_ranges(T, {}, earliest={0: 0, 1: 0}, latest={0: 9, 1: 3}, start_position="latest", max_records=100)
+    got = plan_ranges(T, {}, earliest={0: 0, 1: 0}, latest={0: 9, 1: 3}, initial={0: 9, 1: 3}, max_records=100)
     assert got == (r(0, 9, 9), r(1, 3, 3))
 
 
+def test_specific_start_names_some_partitions_the_rest_start_at_earliest():
+    got = plan_ranges(T, {}, earliest={0: 2, 1: 2, 2: 0}, latest={0: 9, 1: 9, 2: 9}, initial={1: 5},
+                      max_records=100)
+    assert got == (r(0, 2, 9), r(1, 5, 9), r(2, 0, 9))
+
+
 def test_epochs_chain_from_ledger_positions_and_ignore_start_position():
-    got = plan_ranges(T, {0: 7, 1: 3}, earliest={0: 0, 1: 0}, latest={0: 10, 1: 3}, start_position="latest",
+    got = plan_ranges(T, {0: 7, 1: 3}, earliest={0: 0, 1: 0}, latest={0: 10, 1: 3}, initial={0: 10, 1: 3},
                       max_records=100)
     assert got == (r(0, 7, 10), r(1, 3, 3))
 
 
 def test_partition_new_to_the_ledger_starts_at_its_earliest_offset():
-    got = plan_ranges(T, {0: 7}, earliest={0: 0, 1: 2}, latest={0: 7, 1: 4}, start_position="latest",
+    got = plan_ranges(T, {0: 7}, earliest={0: 0, 1: 2}, latest={0: 7, 1: 4}, initial={0: 7, 1: 4},
                       max_records=100)
     assert got == (r(0, 7, 7), r(1, 2, 4))
 
 
 def test_cap_is_split_by_backlog_and_total_is_exact():
     got = plan_ranges(T, {0: 0, 1: 0, 2: 0}, earliest={0: 0, 1: 0, 2: 0}, latest={0: 600, 1: 300, 2: 100},
-                      start_position="earliest", max_records=100)
+                      initial={}, max_records=100)
     assert got == (r(0, 0, 60), r(1, 0, 30), r(2, 0, 10))
 
 
@@ -56,18 +62,18 @@ def test_under_the_cap_everything_is_read():
 
 def test_deleted_offsets_fail_loudly_naming_partition_and_range():
     with pytest.raises(DataLossError, match=r"ip_count_source-1: offsets \[3, 8\) were deleted"):
-        plan_ranges(T, {0: 0, 1: 3}, earliest={0: 0, 1: 8}, latest={0: 5, 1: 20}, start_position="earliest",
+        plan_ranges(T, {0: 0, 1: 3}, earliest={0: 0, 1: 8}, latest={0: 5, 1: 20}, initial={},
                     max_records=100)
 
 
 def test_offsets_going_backwards_fail_loudly():
     with pytest.raises(DataLossError, match=r"ip_count_source-0: the ledger has counted up to offset 50"):
-        plan_ranges(T, {0: 50}, earliest={0: 0}, latest={0: 10}, start_position="earliest", max_records=100)
+        plan_ranges(T, {0: 50}, earliest={0: 0}, latest={0: 10}, initial={}, max_records=100)
 
 
 def test_partition_missing_from_broker_fails_loudly():
     with pytest.raises(DataLossError, match=r"ip_count_source-2 are in the ledger but no longer exist"):
-        plan_ranges(T, {0: 1, 2: 4}, earliest={0: 0}, latest={0: 1}, start_position="earliest", max_records=10)
+        plan_ranges(T, {0: 1, 2: 4}, earliest={0: 0}, latest={0: 1}, initial={}, max_records=10)
 
 
 def test_offset_range_is_half_open_and_validated():
