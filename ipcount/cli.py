@@ -42,6 +42,8 @@ _HELP = {
     "start_offsets": "for start_position specific: 'partition:offset,...' (others start at earliest)",
     "group_offsets_reset": "for start_position group-offsets: partitions without a committed offset start "
                            "at earliest or latest, or fail (none)",
+    "on_data_loss": "offsets deleted before they were counted: fail (default) or skip them, recording "
+                    "the gap in the ledger as status 'lost'",
     "group_id": "Kafka consumer group that receives the committed offsets (monitoring only)",
     "commit_offsets": "commit the ledger's offsets to the consumer group after each epoch",
     "max_value_bytes": "larger record values go to the dead-letter table as too_large",

@@ -19,6 +19,7 @@ STATE_DIR = REPO_ROOT / ".local"
 ENV_PREFIX = "IPCOUNT_"
 START_POSITIONS = ("earliest", "latest", "timestamp", "group-offsets", "specific")
 RESET_POLICIES = ("earliest", "latest", "none")
+DATA_LOSS_POLICIES = ("fail", "skip")
 _IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
 
@@ -49,6 +50,7 @@ class PipelineConfig:
     start_timestamp_ms: int = -1         # start_position "timestamp": epoch ms
     start_offsets: str = ""              # start_position "specific": "partition:offset,..."
     group_offsets_reset: str = "earliest"  # start_position "group-offsets": partitions with none
+    on_data_loss: str = "fail"           # or "skip": skip deleted offsets, recording the gap
     group_id: str = "ipcount"
     commit_offsets: bool = True
     max_value_bytes: int = 65_536
@@ -80,6 +82,9 @@ class PipelineConfig:
         if self.start_position not in START_POSITIONS:
             raise ConfigError(
                 f"start_position must be one of {', '.join(START_POSITIONS)}; found {self.start_position!r}")
+        if self.on_data_loss not in DATA_LOSS_POLICIES:
+            raise ConfigError(f"on_data_loss must be one of {', '.join(DATA_LOSS_POLICIES)}; "
+                              f"found {self.on_data_loss!r}")
         if self.group_offsets_reset not in RESET_POLICIES:
             raise ConfigError(f"group_offsets_reset must be one of {', '.join(RESET_POLICIES)}; "
                               f"found {self.group_offsets_reset!r}")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 from ipcount import kafka_io, transform
 from ipcount.config import PipelineConfig
 from ipcount.ledger import Ledger, PartitionMetrics
-from ipcount.offsets import EpochPlan, check_readable, plan_ranges
+from ipcount.offsets import EpochPlan, check_readable, plan_ranges, skip_deleted
 from ipcount.sink import Sink
 
 if TYPE_CHECKING:
@@ -96,11 +96,18 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
             initial = kafka_io.start_offsets(cfg, earliest, latest)
             log.info("empty ledger: start_position %s resolves to %s", cfg.start_position,
                      " ".join(f"p{p}={o}" for p, o in sorted(initial.items())))
-        ranges = plan_ranges(cfg.topic, state.committed, earliest, latest, initial, cfg.max_records_per_epoch)
-        plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms)
+        committed, lost = state.committed, ()
+        if cfg.on_data_loss == "skip":
+            committed, lost = skip_deleted(cfg.topic, committed, earliest)
+            for r in lost:
+                log.warning("data loss on %s: offsets [%d, %d) were deleted before they were counted; "
+                            "skipping them (on_data_loss=skip), recorded in the ledger as lost",
+                            f"{r.topic}-{r.partition}", r.from_offset, r.until_offset)
+        ranges = plan_ranges(cfg.topic, committed, earliest, latest, initial, cfg.max_records_per_epoch)
+        plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms, lost)
         # A pipeline with history skips empty epochs; the very first epoch is recorded even
         # when empty, so that a "latest" start position is pinned in the ledger.
-        if plan.size == 0 and state.committed:
+        if plan.size == 0 and state.committed and not lost:
             log.info("nothing new to read on %s: %s", cfg.topic, plan.describe())
             return None
         ledger.record_plan(plan, run_id)

@@ -3,7 +3,9 @@ committed. It is the pipeline's only recovery state (like a Flink checkpoint, or
 offsets/commits logs), written ahead of the sink and marked committed after it.
 
 One row per (epoch, partition). ``status`` is ``planned`` from the write-ahead until the
-sink commit is done, then ``committed``.
+sink commit is done, then ``committed``. With ``on_data_loss = "skip"``, offsets deleted
+before they were counted get a row of their own with status ``lost``, so that per
+partition the committed and lost ranges still chain without a gap.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ipcount.offsets import EpochPlan, OffsetRange
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-PLANNED, COMMITTED = "planned", "committed"
+PLANNED, COMMITTED, LOST = "planned", "committed", "lost"
 
 LEDGER_SCHEMA = StructType([
     StructField("epoch", LongType(), False),
@@ -106,9 +108,9 @@ class Ledger:
     def record_plan(self, plan: EpochPlan, run_id: str | None) -> None:
         """The write-ahead: the epoch's ranges are durable before anything is read or written."""
         now = datetime.now(timezone.utc)
-        rows = [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, PLANNED, now,
+        rows = [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, status, now,
                  None, None, None, None, None, plan.watermark_ms, None, None, None, run_id)
-                for r in plan.ranges]
+                for status, ranges in ((LOST, plan.lost), (PLANNED, plan.ranges)) for r in ranges]
         self.spark.createDataFrame(rows, LEDGER_SCHEMA).write.format("delta").mode("append").save(self.path)
 
     def commit(self, plan: EpochPlan, metrics: Mapping[int, PartitionMetrics], watermark_after_ms: int | None,

@@ -53,6 +53,7 @@ class EpochPlan:
     epoch: int
     ranges: tuple[OffsetRange, ...]
     watermark_ms: int | None = None
+    lost: tuple[OffsetRange, ...] = ()  # deleted before they were counted, skipped by policy
 
     @property
     def size(self) -> int:
@@ -116,6 +117,18 @@ def plan_ranges(topic: str, committed: Mapping[int, int], earliest: Mapping[int,
         starts[p] = start
     budgets = split_cap({p: latest[p] - starts[p] for p in starts}, max_records)
     return tuple(OffsetRange(topic, p, starts[p], starts[p] + budgets[p]) for p in sorted(starts))
+
+
+def skip_deleted(topic: str, committed: Mapping[int, int],
+                 earliest: Mapping[int, int]) -> tuple[dict[int, int], tuple[OffsetRange, ...]]:
+    """The ``on_data_loss = "skip"`` policy: move committed positions that retention has
+    overtaken up to the log start, and return the skipped ranges so they can be recorded."""
+    moved, lost = dict(committed), []
+    for p, position in sorted(committed.items()):
+        if p in earliest and position < earliest[p]:
+            lost.append(OffsetRange(topic, p, position, earliest[p]))
+            moved[p] = earliest[p]
+    return moved, tuple(lost)
 
 
 def check_readable(topic: str, partition: int, from_offset: int, earliest: int, latest: int) -> None:

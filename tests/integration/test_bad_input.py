@@ -55,3 +55,33 @@ def test_offsets_deleted_before_they_were_counted_fail_loudly_and_write_nothing(
         epoch_mod.run_epoch(cfg, spark)
     assert snapshot(cfg) == before
     assert {r["status"] for r in ledger(cfg)} == {"committed"}
+
+
+def test_skip_policy_skips_deleted_offsets_and_records_the_gap(cfg, spark):
+    from tests.ground_truth import expected_tables
+    from tests.tables import counts
+
+    cfg = cfg.replace(on_data_loss="skip")
+    gen = TrafficGenerator(seed=4)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, 1_795_255_200_000),
+                       partition_of=lambda i, r: i % 3)
+    epoch_mod.run_epoch(cfg, spark)
+    produced += produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, 1_795_255_260_000),
+                        partition_of=lambda i, r: i % 3)
+    admin = KafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers)
+    admin.delete_records({TopicPartition(cfg.topic, 1): 42})
+    admin.close()
+
+    s = epoch_mod.run_epoch(cfg, spark)
+    assert {r.partition: r.from_offset for r in s.plan.ranges} == {0: 30, 1: 42, 2: 30}
+    rows = ledger(cfg)
+    lost = [(r["epoch"], r["partition"], r["from_offset"], r["until_offset"]) for r in rows if r["status"] == "lost"]
+    assert lost == [(2, 1, 30, 42)]
+    # per partition, committed and lost ranges chain from 0 to the end without a gap
+    for p in range(3):
+        spans = sorted((r["from_offset"], r["until_offset"]) for r in rows if r["partition"] == p)
+        assert spans[0][0] == 0 and spans[-1][1] == 60
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    epochs = [{r["partition"]: (r["from_offset"], r["until_offset"]) for r in rows
+               if r["epoch"] == e and r["status"] == "committed"} for e in (1, 2)]
+    assert counts(cfg) == expected_tables(produced, epochs).counts

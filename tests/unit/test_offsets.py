@@ -87,3 +87,11 @@ def test_spark_offsets_json_is_sorted_and_skips_empty_ranges():
     assert plan.starting_offsets_json() == '{"ip_count_source":{"1":0,"2":5}}'
     assert plan.ending_offsets_json() == '{"ip_count_source":{"1":3,"2":9}}'
     assert plan.size == 7
+
+
+def test_skip_policy_moves_overtaken_positions_and_reports_the_gaps():
+    from ipcount.offsets import skip_deleted
+
+    moved, lost = skip_deleted(T, {0: 5, 1: 3, 2: 9}, earliest={0: 0, 1: 8, 2: 9})
+    assert moved == {0: 5, 1: 8, 2: 9}
+    assert lost == (r(1, 3, 8),)
