@@ -132,3 +132,25 @@ def test_failed_group_commit_only_warns_and_the_next_commit_catches_up(cfg, spar
     assert kafka_io.group_offsets(cfg) == {}
     assert epoch_mod.commit_group_offsets_from_ledger(cfg)  # the next epoch's commit
     assert kafka_io.group_offsets(cfg) == dict(Counter(p.partition for p in produced))
+
+
+def test_kafka_consumer_groups_describe_shows_ledger_positions_and_true_lag(cfg, spark):
+    """Kafka's own CLI sees what lag tools see: the ledger's positions and the real backlog."""
+    import subprocess
+
+    from ipcount.config import REPO_ROOT
+    from ipcount.ledger_view import committed_positions
+
+    cfg = cfg.replace(max_records_per_epoch=60)
+    produced = produce_dataset(cfg, n=150)
+    epoch_mod.run_epoch(cfg, spark)
+    epoch_mod.commit_group_offsets_from_ledger(cfg)
+    out = subprocess.run([str(REPO_ROOT / "bin" / "kafka-consumer-groups"), "--bootstrap-server",
+                          cfg.bootstrap_servers, "--describe", "--group", cfg.group_id],
+                         capture_output=True, text=True, timeout=120).stdout
+    rows = {int(cols[2]): (int(cols[3]), int(cols[4]), int(cols[5]))
+            for cols in (line.split() for line in out.splitlines()) if cols and cols[0] == cfg.group_id}
+    _, positions = committed_positions(cfg.ledger_path, cfg.topic)
+    ends = Counter(p.partition for p in produced)
+    assert rows == {p: (positions[p], ends[p], ends[p] - positions[p]) for p in range(3)}
+    assert sum(lag for _, _, lag in rows.values()) == 150 - 60
