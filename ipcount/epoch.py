@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 from ipcount import kafka_io, transform
 from ipcount.config import PipelineConfig
 from ipcount.ledger import Ledger, PartitionMetrics
+from ipcount.ledger_view import epoch_line
 from ipcount.offsets import EpochPlan, check_readable, plan_ranges, skip_deleted
 from ipcount.sink import Sink
 
@@ -62,13 +63,13 @@ class EpochSummary:
     sink_version: int | None = None
     seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    lag_after: dict[int, int] = field(default_factory=dict)
     resumed: bool = False
 
     def line(self) -> str:
-        ranges = " ".join(f"p{r.partition}[{r.from_offset},{r.until_offset})" for r in self.plan.ranges)
-        return (f"epoch {self.epoch} committed{' (resumed)' if self.resumed else ''}: {ranges} | "
-                f"read {self.records_read} counted {self.records_counted} late {self.records_late} "
-                f"malformed {self.records_malformed} | {self.seconds:.1f}s")
+        return epoch_line(self.epoch, {r.partition: (r.from_offset, r.until_offset) for r in self.plan.ranges},
+                          self.records_read, self.records_counted, self.records_late, self.records_malformed,
+                          sum(self.lag_after.values()), self.seconds) + (" (resumed)" if self.resumed else "")
 
 
 def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,
@@ -121,7 +122,7 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
     t = time.monotonic()
     classified = _read_and_classify(spark, cfg, plan)
     metrics_rows = transform.partition_metrics(classified).collect() if classified is not None else []
-    stages["read_parse"] = time.monotonic() - t
+    stages["read"] = time.monotonic() - t  # Kafka read, parse, classify, per-partition metrics
 
     metrics = {r.partition: PartitionMetrics(r.records_read, r.records_counted, r.records_late,
                                              r.records_malformed) for r in metrics_rows}
@@ -136,20 +137,22 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
         sink_version = sink.write(plan.epoch, classified, plan.watermark_ms, malformed=totals.records_malformed,
                                   late=totals.records_late, counted=totals.records_counted)
         classified.unpersist()
-    stages["sink"] = time.monotonic() - t
+    stages["sink"] = time.monotonic() - t  # dead letters, late records, aggregate + MERGE counts
     crash("after_sink")
 
     t = time.monotonic()
     seconds = time.monotonic() - started
-    ledger.commit(plan, metrics, watermark_after, sink_version, round(seconds, 3), run_id)
-    stages["ledger"] = time.monotonic() - t
+    lag = {r.partition: max(0, latest.get(r.partition, r.until_offset) - r.until_offset) for r in plan.ranges}
+    ledger.commit(plan, metrics, watermark_after, sink_version, round(seconds, 3), run_id, lag_after=lag,
+                  stage_seconds={k: round(v, 3) for k, v in stages.items()})
+    stages["commit"] = time.monotonic() - t  # (its own time is in the summary, not the ledger row)
     crash("after_ledger")
 
     summary = EpochSummary(
         epoch=plan.epoch, plan=plan, watermark_ms=watermark_after, sink_version=sink_version,
         records_read=totals.records_read, records_counted=totals.records_counted,
         records_late=totals.records_late, records_malformed=totals.records_malformed,
-        seconds=time.monotonic() - started, stage_seconds=stages, resumed=resumed)
+        seconds=time.monotonic() - started, stage_seconds=stages, lag_after=lag, resumed=resumed)
     log.info("%s", summary.line())
     return summary
 

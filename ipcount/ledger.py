@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Mapping
 
 from pyspark.sql import functions as F
-from pyspark.sql.types import (DoubleType, IntegerType, LongType, StringType, StructField,
+from pyspark.sql.types import (DoubleType, IntegerType, LongType, MapType, StringType, StructField,
                                StructType, TimestampType)
 
 from ipcount.offsets import EpochPlan, OffsetRange
@@ -42,16 +42,25 @@ LEDGER_SCHEMA = StructType([
     StructField("sink_version", LongType(), True),
     StructField("duration_seconds", DoubleType(), True),
     StructField("run_id", StringType(), True),
+    StructField("lag_after", LongType(), True),
+    StructField("stage_seconds", MapType(StringType(), DoubleType()), True),
 ])
 
 
 def ensure_table(spark: SparkSession, path: str, schema: StructType) -> None:
     """Create an empty Delta table at ``path`` unless one is there (checked first: creating
-    is a commit, checking is a cheap look at the log)."""
+    is a commit, checking is a cheap look at the log). A table made by an older version
+    gets the nullable columns it lacks."""
     from delta.tables import DeltaTable
 
     if not DeltaTable.isDeltaTable(spark, path):
         DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).execute()
+        return
+    have = set(spark.read.format("delta").load(path).schema.fieldNames())
+    missing = [f for f in schema.fields if f.name not in have]
+    if missing:
+        columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
+        spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})")
 
 
 @dataclass(frozen=True)
@@ -109,12 +118,13 @@ class Ledger:
         """The write-ahead: the epoch's ranges are durable before anything is read or written."""
         now = datetime.now(timezone.utc)
         rows = [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, status, now,
-                 None, None, None, None, None, plan.watermark_ms, None, None, None, run_id)
+                 None, None, None, None, None, plan.watermark_ms, None, None, None, run_id, None, None)
                 for status, ranges in ((LOST, plan.lost), (PLANNED, plan.ranges)) for r in ranges]
         self.spark.createDataFrame(rows, LEDGER_SCHEMA).write.format("delta").mode("append").save(self.path)
 
     def commit(self, plan: EpochPlan, metrics: Mapping[int, PartitionMetrics], watermark_after_ms: int | None,
-               sink_version: int | None, duration_seconds: float, run_id: str | None) -> None:
+               sink_version: int | None, duration_seconds: float, run_id: str | None,
+               lag_after: Mapping[int, int] | None = None, stage_seconds: Mapping[str, float] | None = None) -> None:
         """Mark the epoch committed. Matches only ``planned`` rows, so a replay after a crash
         that happened after this commit changes nothing."""
         from delta.tables import DeltaTable
@@ -125,10 +135,12 @@ class Ledger:
             m = metrics.get(r.partition, PartitionMetrics())
             rows.append((plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, COMMITTED, now,
                          now, m.records_read, m.records_counted, m.records_late, m.records_malformed,
-                         plan.watermark_ms, watermark_after_ms, sink_version, duration_seconds, run_id))
+                         plan.watermark_ms, watermark_after_ms, sink_version, duration_seconds, run_id,
+                         (lag_after or {}).get(r.partition), dict(stage_seconds or {})))
         updates = self.spark.createDataFrame(rows, LEDGER_SCHEMA)
         set_cols = ["status", "committed_at", "records_read", "records_counted", "records_late",
-                    "records_malformed", "watermark_after_ms", "sink_version", "duration_seconds", "run_id"]
+                    "records_malformed", "watermark_after_ms", "sink_version", "duration_seconds", "run_id",
+                    "lag_after", "stage_seconds"]
         (DeltaTable.forPath(self.spark, self.path).alias("t")
          .merge(updates.alias("s"), "t.epoch = s.epoch AND t.topic = s.topic AND t.partition = s.partition "
                                     f"AND t.status = '{PLANNED}'")

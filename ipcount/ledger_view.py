@@ -33,6 +33,15 @@ def committed_positions(ledger_path: str, topic: str) -> tuple[int, dict[int, in
     return max((r["epoch"] for r in rows), default=0), positions
 
 
+def epoch_line(epoch: int, ranges: dict[int, tuple[int, int]], read: int, counted: int, late: int,
+               malformed: int, lag: int | None, seconds: float) -> str:
+    """The one-line epoch summary printed by the CLI, the watcher and the DAG."""
+    spans = " ".join(f"p{p}[{f},{u})" for p, (f, u) in sorted(ranges.items()))
+    lag_text = "" if lag is None else f" lag {lag}"
+    return (f"epoch {epoch} committed: {spans} | read {read} counted {counted} late {late} "
+            f"malformed {malformed}{lag_text} | {seconds:.1f}s")
+
+
 @dataclass(frozen=True)
 class CommittedEpoch:
     """One committed epoch, assembled from its per-partition ledger rows."""
@@ -47,12 +56,13 @@ class CommittedEpoch:
     sink_version: int | None
     watermark_after_ms: int | None
     run_id: str | None
+    lag_after: dict[int, int] | None = None
+    stage_seconds: dict[str, float] | None = None
 
     def line(self) -> str:
-        ranges = " ".join(f"p{p}[{f},{u})" for p, (f, u) in sorted(self.ranges.items()))
-        return (f"epoch {self.epoch} committed: {ranges} | read {self.records_read} counted "
-                f"{self.records_counted} late {self.records_late} malformed {self.records_malformed}"
-                f" | {self.seconds:.1f}s")
+        lag = None if self.lag_after is None else sum(self.lag_after.values())
+        return epoch_line(self.epoch, self.ranges, self.records_read, self.records_counted, self.records_late,
+                          self.records_malformed, lag, self.seconds)
 
     def to_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch,
@@ -60,7 +70,9 @@ class CommittedEpoch:
                 "records_read": self.records_read, "records_counted": self.records_counted,
                 "records_late": self.records_late, "records_malformed": self.records_malformed,
                 "seconds": self.seconds, "sink_version": self.sink_version,
-                "watermark_after_ms": self.watermark_after_ms, "run_id": self.run_id}
+                "watermark_after_ms": self.watermark_after_ms, "run_id": self.run_id,
+                "lag_after": None if self.lag_after is None else {str(p): n for p, n in sorted(self.lag_after.items())},
+                "stage_seconds": self.stage_seconds}
 
 
 def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None = None) -> list[CommittedEpoch]:
@@ -83,5 +95,8 @@ def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None 
             records_late=sum(r["records_late"] or 0 for r in rows),
             records_malformed=sum(r["records_malformed"] or 0 for r in rows),
             seconds=first["duration_seconds"] or 0.0, sink_version=first["sink_version"],
-            watermark_after_ms=first["watermark_after_ms"], run_id=first["run_id"]))
+            watermark_after_ms=first["watermark_after_ms"], run_id=first["run_id"],
+            lag_after=({r["partition"]: r["lag_after"] for r in rows}
+                       if all(r.get("lag_after") is not None for r in rows) else None),
+            stage_seconds=dict(first["stage_seconds"]) if first.get("stage_seconds") else None))
     return out

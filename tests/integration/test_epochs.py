@@ -154,3 +154,22 @@ def test_kafka_consumer_groups_describe_shows_ledger_positions_and_true_lag(cfg,
     ends = Counter(p.partition for p in produced)
     assert rows == {p: (positions[p], ends[p], ends[p] - positions[p]) for p in range(3)}
     assert sum(lag for _, _, lag in rows.values()) == 150 - 60
+    # the ledger records the same lag, and the seconds of each stage
+    from ipcount.ledger_view import committed_epochs
+
+    last = committed_epochs(cfg.ledger_path)[-1]
+    assert last.lag_after == {p: lag for p, (_, _, lag) in rows.items()}
+    assert set(last.stage_seconds) == {"plan", "read", "sink"} and all(v >= 0 for v in last.stage_seconds.values())
+    assert f"lag {150 - 60} |" in last.line()
+
+
+def test_a_ledger_from_an_older_schema_gains_the_new_columns(cfg, spark):
+    from ipcount.ledger import LEDGER_SCHEMA, ensure_table
+    from pyspark.sql.types import StructType
+
+    old = StructType([f for f in LEDGER_SCHEMA.fields if f.name not in ("lag_after", "stage_seconds")])
+    ensure_table(spark, cfg.ledger_path, old)
+    ensure_table(spark, cfg.ledger_path, LEDGER_SCHEMA)
+    assert spark.read.format("delta").load(cfg.ledger_path).schema.fieldNames() == LEDGER_SCHEMA.fieldNames()
+    produce_dataset(cfg, n=30)
+    assert epoch_mod.run_epoch(cfg, spark).records_read == 30
