@@ -135,7 +135,8 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
     sink_version = None
     if classified is not None:
         sink_version = sink.write(plan.epoch, classified, plan.watermark_ms, malformed=totals.records_malformed,
-                                  late=totals.records_late, counted=totals.records_counted)
+                                  late=totals.records_late, counted=totals.records_counted,
+                                  watermark_after_ms=watermark_after)
         classified.unpersist()
     stages["sink"] = time.monotonic() - t  # dead letters, late records, aggregate + MERGE counts
     crash("after_sink")

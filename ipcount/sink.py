@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
 from pyspark.sql import functions as F
-from pyspark.sql.types import (BinaryType, IntegerType, LongType, StringType, StructField,
+from pyspark.sql.types import (BinaryType, BooleanType, IntegerType, LongType, StringType, StructField,
                                StructType, TimestampType)
 
 from ipcount.config import PipelineConfig
@@ -27,6 +27,7 @@ COUNTS_SCHEMA = StructType([
     StructField("count", LongType(), False),
     StructField("first_epoch", LongType(), False),
     StructField("last_epoch", LongType(), False),
+    StructField("is_final", BooleanType(), True),
 ])
 DEAD_LETTER_SCHEMA = StructType([
     StructField("epoch", LongType(), False),
@@ -67,7 +68,7 @@ class Sink:
             ensure_table(self.spark, path, schema)
 
     def write(self, epoch: int, classified: DataFrame, watermark_ms: int | None, malformed: int, late: int,
-              counted: int) -> int | None:
+              counted: int, watermark_after_ms: int | None = None) -> int | None:
         """Write the epoch's dead letters, late records and counts; return the counts table
         version that holds this epoch (None if it counted nothing).
 
@@ -86,28 +87,47 @@ class Sink:
                 F.timestamp_millis("window_start_ms").alias("window_start"),
                 F.timestamp_millis(F.col("window_start_ms") + self.cfg.window_ms).alias("window_end"),
                 F.timestamp_millis(F.lit(watermark_ms)).alias("watermark")))
-        return self._merge_counts(epoch, classified) if counted else None
+        return self._merge_counts(epoch, classified, watermark_after_ms) if counted else None
 
     def _append(self, epoch: int, path: str, rows: DataFrame) -> None:
         (rows.write.format("delta").mode("append")
          .option("txnAppId", self.cfg.pipeline_id).option("txnVersion", epoch)
          .option("userMetadata", f"epoch={epoch}").save(path))
 
-    def _merge_counts(self, epoch: int, classified: DataFrame) -> int | None:
+    def _merge_counts(self, epoch: int, classified: DataFrame, watermark_ms: int | None) -> int | None:
+        """Add the epoch's counts and mark windows final, in one idempotent commit.
+
+        A window is final once the watermark this epoch leaves has passed its end plus the
+        allowed lateness: no later record can be counted in it. Rows this epoch does not
+        touch become final through the NOT MATCHED BY SOURCE clause of the same MERGE.
+        """
         from delta.tables import DeltaTable
 
         from ipcount.transform import window_counts
 
+        def final(col: str):
+            if watermark_ms is None:
+                return F.lit(False)
+            return F.unix_millis(F.col(col)) + self.cfg.allowed_lateness_ms <= F.lit(watermark_ms)
+
         updates = window_counts(classified, self.cfg.window_ms)
         target = DeltaTable.forPath(self.spark, self.cfg.counts_path)
+        merge = (target.alias("t")
+                 .merge(updates.alias("s"), "t.window_start = s.window_start AND t.ip = s.ip")
+                 .whenMatchedUpdate(set={"count": F.col("t.count") + F.col("s.count"),
+                                         "last_epoch": F.lit(epoch).cast("long"),
+                                         "is_final": final("t.window_end")})
+                 .whenNotMatchedInsert(values={"window_start": "s.window_start", "window_end": "s.window_end",
+                                               "ip": "s.ip", "count": "s.count",
+                                               "first_epoch": F.lit(epoch).cast("long"),
+                                               "last_epoch": F.lit(epoch).cast("long"),
+                                               "is_final": final("s.window_end")}))
+        if watermark_ms is not None:
+            merge = merge.whenNotMatchedBySourceUpdate(
+                condition=~F.coalesce(F.col("t.is_final"), F.lit(False)) & final("t.window_end"),
+                set={"is_final": F.lit(True)})
         with self._idempotent_dml(epoch):
-            (target.alias("t")
-             .merge(updates.alias("s"), "t.window_start = s.window_start AND t.ip = s.ip")
-             .whenMatchedUpdate(set={"count": "t.count + s.count", "last_epoch": F.lit(epoch).cast("long")})
-             .whenNotMatchedInsert(values={"window_start": "s.window_start", "window_end": "s.window_end",
-                                           "ip": "s.ip", "count": "s.count",
-                                           "first_epoch": F.lit(epoch).cast("long"), "last_epoch": F.lit(epoch).cast("long")})
-             .execute())
+            merge.execute()
         return self.version_of_epoch(self.cfg.counts_path, epoch)
 
     @contextmanager

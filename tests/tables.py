@@ -20,6 +20,11 @@ def counts(cfg: PipelineConfig) -> Counter:
     return Counter({(_ms(r["window_start"]), r["ip"]): r["count"] for r in _rows(cfg.counts_path)})
 
 
+def finality(cfg: PipelineConfig) -> dict:
+    """(window_start_ms, ip) -> is_final."""
+    return {(_ms(r["window_start"]), r["ip"]): r["is_final"] for r in _rows(cfg.counts_path)}
+
+
 def dead_letters(cfg: PipelineConfig) -> set:
     return {(r["partition"], r["offset"], r["reason"]) for r in _rows(cfg.dead_letter_path)}
 

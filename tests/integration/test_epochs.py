@@ -8,7 +8,7 @@ from ipcount import epoch as epoch_mod
 from ipcount import kafka_io
 from ipcount.generator import TrafficGenerator, produce
 from ipcount.sink import Sink
-from tests.tables import counts, dead_letters, epoch_ranges, late_records, snapshot
+from tests.tables import counts, dead_letters, epoch_ranges, finality, late_records, snapshot
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
 
@@ -62,6 +62,10 @@ def test_epochs_count_exactly_what_was_produced(cfg, spark):
     assert sum(s.records_read for s in summaries) == len(produced)
     assert sum(s.records_late for s in summaries) == len(expected.late)
     assert sum(s.records_malformed for s in summaries) == len(expected.dead)
+    # a window is final once the last watermark passed its end plus the allowed lateness
+    want_final = {key: key[0] + 5_000 + 5_000 <= expected.watermark_ms for key in expected.counts}
+    assert finality(cfg) == want_final
+    assert 0 < sum(want_final.values()) < len(want_final)
 
 
 def test_group_offsets_follow_the_ledger_and_are_never_read_back(cfg, spark):
