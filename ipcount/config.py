@@ -20,6 +20,7 @@ ENV_PREFIX = "IPCOUNT_"
 START_POSITIONS = ("earliest", "latest", "timestamp", "group-offsets", "specific")
 RESET_POLICIES = ("earliest", "latest", "none")
 DATA_LOSS_POLICIES = ("fail", "skip")
+EVENT_TIME_SOURCES = ("payload", "kafka")
 _IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
 
@@ -45,6 +46,7 @@ class PipelineConfig:
     late_table: str = ""
     window_seconds: int = 5
     allowed_lateness_seconds: int = 5
+    event_time: str = "payload"          # or "kafka": the Kafka record timestamp
     max_records_per_epoch: int = 500_000
     start_position: str = "earliest"
     start_timestamp_ms: int = -1         # start_position "timestamp": epoch ms
@@ -82,6 +84,8 @@ class PipelineConfig:
         if self.start_position not in START_POSITIONS:
             raise ConfigError(
                 f"start_position must be one of {', '.join(START_POSITIONS)}; found {self.start_position!r}")
+        if self.event_time not in EVENT_TIME_SOURCES:
+            raise ConfigError(f"event_time must be one of {', '.join(EVENT_TIME_SOURCES)}; found {self.event_time!r}")
         if self.on_data_loss not in DATA_LOSS_POLICIES:
             raise ConfigError(f"on_data_loss must be one of {', '.join(DATA_LOSS_POLICIES)}; "
                               f"found {self.on_data_loss!r}")

@@ -171,7 +171,7 @@ def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan
            .option("kafka.isolation.level", "read_committed")
            .option("failOnDataLoss", "true")
            .load())
-    parsed = transform.parse(raw, cfg.max_value_bytes)
+    parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time)
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
     # Read Kafka once: the sink's three writes and the metrics all use these rows.
     return classified.persist(StorageLevel.MEMORY_AND_DISK)

@@ -89,8 +89,14 @@ class Malformed:
     reason: str
 
 
-def parse_value(value: bytes | None, max_value_bytes: int = 65_536) -> Event | Malformed:
-    """Parse one Kafka record value into an :class:`Event`, or say why it is malformed."""
+def parse_value(value: bytes | None, max_value_bytes: int = 65_536,
+                kafka_timestamp_ms: int | None = None) -> Event | Malformed:
+    """Parse one Kafka record value into an :class:`Event`, or say why it is malformed.
+
+    With ``kafka_timestamp_ms`` (the ``event_time = "kafka"`` setting) the event time is the
+    Kafka record's timestamp: the payload's own time (JSON ``ts``, NGINX ``[time]``) is then
+    neither required nor checked.
+    """
     if value is None:
         return Malformed(NULL_VALUE)
     if len(value) == 0:
@@ -102,15 +108,19 @@ def parse_value(value: bytes | None, max_value_bytes: int = 65_536) -> Event | M
     except UnicodeDecodeError:
         return Malformed(NOT_UTF8)
     if text.startswith("{"):
-        return _parse_json(text)
+        return _parse_json(text, kafka_timestamp_ms)
     m = _nginx.match(text)
     if not m:
         return Malformed(UNRECOGNIZED)
     ip, when = m.group(1), m.group(2)
     if not is_valid_ip(ip):
         return Malformed(INVALID_IP)
-    event_ms = parse_nginx_time(when)
+    event_ms = parse_nginx_time(when) if kafka_timestamp_ms is None else _in_range(kafka_timestamp_ms)
     return Malformed(INVALID_TIMESTAMP) if event_ms is None else Event(ip.lower(), event_ms)
+
+
+def _in_range(event_ms: int) -> int | None:
+    return event_ms if MIN_EVENT_MS <= event_ms < MAX_EVENT_MS else None
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -124,7 +134,7 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def _parse_json(text: str) -> Event | Malformed:
+def _parse_json(text: str, kafka_timestamp_ms: int | None) -> Event | Malformed:
     try:
         obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
     except ValueError:
@@ -133,14 +143,17 @@ def _parse_json(text: str) -> Event | Malformed:
         return Malformed(BAD_JSON)
     ip, ts = obj.get("ip"), obj.get("ts")
     ts_is_int = isinstance(ts, int) and not isinstance(ts, bool) and -2**63 <= ts < 2**63
-    if not isinstance(ip, str) or not (isinstance(ts, str) or ts_is_int):
+    ts_ok = kafka_timestamp_ms is not None or isinstance(ts, str) or ts_is_int
+    if not isinstance(ip, str) or not ts_ok:
         return Malformed(BAD_SHAPE)
     if not is_valid_ip(ip):
         return Malformed(INVALID_IP)
-    event_ms = ts if isinstance(ts, int) else parse_iso_time(ts)
-    if event_ms is None or not MIN_EVENT_MS <= event_ms < MAX_EVENT_MS:
-        return Malformed(INVALID_TIMESTAMP)
-    return Event(ip.lower(), event_ms)
+    if kafka_timestamp_ms is not None:
+        event_ms = _in_range(kafka_timestamp_ms)
+    else:
+        event_ms = ts if isinstance(ts, int) else parse_iso_time(ts)
+        event_ms = None if event_ms is None else _in_range(event_ms)
+    return Malformed(INVALID_TIMESTAMP) if event_ms is None else Event(ip.lower(), event_ms)
 
 
 def is_valid_ip(text: str) -> bool:
@@ -176,8 +189,7 @@ def parse_nginx_time(text: str) -> int | None:
         instant = datetime.strptime(text, "%d/%b/%Y:%H:%M:%S %z")
     except ValueError:
         return None
-    ms = _epoch_ms(instant)
-    return ms if MIN_EVENT_MS <= ms < MAX_EVENT_MS else None
+    return _in_range(_epoch_ms(instant))
 
 
 def _epoch_ms(instant: datetime) -> int:

@@ -21,12 +21,15 @@ def _variant_kind(variant: Column, path: str) -> Column:
     return F.schema_of_variant(F.try_variant_get(variant, path, "variant"))
 
 
-def parse(raw: DataFrame, max_value_bytes: int) -> DataFrame:
+def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload") -> DataFrame:
     """Kafka rows -> rows with ``ip``, ``event_ms`` and ``reason`` (NULL when well formed).
 
-    Keeps topic, partition, offset, timestamp, key and value so that malformed records
-    can be written to the dead-letter table as they arrived.
+    ``event_time`` is "payload" (the record's own time) or "kafka" (the Kafka record
+    timestamp; the payload's time is then neither required nor checked). Keeps topic,
+    partition, offset, timestamp, key and value so that malformed records can be written to
+    the dead-letter table as they arrived.
     """
+    from_kafka = event_time == "kafka"
     value = F.col("value")
     text = F.btrim(F.col("value").cast("string"), F.lit(R.WHITESPACE))
     is_utf8 = F.try_validate_utf8(value).isNotNull()
@@ -50,6 +53,9 @@ def parse(raw: DataFrame, max_value_bytes: int) -> DataFrame:
     nginx_ms = F.when(nginx_time.rlike(R.NGINX_TIME_PATTERN),
                       F.unix_millis(F.try_to_timestamp(nginx_time, F.lit("dd/MMM/yyyy:HH:mm:ss Z"))))
     event_ms = F.when(is_json, F.when(ts_kind == "STRING", iso_ms).otherwise(epoch_ms)).otherwise(nginx_ms)
+    if from_kafka:
+        event_ms = F.unix_millis(F.col("timestamp"))
+    ts_ok = F.lit(True) if from_kafka else (ts_kind.isNotNull() & ((ts_kind == "STRING") | (ts_kind == "BIGINT")))
     event_ms = F.when((event_ms >= R.MIN_EVENT_MS) & (event_ms < R.MAX_EVENT_MS), event_ms.cast("long"))
 
     reason = (
@@ -59,9 +65,7 @@ def parse(raw: DataFrame, max_value_bytes: int) -> DataFrame:
         .when(~is_utf8, R.NOT_UTF8)
         .when(is_json & (doc.isNull() | ~F.coalesce(whole, F.lit(False))), R.BAD_JSON)
         .when(is_json & ~F.schema_of_variant(doc).startswith("OBJECT"), R.BAD_JSON)
-        .when(is_json & ((ip_kind.isNull() | (ip_kind != "STRING"))
-                         | ~(ts_kind.isNotNull() & ((ts_kind == "STRING") | (ts_kind == "BIGINT")))),
-              R.BAD_SHAPE)
+        .when(is_json & (ip_kind.isNull() | (ip_kind != "STRING") | ~ts_ok), R.BAD_SHAPE)
         .when(~is_json & ~text.rlike(R.NGINX_PATTERN), R.UNRECOGNIZED)
         .when(~ip.rlike(R.IP_PATTERN), R.INVALID_IP)
         .when(event_ms.isNull(), R.INVALID_TIMESTAMP)

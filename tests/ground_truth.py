@@ -18,7 +18,8 @@ class Expected:
 
 
 def expected_tables(produced: Iterable[Produced], epochs: Iterable[Mapping[int, tuple[int, int]]],
-                    window_ms: int = 5_000, lateness_ms: int = 5_000, max_value_bytes: int = 65_536) -> Expected:
+                    window_ms: int = 5_000, lateness_ms: int = 5_000, max_value_bytes: int = 65_536,
+                    event_time: str = "payload") -> Expected:
     """Replay the documented rules epoch by epoch over the given per-partition ranges."""
     # Offsets with no produced record (transaction markers, aborted records) are skipped,
     # as a read_committed consumer skips them.
@@ -31,7 +32,8 @@ def expected_tables(produced: Iterable[Produced], epochs: Iterable[Mapping[int, 
                 rec = by_position.get((partition, offset))
                 if rec is None:
                     continue
-                parsed = parse_value(rec.value, max_value_bytes)
+                parsed = parse_value(rec.value, max_value_bytes,
+                                     rec.timestamp_ms if event_time == "kafka" else None)
                 if not isinstance(parsed, Event):
                     out.dead.add((partition, rec.offset, parsed.reason))
                     continue

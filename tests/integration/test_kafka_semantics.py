@@ -71,3 +71,34 @@ def test_partitions_added_between_epochs_are_read_from_their_first_offset(cfg, s
     ends = Counter(p.partition for p in everything)
     assert {p: u for p, (_, u) in epoch_ranges(cfg)[-1].items()} == dict(ends)
     assert counts(cfg) == expected_tables(everything, epoch_ranges(cfg)).counts
+
+
+def test_event_time_from_the_kafka_record_timestamp(cfg, spark):
+    """event_time = kafka: windows and lateness follow the record timestamps, and payloads
+    without a time of their own are counted."""
+    import json
+
+    from ipcount.generator import Record
+    from tests.tables import finality, late_records
+
+    cfg = cfg.replace(event_time="kafka")
+    ips = ["203.0.113.9", "198.51.100.7", "2001:db8::1"]
+    first = [Record(None, json.dumps({"ip": ips[i % 3]}).encode()) for i in range(60)]
+    # record i at BASE + i * 500 ms: 30 s of traffic, 6 windows
+    produced = produce(cfg.bootstrap_servers, cfg.topic, first, partition_of=lambda i, r: i % 3,
+                       timestamp_of=lambda i, r: BASE_MS + i * 500)
+    epoch_mod.run_epoch(cfg, spark)
+    # then records stamped 20 s in the past: windows closed for more than the allowed 5 s
+    late = [Record(None, f'{ips[i % 3]} - - [01/Jan/2001:00:00:00 +0000] "GET / HTTP/1.1" 200 1'.encode())
+            for i in range(9)]
+    produced += produce(cfg.bootstrap_servers, cfg.topic, late, partition_of=lambda i, r: i % 3,
+                        timestamp_of=lambda i, r: BASE_MS + 10_000 + i * 100)
+    s = epoch_mod.run_epoch(cfg, spark)
+    assert s.records_late == 9
+
+    expected = expected_tables(produced, epoch_ranges(cfg), event_time="kafka")
+    assert counts(cfg) == expected.counts
+    assert sum(expected.counts.values()) == 60 and len(late_records(cfg)) == 9
+    assert {w for w, _ in expected.counts} == {BASE_MS + k * 5_000 for k in range(6)}
+    # watermark = BASE + 29.5 s: windows ending by BASE + 24.5 s are final
+    assert {w for (w, _), final in finality(cfg).items() if final} == {BASE_MS + k * 5_000 for k in range(4)}

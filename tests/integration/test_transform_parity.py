@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import random
+
+import pytest
 from datetime import datetime, timezone
 
 from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
@@ -55,18 +57,28 @@ def _mutations(rng: random.Random, values: list[bytes]) -> list[bytes]:
     return out
 
 
-def test_spark_parser_matches_python_spec_on_every_record(spark):
+NO_TS = [b'{"ip": "203.0.113.9"}', b'{"ip": "203.0.113.9", "ts": [1]}', b'{"ts": 1795255203000}',
+         b'203.0.113.9 - - [99/Xyz/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512']
+
+
+@pytest.mark.parametrize("event_time", ["payload", "kafka"])
+def test_spark_parser_matches_python_spec_on_every_record(spark, event_time):
     start = 1_795_255_203_000
     generated = [r.value for r in TrafficGenerator(seed=5, malformed_share=0.05).records(3000, start)]
-    values = HAND_PICKED + [v for _, v in MALFORMED_SAMPLES] + generated
+    values = HAND_PICKED + NO_TS + [v for _, v in MALFORMED_SAMPLES] + generated
     values += _mutations(random.Random(9), [v for v in generated[:400] if v])
-    now = datetime(2026, 11, 21, tzinfo=timezone.utc)
-    df = spark.createDataFrame([("t", 0, i, now, None, v) for i, v in enumerate(values)], KAFKA_SCHEMA)
-    got = {r.offset: (r.reason, r.ip, r.event_ms) for r in transform.parse(df, 65_536).collect()}
+    # Kafka timestamps: mostly plausible, some outside the valid event-time range.
+    rng = random.Random(4)
+    kafka_ms = [rng.choice((start + rng.randrange(-10**6, 10**6), 631_152_000_000, 4_200_000_000_000))
+                for _ in values]
+    rows = [("t", 0, i, datetime.fromtimestamp(ms / 1000, tz=timezone.utc), None, v)
+            for i, (ms, v) in enumerate(zip(kafka_ms, values))]
+    df = spark.createDataFrame(rows, KAFKA_SCHEMA)
+    got = {r.offset: (r.reason, r.ip, r.event_ms) for r in transform.parse(df, 65_536, event_time).collect()}
 
     mismatches = []
     for i, v in enumerate(values):
-        p = parse_value(v, 65_536)
+        p = parse_value(v, 65_536, kafka_ms[i] if event_time == "kafka" else None)
         want = (None, p.ip, p.event_ms) if isinstance(p, Event) else (p.reason, None, None)
         if got[i] != want:
             mismatches.append((v[:120] if v else v, want, got[i]))
