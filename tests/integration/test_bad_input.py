@@ -85,3 +85,59 @@ def test_skip_policy_skips_deleted_offsets_and_records_the_gap(cfg, spark):
     epochs = [{r["partition"]: (r["from_offset"], r["until_offset"]) for r in rows
                if r["epoch"] == e and r["status"] == "committed"} for e in (1, 2)]
     assert counts(cfg) == expected_tables(produced, epochs).counts
+
+
+def _recreate_topic(cfg, partitions):
+    import time
+
+    from kafka.errors import TopicAlreadyExistsError
+
+    admin = KafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers)
+    admin.delete_topics([cfg.topic])
+    for _ in range(60):  # deletion completes asynchronously
+        try:
+            admin.create_topics({cfg.topic: {"num_partitions": partitions, "replication_factor": 1}})
+            break
+        except TopicAlreadyExistsError:
+            time.sleep(0.5)
+    admin.close()
+
+
+@pytest.mark.parametrize("partitions, message", [
+    (2, r"partition\(s\) {topic}-2 are in the ledger but no longer exist on the broker"),
+    (3, r"data loss on {topic}-0: the ledger has counted up to offset 30 but the partition now ends at 3"),
+])
+def test_recreated_topic_fails_loudly_and_writes_nothing(cfg, spark, partitions, message):
+    gen = TrafficGenerator(seed=6)
+    produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, 1_795_255_200_000), partition_of=lambda i, r: i % 3)
+    epoch_mod.run_epoch(cfg, spark)
+    _recreate_topic(cfg, partitions)
+    produce(cfg.bootstrap_servers, cfg.topic, gen.records(3 * partitions, 1_795_255_260_000),
+            partition_of=lambda i, r: i % partitions)
+    before = snapshot(cfg)
+    for policy in ("fail", "skip"):  # skipping is for deleted offsets, never for a recreated topic
+        with pytest.raises(DataLossError, match=message.format(topic=cfg.topic)):
+            epoch_mod.run_epoch(cfg.replace(on_data_loss=policy), spark)
+    assert snapshot(cfg) == before
+
+
+def test_every_kind_of_bad_record_lands_in_the_dead_letter_table(cfg, spark):
+    from ipcount.generator import MALFORMED_SAMPLES, Record
+    from tests.tables import counts, dead_letters
+
+    cfg = cfg.replace(max_value_bytes=200)
+    bad = [(reason, Record(b"k" if value is None else None, value)) for reason, value in MALFORMED_SAMPLES]
+    bad.append(("too_large", Record(None, b'{"ip": "10.0.0.1", "ts": "2026-11-21T10:00:00Z", "pad": "'
+                                    + b"x" * 300 + b'"}')))
+    good = Record(None, b'{"ip": "10.0.0.1", "ts": "2026-11-21T10:00:01Z"}')
+    records = [r for _, r in bad] + [good]
+    produced = produce(cfg.bootstrap_servers, cfg.topic, records, partition_of=lambda i, r: i % 3)
+    s = epoch_mod.run_epoch(cfg, spark)
+    assert s.records_malformed == len(bad) == 9 and s.records_counted == 1
+    assert dead_letters(cfg) == {(p.partition, p.offset, reason) for p, (reason, _) in zip(produced, bad)}
+    assert sum(counts(cfg).values()) == 1
+    # the raw bytes are kept as they arrived
+    from deltalake import DeltaTable
+
+    raw = {(r["partition"], r["offset"]): r["value"] for r in DeltaTable(cfg.dead_letter_path).to_pyarrow_table().to_pylist()}
+    assert raw == {(p.partition, p.offset): r.value for p, (_, r) in zip(produced, bad)}
