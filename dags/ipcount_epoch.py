@@ -26,7 +26,7 @@ from airflow.sdk.exceptions import AirflowSkipException
 
 from ipcount.config import PipelineConfig
 from ipcount.epoch import commit_group_offsets_from_ledger
-from ipcount.orchestration import epoch_summary, spark_submit_kwargs
+from ipcount.orchestration import dag_params, epoch_summary, run_config, spark_submit_kwargs
 
 CFG = PipelineConfig.load()
 COUNTS = Asset(name=f"{CFG.pipeline_id}_counts", uri=f"file://{CFG.counts_path}")
@@ -41,13 +41,14 @@ with DAG(
     max_active_runs=1,
     default_args={"retries": 2, "retry_delay": timedelta(seconds=15)},
     tags=["ipcount", "exactly-once", "kafka", "delta"],
+    params=dag_params(CFG),  # per-run overrides (trigger form / --conf), validated by JSON schema
 ):
     run_epoch = SparkSubmitOperator(task_id="run_epoch", **spark_submit_kwargs(CFG))
 
     @task
-    def commit_offsets() -> bool:
+    def commit_offsets(params: dict | None = None) -> bool:
         """Ledger positions -> consumer group (warns, never fails, when the broker refuses)."""
-        return commit_group_offsets_from_ledger(CFG)
+        return commit_group_offsets_from_ledger(run_config(CFG, params))
 
     @task(outlets=[COUNTS])
     def publish_summary(run_id: str | None = None, outlet_events=None) -> dict:

@@ -24,6 +24,37 @@ EVENT_TIME_SOURCES = ("payload", "kafka")
 _IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
 
+# One line per setting: CLI --help, DAG Params and the README say the same.
+SETTINGS_HELP = {
+    "pipeline_id": "name of the pipeline; Delta txnAppId of its writes",
+    "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
+    "topic": "source topic",
+    "warehouse": "directory holding the Delta tables (counts, ledger, dead_letters, late_records)",
+    "counts_table": "location of the counts table (default <warehouse>/counts)",
+    "ledger_table": "location of the offset ledger (default <warehouse>/ledger)",
+    "dead_letter_table": "location of the dead-letter table (default <warehouse>/dead_letters)",
+    "late_table": "location of the late-records table (default <warehouse>/late_records)",
+    "window_seconds": "tumbling event-time window size",
+    "allowed_lateness_seconds": "how long after its end (by the watermark) a window still accepts records",
+    "event_time": "where event time comes from: payload (the record's ts / [time]) or kafka (record timestamp)",
+    "max_records_per_epoch": "cap on the offsets one epoch reads, split across partitions by backlog",
+    "start_position": "where a pipeline with an empty ledger starts: earliest, latest, timestamp, "
+                      "group-offsets or specific (ignored once the ledger has entries)",
+    "start_timestamp_ms": "for start_position timestamp: per partition, the first offset at or after this time",
+    "start_offsets": "for start_position specific: 'partition:offset,...' (others start at earliest)",
+    "group_offsets_reset": "for start_position group-offsets: partitions without a committed offset start "
+                           "at earliest or latest, or fail (none)",
+    "on_data_loss": "offsets deleted before they were counted: fail (default) or skip them, recording "
+                    "the gap in the ledger as status 'lost'",
+    "group_id": "Kafka consumer group that receives the committed offsets (monitoring only)",
+    "commit_offsets": "commit the ledger's offsets to the consumer group after each epoch",
+    "max_value_bytes": "larger record values go to the dead-letter table as too_large",
+    "spark_master": "Spark master for the in-process session (spark-submit passes its own)",
+    "kafka_timeout_seconds": "timeout of broker requests",
+    "schedule": "the DAG's schedule: cron expression or preset (read when Airflow parses the DAG)",
+}
+
+
 class ConfigError(ValueError):
     """A setting has a value the pipeline cannot run with; the message says which and why."""
 

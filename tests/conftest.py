@@ -43,6 +43,7 @@ def cfg(broker, tmp_path) -> PipelineConfig:
 
     name = f"t_{uuid.uuid4().hex[:10]}"
     config = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, topic=name, group_id=f"g_{name}",
+                            pipeline_id=f"p_{name}",
                             warehouse=str(Path(tmp_path) / "warehouse"), spark_master="local[2]")
     create_topic(config, 3)
     return config

@@ -49,13 +49,17 @@ def test_dag_folder_imports_without_errors(airflow_home):
         "d = bag.dags['ipcount_epoch']\n"
         "print(json.dumps({'errors': bag.import_errors, 'tasks': sorted(d.task_ids),\n"
         "  'max_active_runs': d.max_active_runs, 'catchup': d.catchup,\n"
-        "  'retries': d.default_args['retries'], 'schedule': str(d.schedule)}))\n")
+        "  'retries': d.default_args['retries'], 'schedule': str(d.schedule),\n"
+        "  'params': sorted(d.params.keys())}))\n")
     proc = subprocess.run([sys.executable, "-c", script], env=_env(airflow_home), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
+    from ipcount.orchestration import RUN_PARAMS
+
     assert info == {"errors": {}, "tasks": ["commit_offsets", "publish_summary", "run_epoch"],
-                    "max_active_runs": 1, "catchup": False, "retries": 2, "schedule": "* * * * *"}
+                    "max_active_runs": 1, "catchup": False, "retries": 2, "schedule": "* * * * *",
+                    "params": sorted(RUN_PARAMS)}
 
 
 def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
@@ -81,3 +85,24 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     assert published["epochs"][0]["ranges"] == {
         str(p): {"from_offset": f, "until_offset": u} for p, (f, u) in epoch_ranges(cfg)[0].items()}
     assert published["records_counted"] == sum(expected.counts.values())
+
+
+def test_run_params_override_the_pipeline_config_for_one_run(airflow_home, cfg):
+    gen = TrafficGenerator(seed=32, events_per_second=50)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
+                       partition_of=lambda i, r: i % 3)
+    conf = json.dumps({"max_records_per_epoch": 90, "commit_offsets": False, "start_position": "specific",
+                       "start_offsets": "1:40"})
+    proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", "-c", conf, cfg=cfg)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    (ranges,) = epoch_ranges(cfg)
+    assert ranges[1][0] == 40 and sum(u - f for f, u in ranges.values()) == 90
+    assert kafka_io.group_offsets(cfg) == {}  # commit_offsets was off for this run
+    assert counts(cfg) == expected_tables(produced, [ranges]).counts
+
+
+def test_invalid_run_params_are_refused_before_anything_runs(airflow_home, cfg):
+    proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", "-c", json.dumps({"window_seconds": 0}), cfg=cfg)
+    assert proc.returncode != 0
+    assert "window_seconds" in proc.stdout + proc.stderr
+    assert committed_epochs(cfg.ledger_path) == []
