@@ -20,12 +20,12 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Callable
 
 from ipcount import kafka_io, transform
 from ipcount.config import PipelineConfig
-from ipcount.ledger import Ledger, PartitionMetrics
+from ipcount.ledger import Ledger, LedgerState, PartitionMetrics
 from ipcount.ledger_view import epoch_line
 from ipcount.offsets import EpochPlan, check_readable, plan_ranges, skip_deleted
 from ipcount.sink import Sink
@@ -89,27 +89,8 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
         plan = state.pending
         log.info("resuming unfinished epoch %d with its recorded ranges %s", plan.epoch, plan.describe())
     else:
-        if state.committed:
-            log.info("ledger has entries: starting from its positions (start_position %r not used)",
-                     cfg.start_position)
-            initial: dict[int, int] = {}
-        else:
-            initial = kafka_io.start_offsets(cfg, earliest, latest)
-            log.info("empty ledger: start_position %s resolves to %s", cfg.start_position,
-                     " ".join(f"p{p}={o}" for p, o in sorted(initial.items())))
-        committed, lost = state.committed, ()
-        if cfg.on_data_loss == "skip":
-            committed, lost = skip_deleted(cfg.topic, committed, earliest)
-            for r in lost:
-                log.warning("data loss on %s: offsets [%d, %d) were deleted before they were counted; "
-                            "skipping them (on_data_loss=skip), recorded in the ledger as lost",
-                            f"{r.topic}-{r.partition}", r.from_offset, r.until_offset)
-        ranges = plan_ranges(cfg.topic, committed, earliest, latest, initial, cfg.max_records_per_epoch)
-        plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms, lost)
-        # A pipeline with history skips empty epochs; the very first epoch is recorded even
-        # when empty, so that a "latest" start position is pinned in the ledger.
-        if plan.size == 0 and state.committed and not lost:
-            log.info("nothing new to read on %s: %s", cfg.topic, plan.describe())
+        plan = _plan_next(cfg, state, earliest, latest)
+        if plan is None:
             return None
         ledger.record_plan(plan, run_id)
         log.info("planned epoch %d: %s", plan.epoch, plan.describe())
@@ -129,16 +110,21 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
     epoch_max = max((r.max_event_ms for r in metrics_rows if r.max_event_ms is not None), default=None)
     watermark_after = max((w for w in (plan.watermark_ms, epoch_max) if w is not None), default=None)
 
-    totals = PartitionMetrics(*(sum(getattr(m, f) for m in metrics.values()) for f in
-                                ("records_read", "records_counted", "records_late", "records_malformed")))
-    t = time.monotonic()
+    totals = PartitionMetrics(*(sum(getattr(m, f.name) for m in metrics.values()) for f in fields(PartitionMetrics)))
     sink_version = None
     if classified is not None:
-        sink_version = sink.write(plan.epoch, classified, plan.watermark_ms, malformed=totals.records_malformed,
-                                  late=totals.records_late, counted=totals.records_counted,
-                                  watermark_after_ms=watermark_after)
+        t = time.monotonic()
+        counts = transform.window_counts(classified, cfg.window_ms).persist()
+        counts.count()  # materialized here, so the stages below time the writes alone
+        stages["aggregate"] = time.monotonic() - t
+
+        t = time.monotonic()
+        sink_version = sink.write(plan.epoch, classified, counts, plan.watermark_ms,
+                                  malformed=totals.records_malformed, late=totals.records_late,
+                                  counted=totals.records_counted, watermark_after_ms=watermark_after)
+        stages["merge"] = time.monotonic() - t  # dead letters, late records, MERGE into counts
+        counts.unpersist()
         classified.unpersist()
-    stages["sink"] = time.monotonic() - t  # dead letters, late records, aggregate + MERGE counts
     crash("after_sink")
 
     t = time.monotonic()
@@ -156,6 +142,33 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
         seconds=time.monotonic() - started, stage_seconds=stages, lag_after=lag, resumed=resumed)
     log.info("%s", summary.line())
     return summary
+
+
+def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int],
+               latest: dict[int, int]) -> EpochPlan | None:
+    """The next epoch's plan, or None when a pipeline with history has nothing new."""
+    if state.committed:
+        log.info("ledger has entries: starting from its positions (start_position %r not used)", cfg.start_position)
+        initial: dict[int, int] = {}
+    else:
+        initial = kafka_io.start_offsets(cfg, earliest, latest)
+        log.info("empty ledger: start_position %s resolves to %s", cfg.start_position,
+                 " ".join(f"p{p}={o}" for p, o in sorted(initial.items())))
+    committed, lost = state.committed, ()
+    if cfg.on_data_loss == "skip":
+        committed, lost = skip_deleted(cfg.topic, committed, earliest)
+        for r in lost:
+            log.warning("data loss on %s-%d: offsets [%d, %d) were deleted before they were counted; skipping "
+                        "them (on_data_loss=skip), recorded in the ledger as lost",
+                        r.topic, r.partition, r.from_offset, r.until_offset)
+    ranges = plan_ranges(cfg.topic, committed, earliest, latest, initial, cfg.max_records_per_epoch)
+    plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms, lost)
+    # A pipeline with history skips empty epochs; the very first epoch is recorded even when
+    # empty, so that a "latest" start position is pinned in the ledger.
+    if plan.size == 0 and state.committed and not lost:
+        log.info("nothing new to read on %s: %s", cfg.topic, plan.describe())
+        return None
+    return plan
 
 
 def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -> DataFrame | None:

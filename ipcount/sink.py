@@ -67,10 +67,11 @@ class Sink:
                              (self.cfg.late_path, LATE_SCHEMA)):
             ensure_table(self.spark, path, schema)
 
-    def write(self, epoch: int, classified: DataFrame, watermark_ms: int | None, malformed: int, late: int,
-              counted: int, watermark_after_ms: int | None = None) -> int | None:
-        """Write the epoch's dead letters, late records and counts; return the counts table
-        version that holds this epoch (None if it counted nothing).
+    def write(self, epoch: int, classified: DataFrame, counts: DataFrame, watermark_ms: int | None,
+              malformed: int, late: int, counted: int, watermark_after_ms: int | None = None) -> int | None:
+        """Write the epoch's dead letters, late records and ``counts`` (its per-window counts,
+        :func:`ipcount.transform.window_counts`); return the counts table version that holds
+        this epoch (None if it counted nothing).
 
         Each write is skipped if a previous attempt of the epoch committed it. A write with
         no rows is not attempted at all: a replay finds no rows either, so skipping it is
@@ -87,14 +88,14 @@ class Sink:
                 F.timestamp_millis("window_start_ms").alias("window_start"),
                 F.timestamp_millis(F.col("window_start_ms") + self.cfg.window_ms).alias("window_end"),
                 F.timestamp_millis(F.lit(watermark_ms)).alias("watermark")))
-        return self._merge_counts(epoch, classified, watermark_after_ms) if counted else None
+        return self._merge_counts(epoch, counts, watermark_after_ms) if counted else None
 
     def _append(self, epoch: int, path: str, rows: DataFrame) -> None:
         (rows.write.format("delta").mode("append")
          .option("txnAppId", self.cfg.pipeline_id).option("txnVersion", epoch)
          .option("userMetadata", f"epoch={epoch}").save(path))
 
-    def _merge_counts(self, epoch: int, classified: DataFrame, watermark_ms: int | None) -> int | None:
+    def _merge_counts(self, epoch: int, updates: DataFrame, watermark_ms: int | None) -> int | None:
         """Add the epoch's counts and mark windows final, in one idempotent commit.
 
         A window is final once the watermark this epoch leaves has passed its end plus the
@@ -103,14 +104,11 @@ class Sink:
         """
         from delta.tables import DeltaTable
 
-        from ipcount.transform import window_counts
-
         def final(col: str):
             if watermark_ms is None:
                 return F.lit(False)
             return F.unix_millis(F.col(col)) + self.cfg.allowed_lateness_ms <= F.lit(watermark_ms)
 
-        updates = window_counts(classified, self.cfg.window_ms)
         target = DeltaTable.forPath(self.spark, self.cfg.counts_path)
         merge = (target.alias("t")
                  .merge(updates.alias("s"), "t.window_start = s.window_start AND t.ip = s.ip")

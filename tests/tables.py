@@ -50,7 +50,7 @@ def epoch_ranges(cfg: PipelineConfig) -> list[dict[int, tuple[int, int]]]:
 def snapshot(cfg: PipelineConfig) -> dict:
     """Every table as sorted rows, minus the ledger's wall-clock columns: what an
     exactly-once comparison between two runs looks at."""
-    wall_clock = {"planned_at", "committed_at", "duration_seconds", "run_id"}
+    wall_clock = {"planned_at", "committed_at", "duration_seconds", "stage_seconds", "run_id"}
 
     def rows(path: str, drop: set = frozenset()) -> list[tuple]:
         return sorted((tuple((k, v) for k, v in r.items() if k not in drop) for r in _rows(path)), key=repr)

@@ -96,6 +96,7 @@ def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
     """The sink's writes and the ledger commit, repeated for a committed epoch, are no-ops."""
     from ipcount.epoch import _read_and_classify
     from ipcount.ledger import Ledger
+    from ipcount.transform import window_counts
 
     produce_dataset(cfg, n=200)
     first = epoch_mod.run_epoch(cfg, spark)
@@ -104,8 +105,10 @@ def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
     before = snapshot(cfg)
     for s in (first, second):
         classified = _read_and_classify(spark, cfg, s.plan)
-        assert Sink(spark, cfg).write(s.epoch, classified, s.plan.watermark_ms, malformed=s.records_malformed,
-                                      late=s.records_late, counted=s.records_counted) == s.sink_version
+        counts_update = window_counts(classified, cfg.window_ms)
+        assert Sink(spark, cfg).write(s.epoch, classified, counts_update, s.plan.watermark_ms,
+                                      malformed=s.records_malformed, late=s.records_late,
+                                      counted=s.records_counted, watermark_after_ms=s.watermark_ms) == s.sink_version
         Ledger(spark, cfg.ledger_path).commit(s.plan, {}, None, None, 0.0, "replay")
     assert snapshot(cfg) == before
     assert epoch_mod.run_epoch(cfg, spark) is None
@@ -163,7 +166,7 @@ def test_kafka_consumer_groups_describe_shows_ledger_positions_and_true_lag(cfg,
 
     last = committed_epochs(cfg.ledger_path)[-1]
     assert last.lag_after == {p: lag for p, (_, _, lag) in rows.items()}
-    assert set(last.stage_seconds) == {"plan", "read", "sink"} and all(v >= 0 for v in last.stage_seconds.values())
+    assert set(last.stage_seconds) == {"plan", "read", "aggregate", "merge"} and all(v >= 0 for v in last.stage_seconds.values())
     assert f"lag {150 - 60} |" in last.line()
 
 
