@@ -194,21 +194,24 @@ class PipelineConfig:
         return out
 
     # Table locations: an explicit setting wins, else <warehouse>/<table>.
+    def _table(self, explicit: str, name: str) -> str:
+        return explicit or str(Path(self.warehouse) / name)
+
     @property
     def counts_path(self) -> str:
-        return self.counts_table or str(Path(self.warehouse) / "counts")
+        return self._table(self.counts_table, "counts")
 
     @property
     def ledger_path(self) -> str:
-        return self.ledger_table or str(Path(self.warehouse) / "ledger")
+        return self._table(self.ledger_table, "ledger")
 
     @property
     def dead_letter_path(self) -> str:
-        return self.dead_letter_table or str(Path(self.warehouse) / "dead_letters")
+        return self._table(self.dead_letter_table, "dead_letters")
 
     @property
     def late_path(self) -> str:
-        return self.late_table or str(Path(self.warehouse) / "late_records")
+        return self._table(self.late_table, "late_records")
 
     @property
     def window_ms(self) -> int:

@@ -7,8 +7,7 @@ from contextlib import contextmanager
 from typing import Iterator, Mapping
 
 from kafka import IsolationLevel, KafkaAdminClient, OffsetSpec, TopicPartition
-from kafka.errors import (KafkaConnectionError, KafkaError, KafkaTimeoutError, RetriableError,
-                          TopicAlreadyExistsError)
+from kafka.errors import KafkaConnectionError, KafkaTimeoutError, RetriableError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from ipcount.config import PipelineConfig
@@ -163,6 +162,3 @@ def group_offsets(cfg: PipelineConfig) -> dict[int, int]:
     return {tp.partition: meta.offset for tp, meta in dict(entries).items()
             if tp.topic == cfg.topic and meta.offset >= 0}
 
-
-__all__ = ["BrokerUnavailableError", "UnknownTopicError", "KafkaError", "admin_client",
-           "partition_offsets", "create_topic", "commit_group_offsets", "group_offsets"]
