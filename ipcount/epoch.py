@@ -27,7 +27,7 @@ from ipcount import kafka_io, transform
 from ipcount.config import PipelineConfig
 from ipcount.ledger import Ledger, LedgerState, PartitionMetrics
 from ipcount.ledger_view import epoch_line
-from ipcount.offsets import EpochPlan, check_readable, plan_ranges, skip_deleted
+from ipcount.offsets import EpochPlan, check_partitions_exist, check_readable, plan_ranges, skip_deleted
 from ipcount.sink import Sink
 
 if TYPE_CHECKING:
@@ -95,9 +95,10 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
         ledger.record_plan(plan, run_id)
         log.info("planned epoch %d: %s", plan.epoch, plan.describe())
     crash("after_plan")
-    for r in plan.nonempty_ranges:  # data that aged out since planning fails loudly, too
-        check_readable(cfg.topic, r.partition, r.from_offset, earliest.get(r.partition, 0),
-                       latest.get(r.partition, -1))
+    # Data that aged out (or a partition that vanished) since planning fails loudly, too.
+    check_partitions_exist(cfg.topic, {r.partition: r.from_offset for r in plan.nonempty_ranges}, latest)
+    for r in plan.nonempty_ranges:
+        check_readable(cfg.topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
     stages["plan"] = time.monotonic() - t
 
     t = time.monotonic()

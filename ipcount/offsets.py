@@ -99,12 +99,7 @@ def plan_ranges(topic: str, committed: Mapping[int, int], earliest: Mapping[int,
     Returns one range per partition the broker has, sorted by partition; ranges may be
     empty. Raises :class:`DataLossError` when a committed position is no longer readable.
     """
-    missing = sorted(set(committed) - set(latest))
-    if missing:
-        raise DataLossError(
-            f"partition(s) {', '.join(f'{topic}-{p}' for p in missing)} are in the ledger but no "
-            f"longer exist on the broker; offsets from {', '.join(str(committed[p]) for p in missing)} "
-            "onward can never be read (was the topic deleted or recreated?)")
+    check_partitions_exist(topic, committed, latest)
     starts: dict[int, int] = {}
     for p in sorted(latest):
         if p in committed:
@@ -117,6 +112,16 @@ def plan_ranges(topic: str, committed: Mapping[int, int], earliest: Mapping[int,
         starts[p] = start
     budgets = split_cap({p: latest[p] - starts[p] for p in starts}, max_records)
     return tuple(OffsetRange(topic, p, starts[p], starts[p] + budgets[p]) for p in sorted(starts))
+
+
+def check_partitions_exist(topic: str, positions: Mapping[int, int], latest: Mapping[int, int]) -> None:
+    """Raise :class:`DataLossError` if a partition the ledger reads from is gone."""
+    missing = sorted(set(positions) - set(latest))
+    if missing:
+        raise DataLossError(
+            f"partition(s) {', '.join(f'{topic}-{p}' for p in missing)} are in the ledger but no "
+            f"longer exist on the broker; offsets from {', '.join(str(positions[p]) for p in missing)} "
+            "onward can never be read (was the topic deleted or recreated?)")
 
 
 def skip_deleted(topic: str, committed: Mapping[int, int],
