@@ -10,6 +10,20 @@ import pytest
 from ipcount.config import PipelineConfig
 
 
+def run_until_idle(cfg: PipelineConfig, spark, limit: int = 20) -> list:
+    """Run epochs until one finds nothing new; their summaries. Bounded, so a planning bug
+    fails the test instead of hanging it."""
+    from ipcount.epoch import run_epoch
+
+    summaries = []
+    for _ in range(limit):
+        s = run_epoch(cfg, spark)
+        if s is None:
+            return summaries
+        summaries.append(s)
+    raise AssertionError(f"still planning epochs after {limit}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,14 +16,15 @@ from ipcount.config import PipelineConfig
 from ipcount.epoch import CRASH_POINTS
 from ipcount.generator import TrafficGenerator, produce
 from ipcount.ledger_view import committed_epochs
+from tests.conftest import run_until_idle
 from tests.tables import ledger, snapshot
 
 BASE_MS = 1_795_255_200_000
 
 
-def run_until_idle(cfg, spark):
-    while epoch_mod.run_epoch(cfg, spark) is not None:
-        pass
+def run_to_end(cfg, spark):
+    """Every epoch there is, then the group-offset commit, as the DAG would."""
+    run_until_idle(cfg, spark)
     epoch_mod.commit_group_offsets_from_ledger(cfg)
 
 
@@ -37,7 +38,7 @@ def source(broker, spark, tmp_path_factory):
     kafka_io.create_topic(base, 3)
     gen = TrafficGenerator(seed=21, events_per_second=40, late_share=0.05, malformed_share=0.03)
     produced = produce(base.bootstrap_servers, topic, gen.records(600, BASE_MS), partition_of=lambda i, r: i % 3)
-    run_until_idle(base, spark)
+    run_to_end(base, spark)
     assert len(committed_epochs(base.ledger_path)) == 3
     return base, produced
 
@@ -58,7 +59,7 @@ def test_crash_then_rerun_gives_the_tables_of_a_clean_run(point, source, spark, 
     assert status == ({"planned"} if point in ("after_plan", "after_sink") else {"committed"})
     assert kafka_io.group_offsets(cfg) == {}  # the crash came before any group commit
 
-    run_until_idle(cfg, spark)  # the re-run: finishes epoch 1, then the rest
+    run_to_end(cfg, spark)  # the re-run: finishes epoch 1, then the rest
     assert snapshot(cfg) == snapshot(clean)
     ends = dict(Counter(p.partition for p in produced))
     assert kafka_io.group_offsets(cfg) == ends

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from tests.conftest import run_until_idle
 from tests.ground_truth import expected_tables
 from ipcount import epoch as epoch_mod
 from ipcount import kafka_io
@@ -16,16 +17,6 @@ BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
 def produce_dataset(cfg, n=1500, seed=11):
     gen = TrafficGenerator(seed=seed, events_per_second=50, late_share=0.04, malformed_share=0.03)
     return produce(cfg.bootstrap_servers, cfg.topic, gen.records(n, BASE_MS), partition_of=lambda i, r: i % 3)
-
-
-def run_until_idle(cfg, spark, limit=20):
-    summaries = []
-    for _ in range(limit):
-        s = epoch_mod.run_epoch(cfg, spark)
-        if s is None:
-            return summaries
-        summaries.append(s)
-    raise AssertionError(f"still planning epochs after {limit}")
 
 
 def assert_contiguous(ranges_per_epoch, ends, cap):
