@@ -8,12 +8,16 @@ Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
 1. `run_epoch` - spark-submit of `spark_jobs/epoch_job.py` (connection `spark_default`):
    plan from the ledger (or finish an unfinished epoch with its recorded ranges), read, count,
    merge into the counts table, commit the ledger.
+   A run made by `airflow backfill create` takes `backfill_interval` instead: it counts the
+   records whose Kafka timestamps fall in the run's data interval and that the ledger does
+   not own yet (an interval the chain already counted is a no-op, and says so).
 2. `commit_offsets` - copy the ledger's positions to the Kafka consumer group, for lag
    monitoring only; recovery never reads them.
 3. `publish_summary` - log the epoch, return it to XCom and put it in the counts Asset event.
 
 Configuration: `IPCOUNT_*` environment variables or the file named by `IPCOUNT_CONFIG`
-(see the README). `max_active_runs=1`: epochs of one pipeline never overlap.
+(see the README). `max_active_runs=1`: scheduled epochs never overlap (and backfills that
+do run beside them cannot double count: the ledger refuses overlapping plans).
 """
 from __future__ import annotations
 
@@ -23,10 +27,12 @@ import pendulum
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Asset, task
 from airflow.sdk.exceptions import AirflowSkipException
+from airflow.timetables.interval import CronDataIntervalTimetable
 
 from ipcount.config import PipelineConfig
 from ipcount.epoch import commit_group_offsets_from_ledger
-from ipcount.orchestration import dag_params, epoch_summary, run_config, spark_submit_kwargs
+from ipcount.orchestration import (INTERVAL_BACKFILL_ARGS, dag_params, epoch_summary, run_config,
+                                   spark_submit_kwargs)
 
 CFG = PipelineConfig.load()
 COUNTS = Asset(name=f"{CFG.pipeline_id}_counts", uri=f"file://{CFG.counts_path}")
@@ -35,7 +41,8 @@ with DAG(
     dag_id="ipcount_epoch",
     description=__doc__.strip().splitlines()[0].lstrip("# "),
     doc_md=__doc__,
-    schedule=CFG.schedule,
+    # Data intervals (not trigger instants): a backfill run counts its interval's records.
+    schedule=CronDataIntervalTimetable(CFG.schedule, timezone="UTC"),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
@@ -43,9 +50,18 @@ with DAG(
     tags=["ipcount", "exactly-once", "kafka", "delta"],
     params=dag_params(CFG),  # per-run overrides (trigger form / --conf), validated by JSON schema
 ):
-    run_epoch = SparkSubmitOperator(task_id="run_epoch", **spark_submit_kwargs(CFG))
+    @task.branch
+    def choose_path(dag_run=None) -> str:
+        """Scheduled and manual runs advance the chain; `airflow backfill create` runs count
+        their data interval."""
+        run_type = getattr(dag_run.run_type, "value", dag_run.run_type)
+        return "backfill_interval" if run_type == "backfill" else "run_epoch"
 
-    @task
+    run_epoch = SparkSubmitOperator(task_id="run_epoch", **spark_submit_kwargs(CFG, "epoch", ("--skip-offset-commit",)))
+    backfill_interval = SparkSubmitOperator(task_id="backfill_interval",
+                                            **spark_submit_kwargs(CFG, "backfill", INTERVAL_BACKFILL_ARGS))
+
+    @task(trigger_rule="none_failed_min_one_success")
     def commit_offsets(params: dict | None = None) -> bool:
         """Ledger positions -> consumer group (warns, never fails, when the broker refuses)."""
         return commit_group_offsets_from_ledger(run_config(CFG, params))
@@ -59,4 +75,4 @@ with DAG(
         outlet_events[COUNTS].extra = summary
         return summary
 
-    run_epoch >> commit_offsets() >> publish_summary()
+    choose_path() >> [run_epoch, backfill_interval] >> commit_offsets() >> publish_summary()

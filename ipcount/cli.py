@@ -1,6 +1,9 @@
 """Command line: ``bin/ipcount <command> --help``.
 
     epoch      run one checkpoint epoch (the code path the DAG's Spark job runs)
+    backfill   count an offset or time range the ledger does not own yet, in bounded epochs
+    verify     recount what a table's ledger says is counted, straight from Kafka, and compare
+    rebuild    replay a ledger's committed epochs into a fresh replay table set
     watch      print a line per epoch as epochs commit (reads the ledger, no JVM)
     generate   produce access-log traffic to the source topic
     kafka      start / stop / status of the embedded broker; create-topic
@@ -16,7 +19,7 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ipcount.config import SETTINGS_HELP, STATE_DIR, ConfigError, PipelineConfig
 
@@ -63,6 +66,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-offset-commit", action="store_true",
                    help="stop after the ledger commit; the DAG commits offsets in its own task")
     p.add_argument("--summary-json", action="store_true", help="print the epoch summary as JSON")
+
+    p = sub.add_parser("backfill", help="count an offset or time range, exactly once",
+                       description="Count the records of the given offset ranges (or with timestamps in the "
+                                   "given time range) that the target's ledger does not own yet, in epochs "
+                                   "of at most max_records_per_epoch offsets, each committed on its own. "
+                                   "Asking twice counts once; what was already counted is reported as "
+                                   "skipped. Re-run the same command to finish a backfill that crashed. "
+                                   "Exit codes: 0 done, 2 bad request or settings, 3 data loss, 4 broker.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--offsets", metavar="SPEC",
+                      help="per-partition half-open ranges 'partition:from-until,...', e.g. '0:0-500,2:100-200'")
+    what.add_argument("--from-time", metavar="TIME",
+                      help="start of a time range (ISO 8601, e.g. 2026-11-21T10:00:00Z, or epoch ms); "
+                           "resolved per partition with the broker's offsets-for-times lookup")
+    what.add_argument("--request-json", metavar="JSON",
+                      help='the request as one JSON object, as the backfill DAG passes it: {"target": ..., '
+                           '"offsets": ... | "from_time": ..., "until_time": ...} (empty values are ignored)')
+    p.add_argument("--until-time", metavar="TIME", help="end of the time range (exclusive); needs --from-time")
+    p.add_argument("--target", default="main",
+                   help="'main' (the pipeline's tables, default) or a replay table name: a plain identifier; "
+                        "its tables and ledger live under <warehouse>/replays/<name>/")
+    p.add_argument("--run-id", help="Airflow run id recorded in the ledger (set by the DAG)")
+    p.add_argument("--summary-json", action="store_true", help="print the backfill report as JSON")
+    _add_config_flags(p)
+
+    p = sub.add_parser("verify", help="recount a table's committed offsets from Kafka and compare",
+                       description="Recount every offset the target's ledger has committed, straight from "
+                                   "Kafka with a plain consumer and the Python record specification, and "
+                                   "compare with the counts table per window and IP. Prints each difference. "
+                                   "Exit codes: 0 equal, 1 different, 4 broker unreachable.")
+    p.add_argument("--target", default="main", help="'main' (default) or a replay table name")
+    p.add_argument("--from-time", metavar="TIME", help="only compare windows starting at or after this time")
+    p.add_argument("--until-time", metavar="TIME", help="only compare windows starting before this time")
+    p.add_argument("--max-differences", type=int, default=50, help="differences to print (default 50)")
+    _add_config_flags(p)
+
+    p = sub.add_parser("rebuild", help="replay a ledger's committed epochs into a fresh replay table set",
+                       description="Replay every committed epoch of the source's ledger (same ranges, "
+                                   "watermarks and epoch ids, in the order their counts were committed) into "
+                                   "the replay target --into; the result equals the source row for row as "
+                                   "long as Kafka still holds the offsets. Resumable: re-run it after a "
+                                   "crash. Exit codes: 0 done, 2 bad request, 3 offsets no longer in Kafka.")
+    p.add_argument("--into", required=True, help="replay target to write (a plain identifier, not 'main')")
+    p.add_argument("--source", default="main", help="target whose ledger is replayed (default main)")
+    p.add_argument("--run-id", help="run id recorded in the target's ledger")
+    _add_config_flags(p)
 
     p = sub.add_parser("watch", help="print a line per epoch as epochs commit",
                        description="Follow the ledger and print one line per committed epoch.")
@@ -113,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args)
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"ipcount {args.command}: error: {e}\n")
-    command = {"epoch": _epoch, "watch": _watch, "generate": _generate, "kafka": _kafka,
+    command = {"epoch": _epoch, "backfill": _backfill, "verify": _verify, "rebuild": _rebuild, "watch": _watch, "generate": _generate, "kafka": _kafka,
                "airflow": _airflow, "config": _config}[args.command]
     try:
         return command(args, cfg)
@@ -123,36 +172,114 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount import epoch as epoch_mod
-    from ipcount.kafka_io import BrokerUnavailableError, StartPositionError, UnknownTopicError
-    from ipcount.offsets import DataLossError
-    from ipcount.session import MissingJarsError, get_spark
+    from ipcount.session import get_spark
 
     crash = epoch_mod.crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
+
+    def run() -> int:
+        summary = epoch_mod.run_epoch(cfg, get_spark(cfg), run_id=args.run_id, crash=crash)
+        if summary is not None:
+            print(summary.line(), flush=True)
+            if args.summary_json:
+                print(json.dumps({"epoch": summary.epoch, "records_read": summary.records_read,
+                                  "records_counted": summary.records_counted, "records_late": summary.records_late,
+                                  "records_malformed": summary.records_malformed, "seconds": summary.seconds,
+                                  "stage_seconds": summary.stage_seconds, "sink_version": summary.sink_version}))
+        else:
+            print("no new records: no epoch committed", flush=True)
+        if not args.skip_offset_commit:
+            crash("before_kafka_commit")
+            epoch_mod.commit_group_offsets_from_ledger(cfg)
+        return EXIT_OK
+    return _spark_command(run)
+
+
+def _spark_command(run: Callable[[], int]) -> int:
+    """Run a Spark-backed command, mapping the pipeline's errors to exit codes and messages."""
+    from ipcount.backfill_request import BadRequestError
+    from ipcount.kafka_io import BrokerUnavailableError, StartPositionError, UnknownTopicError
+    from ipcount.offsets import DataLossError
+    from ipcount.session import MissingJarsError
+
     try:
-        spark = get_spark(cfg)
-        summary = epoch_mod.run_epoch(cfg, spark, run_id=args.run_id, crash=crash)
+        return run()
     except DataLossError as e:
         log.error("%s", e)
         return EXIT_DATA_LOSS
     except (BrokerUnavailableError, UnknownTopicError) as e:
         log.error("%s", e)
         return EXIT_BROKER
-    except (MissingJarsError, StartPositionError) as e:
+    except (MissingJarsError, StartPositionError, BadRequestError) as e:
         log.error("%s", e)
         return EXIT_USAGE
-    if summary is not None:
-        print(summary.line(), flush=True)
+
+
+def _backfill_request(args: argparse.Namespace, cfg: PipelineConfig):
+    from ipcount.backfill_request import BackfillRequest, BadRequestError, parse_offsets, parse_time
+
+    if args.request_json is not None:
+        from ipcount.orchestration import backfill_request_fields
+        return backfill_request_fields(args.request_json, cfg.topic)
+    if args.offsets is not None:
+        if args.until_time is not None:
+            raise BadRequestError("--until-time goes with --from-time, not with --offsets")
+        return BackfillRequest(target=args.target, offsets=parse_offsets(args.offsets, cfg.topic))
+    if args.until_time is None:
+        raise BadRequestError("--from-time needs --until-time (the end of the range, exclusive)")
+    return BackfillRequest(target=args.target, from_ms=parse_time(args.from_time, "--from-time"),
+                           until_ms=parse_time(args.until_time, "--until-time"))
+
+
+def _backfill(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount import epoch as epoch_mod
+    from ipcount.backfill import run_backfill
+    from ipcount.session import get_spark
+
+    crash = epoch_mod.crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
+
+    def run() -> int:
+        from ipcount.backfill import resolve
+        from ipcount.kafka_io import partition_offsets
+
+        request = _backfill_request(args, cfg)  # checked, with the broker, before Spark starts
+        resolve(cfg, request, *partition_offsets(cfg))
+        report = run_backfill(cfg, get_spark(cfg), request, run_id=args.run_id, crash=crash)
+        print(report.line(), flush=True)
         if args.summary_json:
-            print(json.dumps({"epoch": summary.epoch, "records_read": summary.records_read,
-                              "records_counted": summary.records_counted, "records_late": summary.records_late,
-                              "records_malformed": summary.records_malformed, "seconds": summary.seconds,
-                              "stage_seconds": summary.stage_seconds, "sink_version": summary.sink_version}))
-    else:
-        print("no new records: no epoch committed", flush=True)
-    if not args.skip_offset_commit:
-        crash("before_kafka_commit")
-        epoch_mod.commit_group_offsets_from_ledger(cfg)
-    return EXIT_OK
+            print(json.dumps(report.to_dict()), flush=True)
+        return EXIT_OK
+    return _spark_command(run)
+
+
+def _verify(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.backfill_request import check_target, parse_time
+    from ipcount.verify import verify
+
+    def run() -> int:
+        check_target(args.target)
+        report = verify(cfg, args.target,
+                        parse_time(args.from_time, "--from-time") if args.from_time else None,
+                        parse_time(args.until_time, "--until-time") if args.until_time else None)
+        for d in report.differences[:args.max_differences]:
+            print(d.line())
+        if len(report.differences) > args.max_differences:
+            print(f"... and {len(report.differences) - args.max_differences} more")
+        print(report.line(), flush=True)
+        return EXIT_OK if report.ok else EXIT_FAILED
+    return _spark_command(run)
+
+
+def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.backfill import rebuild
+    from ipcount.session import get_spark
+
+    def run() -> int:
+        from ipcount.backfill_request import check_target
+        check_target(args.into), check_target(args.source)
+        report = rebuild(cfg, get_spark(cfg), args.into, args.source, run_id=args.run_id)
+        print(report.line(), flush=True)
+        return EXIT_OK
+    return _spark_command(run)
 
 
 def _watch(args: argparse.Namespace, cfg: PipelineConfig) -> int:

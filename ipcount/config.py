@@ -213,6 +213,18 @@ class PipelineConfig:
     def late_path(self) -> str:
         return self._table(self.late_table, "late_records")
 
+    def for_target(self, target: str) -> PipelineConfig:
+        """The configuration writing to ``target``: ``main`` is this pipeline's own tables;
+        any other (checked) name is a replay table set with its own ledger under
+        ``<warehouse>/replays/<target>/``."""
+        from ipcount.backfill_request import MAIN_TARGET, check_target
+
+        if check_target(target) == MAIN_TARGET:
+            return self
+        base = Path(self.warehouse) / "replays" / target
+        return self.replace(counts_table=str(base / "counts"), ledger_table=str(base / "ledger"),
+                            dead_letter_table=str(base / "dead_letters"), late_table=str(base / "late_records"))
+
     @property
     def window_ms(self) -> int:
         return self.window_seconds * 1000

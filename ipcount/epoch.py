@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ipcount import kafka_io, transform
 from ipcount.config import PipelineConfig
-from ipcount.ledger import Ledger, LedgerState, PartitionMetrics
+from ipcount.ledger import Ledger, LedgerState, PartitionMetrics, PlanConflict
 from ipcount.ledger_view import epoch_line
 from ipcount.offsets import EpochPlan, check_partitions_exist, check_readable, plan_ranges, skip_deleted
 from ipcount.sink import Sink
@@ -74,32 +74,70 @@ class EpochSummary:
 
 def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,
               crash: Callable[[str], None] = lambda point: None) -> EpochSummary | None:
-    """Run one epoch to its ledger commit. Returns None when there was nothing to read."""
+    """Run the scheduled chain's next epoch to its ledger commit (or finish its unfinished
+    one). Returns None when there was nothing to read."""
     started = time.monotonic()
-    stages: dict[str, float] = {}
-    ledger, sink = Ledger(spark, cfg.ledger_path), Sink(spark, cfg)
-    ledger.ensure()
-    sink.ensure()
-
-    t = time.monotonic()
-    state = ledger.state(cfg.topic)
+    ledger, sink = prepare_tables(cfg, spark)
     earliest, latest = kafka_io.partition_offsets(cfg)
-    resumed = state.pending is not None
-    if resumed:
+    state = ledger.state(cfg.topic)
+    if state.pending is not None:
         plan = state.pending
         log.info("resuming unfinished epoch %d with its recorded ranges %s", plan.epoch, plan.describe())
     else:
-        plan = _plan_next(cfg, state, earliest, latest)
+        plan = record_new_plan(ledger, cfg.topic, run_id, lambda st: _plan_next(cfg, st, earliest, latest),
+                               state)
         if plan is None:
             return None
-        ledger.record_plan(plan, run_id)
+    return execute(cfg, spark, plan, earliest, latest, run_id=run_id, crash=crash,
+                   resumed=state.pending is not None, started=started, ledger=ledger, sink=sink)
+
+
+def prepare_tables(cfg: PipelineConfig, spark: SparkSession) -> tuple[Ledger, Sink]:
+    ledger, sink = Ledger(spark, cfg.ledger_path), Sink(spark, cfg)
+    ledger.ensure()
+    sink.ensure()
+    return ledger, sink
+
+
+def record_new_plan(ledger: Ledger, topic: str, run_id: str | None,
+                    planner: Callable[[LedgerState], EpochPlan | None], state: LedgerState | None = None,
+                    attempts: int = 8) -> EpochPlan | None:
+    """Plan from the ledger and record the plan; if a concurrent planner took some of the
+    offsets (or the epoch id) first, plan again from the new state."""
+    for attempt in range(1, attempts + 1):
+        state = state if state is not None else ledger.state(topic)
+        plan = planner(state)
+        if plan is None:
+            return None
+        try:
+            ledger.record_plan(plan, run_id)
+        except PlanConflict as e:
+            log.info("epoch %d not recorded: %s; planning again (%d/%d)", plan.epoch, e, attempt, attempts)
+            state = None
+            time.sleep(0.2 * attempt)
+            continue
         log.info("planned epoch %d: %s", plan.epoch, plan.describe())
+        return plan
+    raise RuntimeError(f"could not record a plan in {ledger.path} after {attempts} attempts: other "
+                       "planners kept taking the same offsets")
+
+
+def execute(cfg: PipelineConfig, spark: SparkSession, plan: EpochPlan, earliest: dict[int, int],
+            latest: dict[int, int], *, run_id: str | None = None, crash: Callable[[str], None] = lambda p: None,
+            resumed: bool = False, started: float | None = None, ledger: Ledger | None = None,
+            sink: Sink | None = None) -> EpochSummary:
+    """Steps 2-4 of a recorded plan: read, sink, ledger commit. The same for scheduled
+    epochs, backfill chunks and rebuilds; a re-run of the same plan changes nothing."""
+    started = time.monotonic() if started is None else started
+    ledger = ledger or Ledger(spark, cfg.ledger_path)
+    sink = sink or Sink(spark, cfg)
+    stages: dict[str, float] = {}
     crash("after_plan")
     # Data that aged out (or a partition that vanished) since planning fails loudly, too.
     check_partitions_exist(cfg.topic, {r.partition: r.from_offset for r in plan.nonempty_ranges}, latest)
     for r in plan.nonempty_ranges:
         check_readable(cfg.topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
-    stages["plan"] = time.monotonic() - t
+    stages["plan"] = time.monotonic() - started
 
     t = time.monotonic()
     classified = _read_and_classify(spark, cfg, plan)
@@ -120,9 +158,9 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
         stages["aggregate"] = time.monotonic() - t
 
         t = time.monotonic()
-        sink_version = sink.write(plan.epoch, classified, counts, plan.watermark_ms,
-                                  malformed=totals.records_malformed, late=totals.records_late,
-                                  counted=totals.records_counted, watermark_after_ms=watermark_after)
+        sink_version = sink.write(plan, classified, counts, malformed=totals.records_malformed,
+                                  late=totals.records_late, counted=totals.records_counted,
+                                  watermark_after_ms=watermark_after)
         stages["merge"] = time.monotonic() - t  # dead letters, late records, MERGE into counts
         counts.unpersist()
         classified.unpersist()
@@ -147,7 +185,12 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
 
 def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int],
                latest: dict[int, int]) -> EpochPlan | None:
-    """The next epoch's plan, or None when a pipeline with history has nothing new."""
+    """The chain's next plan, or None when a pipeline with history has nothing new.
+
+    Per partition the epoch continues where the chain ended, past any offsets a backfill
+    already owns, up to the next owned offset or the end of the log; the cap is split
+    across partitions by what is left.
+    """
     if state.committed:
         log.info("ledger has entries: starting from its positions (start_position %r not used)", cfg.start_position)
         initial: dict[int, int] = {}
@@ -162,8 +205,10 @@ def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int]
             log.warning("data loss on %s-%d: offsets [%d, %d) were deleted before they were counted; skipping "
                         "them (on_data_loss=skip), recorded in the ledger as lost",
                         r.topic, r.partition, r.from_offset, r.until_offset)
-    ranges = plan_ranges(cfg.topic, committed, earliest, latest, initial, cfg.max_records_per_epoch)
-    plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms, lost)
+    ranges = plan_ranges(cfg.topic, committed, earliest, latest, initial, cfg.max_records_per_epoch,
+                         coverage=state.coverage)
+    plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms, lost,
+                     chain_watermark_ms=state.watermark_ms)
     # A pipeline with history skips empty epochs; the very first epoch is recorded even when
     # empty, so that a "latest" start position is pinned in the ledger.
     if plan.size == 0 and state.committed and not lost:

@@ -77,12 +77,7 @@ def start_offsets(cfg: PipelineConfig, earliest: Mapping[int, int], latest: Mapp
     if position == "latest":
         return dict(latest)
     if position == "timestamp":
-        # The first offset whose record timestamp is >= the time; none yet -> the end.
-        with admin_client(cfg) as client:
-            found = client.list_partition_offsets(
-                {TopicPartition(cfg.topic, p): cfg.start_timestamp_ms for p in latest},
-                isolation_level=IsolationLevel.READ_COMMITTED)
-        return {tp.partition: (o.offset if o.offset >= 0 else latest[tp.partition]) for tp, o in found.items()}
+        return offsets_for_time(cfg, cfg.start_timestamp_ms, latest)
     if position == "group-offsets":
         return _group_start(cfg, earliest, latest)
     specific = cfg.specific_start_offsets
@@ -96,6 +91,47 @@ def start_offsets(cfg: PipelineConfig, earliest: Mapping[int, int], latest: Mapp
                 f"start_offsets {cfg.topic}-{p}:{offset} is outside the partition's offsets "
                 f"[{earliest[p]}, {latest[p]}]")
     return {p: specific.get(p, earliest[p]) for p in latest}
+
+
+def offsets_for_time(cfg: PipelineConfig, timestamp_ms: int, latest: Mapping[int, int]) -> dict[int, int]:
+    """Per partition, the first offset whose record timestamp is >= ``timestamp_ms`` (the
+    broker's offsets-for-times lookup); a partition with no such record yet -> its end."""
+    with admin_client(cfg) as client:
+        found = client.list_partition_offsets(
+            {TopicPartition(cfg.topic, p): timestamp_ms for p in latest},
+            isolation_level=IsolationLevel.READ_COMMITTED)
+    return {tp.partition: (o.offset if o.offset >= 0 else latest[tp.partition]) for tp, o in found.items()}
+
+
+def read_range(cfg: PipelineConfig, partition: int, from_offset: int, until_offset: int) -> Iterator:
+    """The committed records of ``[from_offset, until_offset)`` of one partition, with a plain
+    consumer (no group, read_committed): an independent reader for verification."""
+    from kafka import KafkaConsumer
+
+    if until_offset <= from_offset:
+        return
+    consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=None,
+                             enable_auto_commit=False, isolation_level="read_committed",
+                             client_id=f"{cfg.pipeline_id}-verify", request_timeout_ms=cfg.kafka_timeout_seconds * 1000 + 1000,
+                             max_partition_fetch_bytes=8 * 1024 * 1024)
+    try:
+        tp = TopicPartition(cfg.topic, partition)
+        consumer.assign([tp])
+        consumer.seek(tp, from_offset)
+        deadline = time.monotonic() + cfg.kafka_timeout_seconds
+        while consumer.position(tp) < until_offset:
+            batch = consumer.poll(timeout_ms=1000).get(tp, [])
+            if batch:
+                deadline = time.monotonic() + cfg.kafka_timeout_seconds
+            elif time.monotonic() > deadline:
+                raise BrokerUnavailableError(f"reading {cfg.topic}-{partition} stalled at offset "
+                                             f"{consumer.position(tp)} (wanted up to {until_offset})")
+            for record in batch:
+                if record.offset >= until_offset:
+                    return
+                yield record
+    finally:
+        consumer.close()
 
 
 def _group_start(cfg: PipelineConfig, earliest: Mapping[int, int], latest: Mapping[int, int]) -> dict[int, int]:

@@ -6,21 +6,33 @@ One row per (epoch, partition). ``status`` is ``planned`` from the write-ahead u
 sink commit is done, then ``committed``. With ``on_data_loss = "skip"``, offsets deleted
 before they were counted get a row of their own with status ``lost``, so that per
 partition the committed and lost ranges still chain without a gap.
+
+``kind`` is ``scheduled`` (the chain the DAG advances) or ``backfill`` (a request for a
+given range, ``request_id`` naming it). Whatever the kind, the rows of one ledger never
+overlap: every planner takes only offsets no row covers, and :meth:`Ledger.record_plan`
+refuses - atomically, through Delta's optimistic concurrency - a plan that a concurrent
+planner's rows overlap.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 
 from pyspark.sql import functions as F
 from pyspark.sql.types import (DoubleType, IntegerType, LongType, MapType, StringType, StructField,
                                StructType, TimestampType)
 
-from ipcount.offsets import EpochPlan, OffsetRange
+from ipcount.coverage import Coverage
+from ipcount.offsets import BACKFILL, SCHEDULED, EpochPlan, OffsetRange
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PLANNED, COMMITTED, LOST = "planned", "committed", "lost"
 
@@ -44,6 +56,9 @@ LEDGER_SCHEMA = StructType([
     StructField("run_id", StringType(), True),
     StructField("lag_after", LongType(), True),
     StructField("stage_seconds", MapType(StringType(), DoubleType()), True),
+    StructField("kind", StringType(), True),               # scheduled | backfill (null: scheduled)
+    StructField("request_id", StringType(), True),         # the backfill request
+    StructField("chain_watermark_ms", LongType(), True),   # scheduled chain's watermark at planning
 ])
 
 
@@ -60,17 +75,49 @@ def ensure_table(spark: SparkSession, path: str, schema: StructType) -> None:
     missing = [f for f in schema.fields if f.name not in have]
     if missing:
         columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
-        spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})")
+        retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"),
+                          f"adding columns to {path}")
+
+
+class PlanConflict(RuntimeError):
+    """Another planner recorded offsets (or the epoch id) this plan wanted: plan again."""
+
+
+def _concurrent_errors() -> tuple[type[BaseException], ...]:
+    from delta.exceptions import base
+
+    return (base.DeltaConcurrentModificationException, base.ConcurrentWriteException,
+            base.MetadataChangedException, base.ProtocolChangedException, base.ConcurrentAppendException,
+            base.ConcurrentDeleteReadException, base.ConcurrentDeleteDeleteException,
+            base.ConcurrentTransactionException)
+
+
+def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:
+    """Run a Delta write, again if a concurrent writer's commit conflicted with it. Only for
+    writes that are idempotent (txnAppId/txnVersion, or MERGEs matching planned rows)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return action()
+        except _concurrent_errors() as e:
+            if attempt == attempts:
+                raise
+            log.info("%s: concurrent commit (%s); retrying (%d/%d)", what, type(e).__name__, attempt, attempts)
+            time.sleep(0.2 * attempt)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
 class LedgerState:
     """What planning needs from the ledger for one topic."""
 
-    last_epoch: int = 0                       # highest epoch id, planned or committed
-    committed: Mapping[int, int] = field(default_factory=dict)  # partition -> next offset
-    watermark_ms: int | None = None           # left by the last committed epoch
-    pending: EpochPlan | None = None          # planned but not committed: must be re-run
+    last_epoch: int = 0                       # highest epoch id of any kind, planned or committed
+    committed: Mapping[int, int] = field(default_factory=dict)  # scheduled chain: partition -> next offset
+    watermark_ms: int | None = None           # left by the chain's last committed epoch
+    pending: EpochPlan | None = None          # scheduled epoch planned but not committed: re-run it
+    pending_backfills: tuple[EpochPlan, ...] = ()  # backfill epochs planned but not committed
+    coverage: Coverage = field(default_factory=lambda: Coverage(""))  # offsets any row owns
+    request_watermarks: Mapping[str, int | None] = field(default_factory=dict)  # backfill lanes
+    request_epochs: Mapping[str, int] = field(default_factory=dict)  # committed epochs per request
 
 
 @dataclass(frozen=True)
@@ -81,6 +128,10 @@ class PartitionMetrics:
     records_malformed: int = 0
 
 
+# Marker of the error the write-ahead MERGE raises when a concurrent plan got there first.
+_CONFLICT = "ipcount-plan-conflict"
+
+
 class Ledger:
     def __init__(self, spark: SparkSession, path: str) -> None:
         self.spark, self.path = spark, path
@@ -88,39 +139,114 @@ class Ledger:
     def ensure(self) -> None:
         ensure_table(self.spark, self.path, LEDGER_SCHEMA)
 
+    def _table(self):
+        return self.spark.read.format("delta").load(self.path).withColumn(
+            "kind", F.coalesce(F.col("kind"), F.lit(SCHEDULED)))
+
     def state(self, topic: str) -> LedgerState:
-        """One aggregate over the ledger (plus a look at the rows of an unfinished epoch)."""
-        table = self.spark.read.format("delta").load(self.path)
-        groups = table.groupBy("topic", "status", "partition").agg(
+        """Three small queries: an aggregate per lane and partition, the rows of unfinished
+        epochs (if any), and the merged coverage of the topic's partitions."""
+        from pyspark.sql import Window
+
+        table = self._table()
+        groups = table.groupBy("topic", "kind", "request_id", "status", "partition").agg(
             F.max("epoch").alias("epoch"), F.max("until_offset").alias("until"),
+            F.count_distinct("epoch").alias("epochs"),
             F.max_by("watermark_after_ms", "epoch").alias("watermark")).collect()
         last_epoch = max((g.epoch for g in groups), default=0)
         mine = [g for g in groups if g.topic == topic]
-        committed = {g.partition: g.until for g in mine if g.status == COMMITTED}
-        latest = max((g for g in mine if g.status == COMMITTED), key=lambda g: g.epoch, default=None)
-        pending = None
-        if any(g.status == PLANNED for g in mine):
-            pending = self._pending_plan(table.where((F.col("topic") == topic) & (F.col("status") == PLANNED)))
-        return LedgerState(last_epoch=last_epoch, committed=committed,
-                           watermark_ms=latest.watermark if latest is not None else None, pending=pending)
+        chain = [g for g in mine if g.kind == SCHEDULED and g.status == COMMITTED]
+        committed = {g.partition: g.until for g in chain}
+        latest = max(chain, key=lambda g: g.epoch, default=None)
+        lanes: dict[str, list] = {}
+        for g in mine:
+            if g.kind == BACKFILL and g.status == COMMITTED:
+                lanes.setdefault(g.request_id, []).append(g)
+        request_watermarks = {rid: max(gs, key=lambda g: g.epoch).watermark for rid, gs in lanes.items()}
+        request_epochs = {rid: max(g.epochs for g in gs) for rid, gs in lanes.items()}
 
-    def _pending_plan(self, planned) -> EpochPlan:
-        rows = sorted(planned.collect(), key=lambda r: r.partition)
-        epochs = sorted({r.epoch for r in rows})
-        if len(epochs) > 1:
-            raise RuntimeError(f"ledger {self.path} has several unfinished epochs {epochs}; "
-                               "only one can be in flight")
-        return EpochPlan(epoch=epochs[0],
-                         ranges=tuple(OffsetRange(r.topic, r.partition, r.from_offset, r.until_offset) for r in rows),
-                         watermark_ms=rows[0].watermark_before_ms)
+        pending, backfills = None, ()
+        if any(g.status == PLANNED for g in mine):
+            plans = self._pending_plans(table.where((F.col("topic") == topic) & (F.col("status") == PLANNED)))
+            chain_plans = [p for p in plans if p.kind == SCHEDULED]
+            if len(chain_plans) > 1:
+                raise RuntimeError(f"ledger {self.path} has several unfinished scheduled epochs "
+                                   f"{[p.epoch for p in chain_plans]}; only one can be in flight")
+            pending = chain_plans[0] if chain_plans else None
+            backfills = tuple(p for p in plans if p.kind == BACKFILL)
+
+        # Gaps and islands: merge the topic's ranges per partition in Spark, collect the islands.
+        w = Window.partitionBy("partition").orderBy("from_offset", "until_offset")
+        ranges = table.where((F.col("topic") == topic) & (F.col("until_offset") > F.col("from_offset")))
+        islands = (ranges
+                   .withColumn("reach", F.max("until_offset").over(w.rowsBetween(Window.unboundedPreceding, -1)))
+                   .withColumn("island", F.sum(F.when(F.col("reach").isNull() | (F.col("from_offset") > F.col("reach")),
+                                                      1).otherwise(0)).over(w))
+                   .groupBy("partition", "island").agg(F.min("from_offset").alias("f"), F.max("until_offset").alias("u"))
+                   .collect())
+        coverage = Coverage.of(topic, (OffsetRange(topic, r.partition, r.f, r.u) for r in islands))
+        return LedgerState(last_epoch=last_epoch, committed=committed,
+                           watermark_ms=latest.watermark if latest is not None else None, pending=pending,
+                           pending_backfills=backfills, coverage=coverage, request_watermarks=request_watermarks,
+                           request_epochs=request_epochs)
+
+    @staticmethod
+    def _pending_plans(planned) -> list[EpochPlan]:
+        by_epoch: dict[int, list] = {}
+        for r in planned.collect():
+            by_epoch.setdefault(r.epoch, []).append(r)
+        return [plan_from_rows(rows) for _, rows in sorted(by_epoch.items())]
+
+    def epochs(self, topic: str, statuses: tuple[str, ...] = (COMMITTED, LOST)) -> list[tuple[EpochPlan, int | None]]:
+        """Every epoch with rows of the given statuses, as (plan, counts sink version), in the
+        order its sink commits happened: what a rebuild replays."""
+        rows = self._table().where((F.col("topic") == topic) & F.col("status").isin(*statuses)).collect()
+        by_epoch: dict[int, list] = {}
+        for r in rows:
+            by_epoch.setdefault(r.epoch, []).append(r)
+        out = []
+        for epoch, group in by_epoch.items():
+            if not any(r.status == COMMITTED for r in group):
+                continue  # lost rows of an epoch still in flight
+            versions = [r.sink_version for r in group if r.sink_version is not None]
+            out.append((plan_from_rows(group), versions[0] if versions else None))
+        # Epochs that wrote no counts have no sink version; their place does not matter.
+        return sorted(out, key=lambda pv: (pv[1] if pv[1] is not None else -1, pv[0].epoch))
 
     def record_plan(self, plan: EpochPlan, run_id: str | None) -> None:
-        """The write-ahead: the epoch's ranges are durable before anything is read or written."""
+        """The write-ahead: the epoch's ranges are durable before anything is read or written.
+
+        A MERGE, not an append, so that it is also the guard against concurrent planners: a
+        row already there that overlaps one of these ranges (or holds this epoch id) makes
+        the MERGE raise, and a plan committed by another planner after this MERGE read the
+        ledger makes Delta's conflict check refuse the commit. Either way :class:`PlanConflict`:
+        nothing of this plan was written, and the caller plans again from the new state.
+        """
+        from delta.tables import DeltaTable
+
         now = datetime.now(timezone.utc)
         rows = [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, status, now,
-                 None, None, None, None, None, plan.watermark_ms, None, None, None, run_id, None, None)
+                 None, None, None, None, None, plan.watermark_ms, None, None, None, run_id, None, None,
+                 plan.kind, plan.request_id, plan.chain_watermark_ms)
                 for status, ranges in ((LOST, plan.lost), (PLANNED, plan.ranges)) for r in ranges]
-        self.spark.createDataFrame(rows, LEDGER_SCHEMA).write.format("delta").mode("append").save(self.path)
+        # One source row answers for the epoch id, so the id check matches each target row once.
+        anchor = plan.ranges[0].partition
+        condition = (f"(t.epoch = s.epoch AND s.status = '{PLANNED}' AND s.partition = {int(anchor)}) OR "
+                     "(t.topic = s.topic AND t.partition = s.partition "
+                     " AND t.from_offset < s.until_offset AND s.from_offset < t.until_offset)")
+        source = self.spark.createDataFrame(rows, LEDGER_SCHEMA)
+        merge = (DeltaTable.forPath(self.spark, self.path).alias("t").merge(source.alias("s"), condition)
+                 .whenMatchedUpdate(set={"status": F.raise_error(F.lit(_CONFLICT))})
+                 .whenNotMatchedInsertAll())
+        try:
+            merge.execute()
+        except _concurrent_errors() as e:
+            raise PlanConflict(f"a concurrent commit to the ledger ({type(e).__name__})") from e
+        except Exception as e:  # the MERGE's own refusal comes back as a JVM error
+            text = str(e)
+            if _CONFLICT in text or "MULTIPLE_SOURCE_ROW_MATCHING_TARGET_ROW" in text:
+                raise PlanConflict("ledger rows that overlap the plan (or hold its epoch id) exist") from e
+            raise
 
     def commit(self, plan: EpochPlan, metrics: Mapping[int, PartitionMetrics], watermark_after_ms: int | None,
                sink_version: int | None, duration_seconds: float, run_id: str | None,
@@ -136,13 +262,32 @@ class Ledger:
             rows.append((plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, COMMITTED, now,
                          now, m.records_read, m.records_counted, m.records_late, m.records_malformed,
                          plan.watermark_ms, watermark_after_ms, sink_version, duration_seconds, run_id,
-                         (lag_after or {}).get(r.partition), dict(stage_seconds or {})))
+                         (lag_after or {}).get(r.partition), dict(stage_seconds or {}),
+                         plan.kind, plan.request_id, plan.chain_watermark_ms))
         updates = self.spark.createDataFrame(rows, LEDGER_SCHEMA)
         set_cols = ["status", "committed_at", "records_read", "records_counted", "records_late",
                     "records_malformed", "watermark_after_ms", "sink_version", "duration_seconds", "run_id",
                     "lag_after", "stage_seconds"]
-        (DeltaTable.forPath(self.spark, self.path).alias("t")
-         .merge(updates.alias("s"), "t.epoch = s.epoch AND t.topic = s.topic AND t.partition = s.partition "
-                                    f"AND t.status = '{PLANNED}'")
-         .whenMatchedUpdate(set={c: f"s.{c}" for c in set_cols})
-         .execute())
+
+        def merge() -> None:
+            (DeltaTable.forPath(self.spark, self.path).alias("t")
+             .merge(updates.alias("s"), "t.epoch = s.epoch AND t.topic = s.topic AND t.partition = s.partition "
+                                        f"AND t.status = '{PLANNED}'")
+             .whenMatchedUpdate(set={c: f"s.{c}" for c in set_cols})
+             .execute())
+        retry_on_conflict(merge, f"committing epoch {plan.epoch} to the ledger")
+
+
+def plan_from_rows(rows) -> EpochPlan:
+    """An epoch's plan as its ledger rows recorded it."""
+    rows = sorted(rows, key=lambda r: (r.partition, r.from_offset))
+    first = rows[0]
+    kind = getattr(first, "kind", None) or SCHEDULED
+    return EpochPlan(
+        epoch=first.epoch,
+        ranges=tuple(OffsetRange(r.topic, r.partition, r.from_offset, r.until_offset)
+                     for r in rows if r.status != LOST),
+        watermark_ms=first.watermark_before_ms,
+        lost=tuple(OffsetRange(r.topic, r.partition, r.from_offset, r.until_offset) for r in rows if r.status == LOST),
+        kind=kind, request_id=getattr(first, "request_id", None),
+        chain_watermark_ms=getattr(first, "chain_watermark_ms", None))

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _read(path: str, columns: list[str] | None = None, filters: list | None = None) -> list[dict[str, Any]]:
+def read_rows(path: str, columns: list[str] | None = None, filters: list | None = None) -> list[dict[str, Any]]:
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
@@ -24,9 +24,11 @@ def _read(path: str, columns: list[str] | None = None, filters: list | None = No
 
 
 def committed_positions(ledger_path: str, topic: str) -> tuple[int, dict[int, int]]:
-    """(last committed epoch, partition -> next offset) for ``topic``; (0, {}) if none."""
-    rows = _read(ledger_path, ["epoch", "partition", "until_offset"],
-                 [("topic", "=", topic), ("status", "=", "committed")])
+    """(last committed epoch, partition -> next offset) of the scheduled chain for ``topic``;
+    (0, {}) if none. Backfills are left out: they may count ranges behind (or ahead of) the
+    chain, and the consumer group follows the chain."""
+    rows = [r for r in read_rows(ledger_path, filters=[("topic", "=", topic), ("status", "=", "committed")])
+            if (r.get("kind") or "scheduled") == "scheduled"]
     positions: dict[int, int] = {}
     for r in rows:
         positions[r["partition"]] = max(positions.get(r["partition"], 0), r["until_offset"])
@@ -58,6 +60,8 @@ class CommittedEpoch:
     run_id: str | None
     lag_after: dict[int, int] | None = None
     stage_seconds: dict[str, float] | None = None
+    kind: str = "scheduled"
+    request_id: str | None = None
 
     def line(self) -> str:
         lag = None if self.lag_after is None else sum(self.lag_after.values())
@@ -72,7 +76,7 @@ class CommittedEpoch:
                 "seconds": self.seconds, "sink_version": self.sink_version,
                 "watermark_after_ms": self.watermark_after_ms, "run_id": self.run_id,
                 "lag_after": None if self.lag_after is None else {str(p): n for p, n in sorted(self.lag_after.items())},
-                "stage_seconds": self.stage_seconds}
+                "stage_seconds": self.stage_seconds, "kind": self.kind, "request_id": self.request_id}
 
 
 def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None = None) -> list[CommittedEpoch]:
@@ -82,7 +86,7 @@ def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None 
     if run_id is not None:
         filters.append(("run_id", "=", run_id))
     by_epoch: dict[int, list[dict[str, Any]]] = {}
-    for r in _read(ledger_path, filters=filters):
+    for r in read_rows(ledger_path, filters=filters):
         by_epoch.setdefault(r["epoch"], []).append(r)
     out = []
     for epoch, rows in sorted(by_epoch.items()):
@@ -98,5 +102,6 @@ def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None 
             watermark_after_ms=first["watermark_after_ms"], run_id=first["run_id"],
             lag_after=({r["partition"]: r["lag_after"] for r in rows}
                        if all(r.get("lag_after") is not None for r in rows) else None),
-            stage_seconds=dict(first["stage_seconds"]) if first.get("stage_seconds") else None))
+            stage_seconds=dict(first["stage_seconds"]) if first.get("stage_seconds") else None,
+            kind=first.get("kind") or "scheduled", request_id=first.get("request_id")))
     return out

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
+
+if TYPE_CHECKING:
+    from ipcount.coverage import Coverage
 
 
 class DataLossError(RuntimeError):
@@ -41,19 +44,35 @@ class OffsetRange:
         return f"{self.topic}-{self.partition}[{self.from_offset},{self.until_offset})"
 
 
+SCHEDULED, BACKFILL = "scheduled", "backfill"
+EPOCH_KINDS = (SCHEDULED, BACKFILL)
+
+
 @dataclass(frozen=True)
 class EpochPlan:
-    """The ranges of one epoch and the watermark in force when it started.
+    """The ranges of one epoch and the watermarks in force when it was planned.
 
-    ``watermark_ms`` is the watermark left by the previous committed epoch (None before
-    the first): records of this epoch are classified late against it, so a replay of the
-    epoch classifies exactly the same records as late.
+    ``watermark_ms`` is the watermark left by the previous committed epoch of the same
+    lane (None before the first): records of this epoch are classified late against it,
+    so a replay of the epoch classifies exactly the same records as late. The scheduled
+    chain is one lane; each backfill request is a lane of its own, so history counted
+    later is not thrown away as late against the live watermark.
+
+    ``chain_watermark_ms`` is the scheduled chain's watermark when the epoch was planned:
+    a backfill epoch marks windows that watermark has passed as final.
     """
 
     epoch: int
     ranges: tuple[OffsetRange, ...]
     watermark_ms: int | None = None
     lost: tuple[OffsetRange, ...] = ()  # deleted before they were counted, skipped by policy
+    kind: str = SCHEDULED
+    request_id: str | None = None       # the backfill request (None for scheduled epochs)
+    chain_watermark_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in EPOCH_KINDS:
+            raise ValueError(f"epoch kind must be one of {EPOCH_KINDS}; found {self.kind!r}")
 
     @property
     def size(self) -> int:
@@ -70,7 +89,8 @@ class EpochPlan:
         return offsets_json(self.nonempty_ranges, "until_offset")
 
     def describe(self) -> str:
-        return " ".join(f"p{r.partition}[{r.from_offset},{r.until_offset})" for r in self.ranges)
+        spans = " ".join(f"p{r.partition}[{r.from_offset},{r.until_offset})" for r in self.ranges)
+        return spans if self.kind == SCHEDULED else f"{spans} (backfill {self.request_id})"
 
 
 def offsets_json(ranges: Iterable[OffsetRange], which: str) -> str:
@@ -82,7 +102,8 @@ def offsets_json(ranges: Iterable[OffsetRange], which: str) -> str:
 
 
 def plan_ranges(topic: str, committed: Mapping[int, int], earliest: Mapping[int, int],
-                latest: Mapping[int, int], initial: Mapping[int, int], max_records: int) -> tuple[OffsetRange, ...]:
+                latest: Mapping[int, int], initial: Mapping[int, int], max_records: int,
+                coverage: Coverage | None = None) -> tuple[OffsetRange, ...]:
     """The next epoch's ranges.
 
     Args:
@@ -95,12 +116,15 @@ def plan_ranges(topic: str, committed: Mapping[int, int], earliest: Mapping[int,
             their earliest offset.
         max_records: cap on the total span of the epoch, split across partitions by
             backlog (see :func:`split_cap`).
+        coverage: offsets the ledger already owns (backfills ahead of the chain); the
+            range skips over them and stops before the next owned offset.
 
     Returns one range per partition the broker has, sorted by partition; ranges may be
     empty. Raises :class:`DataLossError` when a committed position is no longer readable.
     """
     check_partitions_exist(topic, committed, latest)
     starts: dict[int, int] = {}
+    ends: dict[int, int] = {}
     for p in sorted(latest):
         if p in committed:
             start = committed[p]
@@ -108,9 +132,11 @@ def plan_ranges(topic: str, committed: Mapping[int, int], earliest: Mapping[int,
             start = initial[p]
         else:
             start = earliest[p]
+        check_readable(topic, p, start, min(start, earliest[p]), latest[p])  # offsets gone backwards?
+        start, end = coverage.next_gap(p, start, latest[p]) if coverage is not None else (start, latest[p])
         check_readable(topic, p, start, earliest[p], latest[p])
-        starts[p] = start
-    budgets = split_cap({p: latest[p] - starts[p] for p in starts}, max_records)
+        starts[p], ends[p] = start, end
+    budgets = split_cap({p: ends[p] - starts[p] for p in starts}, max_records)
     return tuple(OffsetRange(topic, p, starts[p], starts[p] + budgets[p]) for p in sorted(starts))
 
 

@@ -2,6 +2,7 @@
 publish after it. Kept here so the DAG file stays wiring only."""
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from typing import Any
@@ -63,32 +64,113 @@ def _param_args() -> list[str]:
     return args
 
 
-def spark_submit_kwargs(cfg: PipelineConfig) -> dict[str, Any]:
-    """Arguments of SparkSubmitOperator for one epoch. The master comes from the
-    ``spark_default`` connection; ``{{ run_id }}`` is rendered by Airflow."""
+# The manual backfill DAG's trigger form: what to count and where.
+BACKFILL_PARAMS: dict[str, tuple[dict[str, Any], str, str]] = {
+    "target": ({"type": "string", "pattern": r"^[a-z][a-z0-9_]{0,62}$"}, "Target",
+               "'main' (the pipeline's counts table) or the name of a replay table set (lower-case letters, "
+               "digits, '_'), kept with its own ledger under <warehouse>/replays/<name>/"),
+    "offsets": ({"type": ["null", "string"],
+                 "pattern": r"^\s*(\d+\s*:\s*\d+\s*-\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*-\s*\d+\s*)*)?$"},
+                "Offset ranges", "per-partition half-open ranges 'partition:from-until,...', e.g. '0:0-500,2:100-200'; "
+                "leave empty to give a time range instead"),
+    "from_time": ({"type": ["null", "string"], "format": "date-time"}, "From (time)",
+                  "start of a time range (inclusive), resolved per partition to the first offset whose record "
+                  "timestamp is at or after it"),
+    "until_time": ({"type": ["null", "string"], "format": "date-time"}, "Until (time)",
+                   "end of the time range (exclusive); must not be in the future"),
+    "max_records_per_epoch": ({"type": "integer", "minimum": 1}, "Max records per epoch",
+                              "the range is counted in epochs of at most this many offsets, each committed on its own"),
+}
+
+
+def backfill_params(cfg: PipelineConfig) -> dict[str, Any]:
+    from airflow.sdk import Param
+
+    defaults = {"target": "main", "offsets": None, "from_time": None, "until_time": None,
+                "max_records_per_epoch": cfg.max_records_per_epoch}
+    return {name: Param(defaults[name], title=title, description=text, **schema)
+            for name, (schema, title, text) in BACKFILL_PARAMS.items()}
+
+
+def backfill_request_fields(fields: dict[str, Any] | str, topic: str):
+    """A :class:`BackfillRequest` from the trigger form's fields (or their JSON)."""
+    from ipcount.backfill_request import BackfillRequest, BadRequestError, parse_offsets, parse_time
+
+    if isinstance(fields, str):
+        try:
+            fields = json.loads(fields)
+        except ValueError as e:
+            raise BadRequestError(f"the request is not valid JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise BadRequestError("the request must be a JSON object")
+    unknown = sorted(set(fields) - {"target", "offsets", "from_time", "until_time"})
+    if unknown:
+        raise BadRequestError(f"unknown request field(s) {unknown}; known: target, offsets, from_time, until_time")
+    target = fields.get("target") or "main"
+    offsets, start, until = fields.get("offsets"), fields.get("from_time"), fields.get("until_time")
+    if offsets and (start or until):
+        raise BadRequestError("give either offsets or from_time/until_time, not both")
+    if offsets:
+        return BackfillRequest(target=target, offsets=parse_offsets(offsets, topic))
+    if start and until:
+        return BackfillRequest(target=target, from_ms=parse_time(start, "from_time"),
+                               until_ms=parse_time(until, "until_time"))
+    raise BadRequestError("give offsets ('partition:from-until,...') or both from_time and until_time")
+
+
+def check_backfill_request(cfg: PipelineConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """The trigger form's request, checked (also against the broker) before Spark starts."""
+    from ipcount.backfill import resolve
+    from ipcount.kafka_io import partition_offsets
+
+    request = backfill_request_fields({k: params.get(k) for k in ("target", "offsets", "from_time", "until_time")},
+                                      cfg.topic)
+    ranges = resolve(cfg, request, *partition_offsets(cfg))
+    log.info("backfill request %s: %s -> %d offset range(s), %d offsets", request.request_id, request.describe(),
+             len(ranges), sum(r.size for r in ranges))
+    return {"request_id": request.request_id, "target": request.target, "request": request.describe(),
+            "ranges": [str(r) for r in ranges]}
+
+
+def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: tuple[str, ...] = (),
+                        run_params: bool = True) -> dict[str, Any]:
+    """Arguments of SparkSubmitOperator running ``ipcount <command>``. The master comes from
+    the ``spark_default`` connection; ``{{ ... }}`` is rendered by Airflow. ``run_params``:
+    pass the epoch DAG's per-run Params on as flags."""
     return {
         "application": EPOCH_APPLICATION,
         "conn_id": "spark_default",
-        "name": f"{cfg.pipeline_id}-epoch",
+        "name": f"{cfg.pipeline_id}-{command}",
         "jars": ",".join(spark_jars()),
         "conf": spark_conf(cfg),
-        # The DAG commits offsets to the consumer group in a task of its own.
-        "application_args": [*cfg.to_args(), *_param_args(), "--run-id", "{{ run_id }}",
-                             "--skip-offset-commit"],
+        "application_args": [command, *cfg.to_args(), *(_param_args() if run_params else []),
+                             "--run-id", "{{ run_id }}", *task_args],
         # The driver must run the interpreter that has the pinned pyspark and this package.
         "env_vars": {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable},
     }
 
 
-def epoch_summary(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
+# Each backfill run of the epoch DAG (`airflow backfill create`) counts the records whose
+# Kafka timestamps fall in its data interval - only what the ledger does not own yet.
+INTERVAL_BACKFILL_ARGS = ("--from-time", "{{ data_interval_start.isoformat() }}",
+                          "--until-time", "{{ data_interval_end.isoformat() }}")
+# The manual backfill DAG hands its checked form over as one JSON argument.
+REQUEST_BACKFILL_ARGS = ("--request-json", "{{ {'target': params.target, 'offsets': params.offsets, "
+                         "'from_time': params.from_time, 'until_time': params.until_time} | tojson }}",
+                         "--max-records-per-epoch", "{{ params.max_records_per_epoch }}")
+
+
+def epoch_summary(cfg: PipelineConfig, run_id: str, target: str = "main") -> dict[str, Any]:
     """The epoch(s) this DAG run committed, as logged, returned to XCom and put in the
     counts Asset event's extra."""
+    cfg = cfg.for_target(target)
     epochs = committed_epochs(cfg.ledger_path, run_id=run_id)
     for e in epochs:
         log.info("%s", e.line())
     return {
         "run_id": run_id,
         "topic": cfg.topic,
+        "target": target,
         "counts_table": cfg.counts_path,
         "epochs": [e.to_dict() for e in epochs],
         "records_counted": sum(e.records_counted for e in epochs),

@@ -47,13 +47,38 @@ def epoch_ranges(cfg: PipelineConfig) -> list[dict[int, tuple[int, int]]]:
     return [out[e] for e in sorted(out)]
 
 
-def snapshot(cfg: PipelineConfig) -> dict:
+def snapshot(cfg: PipelineConfig, also_ignore: frozenset = frozenset()) -> dict:
     """Every table as sorted rows, minus the ledger's wall-clock columns: what an
     exactly-once comparison between two runs looks at."""
-    wall_clock = {"planned_at", "committed_at", "duration_seconds", "stage_seconds", "run_id"}
+    wall_clock = {"planned_at", "committed_at", "duration_seconds", "stage_seconds", "run_id"} | also_ignore
 
     def rows(path: str, drop: set = frozenset()) -> list[tuple]:
         return sorted((tuple((k, v) for k, v in r.items() if k not in drop) for r in _rows(path)), key=repr)
 
     return {"counts": rows(cfg.counts_path), "dead_letters": rows(cfg.dead_letter_path),
             "late": rows(cfg.late_path), "ledger": rows(cfg.ledger_path, wall_clock)}
+
+
+def lanes(cfg: PipelineConfig) -> dict[str, list[dict[int, tuple[int, int]]]]:
+    """Committed epochs per lane ('scheduled', or the backfill request id), in epoch order:
+    each lane chains its own watermark, so ground truth is replayed lane by lane."""
+    by_lane: dict[str, dict[int, dict[int, tuple[int, int]]]] = {}
+    for r in ledger(cfg):
+        if r["status"] != "committed":
+            continue
+        lane = r["request_id"] if r.get("kind") == "backfill" else "scheduled"
+        by_lane.setdefault(lane, {}).setdefault(r["epoch"], {})[r["partition"]] = (r["from_offset"], r["until_offset"])
+    return {lane: [epochs[e] for e in sorted(epochs)] for lane, epochs in by_lane.items()}
+
+
+def owned_offsets(cfg: PipelineConfig) -> dict[int, list[tuple[int, int]]]:
+    """Per partition, every ledger row's range sorted; asserts no two overlap."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for r in ledger(cfg):
+        if r["until_offset"] > r["from_offset"]:
+            out.setdefault(r["partition"], []).append((r["from_offset"], r["until_offset"]))
+    for p, spans in out.items():
+        spans.sort()
+        for (a, b), (c, d) in zip(spans, spans[1:]):
+            assert c >= b, f"partition {p}: ledger ranges [{a},{b}) and [{c},{d}) overlap"
+    return out

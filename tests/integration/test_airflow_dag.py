@@ -46,20 +46,30 @@ def test_dag_folder_imports_without_errors(airflow_home):
         "from airflow.dag_processing.dagbag import DagBag\n"
         "from airflow.configuration import conf\n"
         "bag = DagBag(dag_folder=conf.get('core', 'dags_folder'))\n"
-        "d = bag.dags['ipcount_epoch']\n"
-        "print(json.dumps({'errors': bag.import_errors, 'tasks': sorted(d.task_ids),\n"
-        "  'max_active_runs': d.max_active_runs, 'catchup': d.catchup,\n"
-        "  'retries': d.default_args['retries'], 'schedule': str(d.schedule),\n"
-        "  'params': sorted(d.params.keys())}))\n")
+        "info = {'errors': bag.import_errors}\n"
+        "for name, d in sorted(bag.dags.items()):\n"
+        "  info[name] = {'tasks': sorted(d.task_ids), 'max_active_runs': d.max_active_runs,\n"
+        "    'catchup': d.catchup, 'retries': d.default_args['retries'],\n"
+        "    'schedule': getattr(d.timetable, 'summary', 'None'),\n"
+        "    'periodic': getattr(d.timetable, 'periodic', False),\n"
+        "    'params': sorted(d.params.keys())}\n"
+        "print(json.dumps(info))\n")
     proc = subprocess.run([sys.executable, "-c", script], env=_env(airflow_home), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
-    from ipcount.orchestration import RUN_PARAMS
+    from ipcount.orchestration import BACKFILL_PARAMS, RUN_PARAMS
 
-    assert info == {"errors": {}, "tasks": ["commit_offsets", "publish_summary", "run_epoch"],
-                    "max_active_runs": 1, "catchup": False, "retries": 2, "schedule": "* * * * *",
-                    "params": sorted(RUN_PARAMS)}
+    assert info == {
+        "errors": {},
+        "ipcount_epoch": {"tasks": ["backfill_interval", "choose_path", "commit_offsets", "publish_summary",
+                                    "run_epoch"],
+                          "max_active_runs": 1, "catchup": False, "retries": 2, "schedule": "* * * * *",
+                          "periodic": True, "params": sorted(RUN_PARAMS)},
+        "ipcount_backfill": {"tasks": ["check_request", "publish_summary", "run_backfill"],
+                             "max_active_runs": 16, "catchup": False, "retries": 1, "schedule": "None",
+                             "periodic": False, "params": sorted(BACKFILL_PARAMS)},
+    }
 
 
 def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
@@ -106,3 +116,49 @@ def test_invalid_run_params_are_refused_before_anything_runs(airflow_home, cfg):
     assert proc.returncode != 0
     assert "window_seconds" in proc.stdout + proc.stderr
     assert committed_epochs(cfg.ledger_path) == []
+
+
+def _ledger_rows(cfg):
+    from tests.tables import ledger
+    return ledger(cfg) if Path(cfg.ledger_path).exists() else []
+
+
+def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home, cfg):
+    from tests.tables import lanes
+
+    gen = TrafficGenerator(seed=33, events_per_second=50, malformed_share=0.03)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
+                       partition_of=lambda i, r: i % 3)
+    conf = json.dumps({"offsets": "0:0-60,1:10-50", "max_records_per_epoch": 40})
+    proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    rows = _ledger_rows(cfg)
+    assert {r["kind"] for r in rows} == {"backfill"} and all(r["run_id"].startswith("manual__") for r in rows)
+    assert len({r["epoch"] for r in rows}) == 3                   # 100 offsets at 40 per epoch
+    (epochs,) = lanes(cfg).values()
+    covered = Counter()
+    for ranges in epochs:
+        for p, (f, u) in ranges.items():
+            covered[p] += u - f
+    assert covered == {0: 60, 1: 40}
+    assert counts(cfg) == expected_tables(produced, epochs).counts
+
+    # The same request again: a reported no-op.
+    proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert "skipping what the ledger already owns" in proc.stdout + proc.stderr
+    assert len(_ledger_rows(cfg)) == len(rows)
+
+    # Bad requests fail in check_request, before Spark starts and before any write.
+    for bad, message in [({"offsets": "0:0-100000"}, "beyond the end of the log"),
+                         ({"offsets": "0:0-10", "from_time": "2026-11-20T00:00:00Z"}, "not both"),
+                         ({}, "give offsets")]:
+        proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c", json.dumps(bad), cfg=cfg)
+        assert proc.returncode != 0 and message in proc.stdout + proc.stderr, (bad, (proc.stdout + proc.stderr)[-3000:])
+    # A target that is not a plain identifier is refused by the form's JSON schema.
+    proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c",
+                    json.dumps({"offsets": "0:0-10", "target": "../x"}), cfg=cfg)
+    assert proc.returncode != 0 and "target" in proc.stdout + proc.stderr
+    assert len(_ledger_rows(cfg)) == len(rows)
+    assert not (Path(cfg.warehouse) / "replays").exists()
+

@@ -97,7 +97,7 @@ def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
     for s in (first, second):
         classified = _read_and_classify(spark, cfg, s.plan)
         counts_update = window_counts(classified, cfg.window_ms)
-        assert Sink(spark, cfg).write(s.epoch, classified, counts_update, s.plan.watermark_ms,
+        assert Sink(spark, cfg).write(s.plan, classified, counts_update,
                                       malformed=s.records_malformed, late=s.records_late,
                                       counted=s.records_counted, watermark_after_ms=s.watermark_ms) == s.sink_version
         Ledger(spark, cfg.ledger_path).commit(s.plan, {}, None, None, 0.0, "replay")
@@ -165,7 +165,8 @@ def test_a_ledger_from_an_older_schema_gains_the_new_columns(cfg, spark):
     from ipcount.ledger import LEDGER_SCHEMA, ensure_table
     from pyspark.sql.types import StructType
 
-    old = StructType([f for f in LEDGER_SCHEMA.fields if f.name not in ("lag_after", "stage_seconds")])
+    added = ("lag_after", "stage_seconds", "kind", "request_id", "chain_watermark_ms")  # since the first release
+    old = StructType([f for f in LEDGER_SCHEMA.fields if f.name not in added])
     ensure_table(spark, cfg.ledger_path, old)
     ensure_table(spark, cfg.ledger_path, LEDGER_SCHEMA)
     assert spark.read.format("delta").load(cfg.ledger_path).schema.fieldNames() == LEDGER_SCHEMA.fieldNames()

@@ -1,0 +1,234 @@
+"""Backfills, rebuilds and verification against the real broker, Spark and Delta.
+
+Ground truth is replayed in plain Python lane by lane (the scheduled chain, and each
+backfill request, chain their own watermarks), over the ranges the ledger committed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from ipcount import kafka_io
+from ipcount.backfill import rebuild, run_backfill
+from ipcount.backfill_request import BackfillRequest, BadRequestError, parse_offsets
+from ipcount.config import REPO_ROOT
+from ipcount.epoch import run_epoch
+from ipcount.generator import TrafficGenerator, produce
+from ipcount.offsets import DataLossError, OffsetRange
+from ipcount.verify import verify
+from tests.conftest import run_until_idle
+from tests.ground_truth import Expected, expected_tables
+from tests.tables import counts, dead_letters, late_records, lanes, owned_offsets, snapshot
+
+BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
+
+
+def produce_dataset(cfg, n, seed, base_ms=BASE_MS, kafka_ts=None):
+    gen = TrafficGenerator(seed=seed, events_per_second=50, late_share=0.04, malformed_share=0.03)
+    return produce(cfg.bootstrap_servers, cfg.topic, gen.records(n, base_ms), partition_of=lambda i, r: i % 3,
+                   timestamp_of=kafka_ts)
+
+
+def lane_truth(produced, cfg) -> Expected:
+    """The tables the documented rules give for the ledger's lanes, summed."""
+    total = Expected()
+    for epochs in lanes(cfg).values():
+        e = expected_tables(produced, epochs)
+        total.counts += e.counts
+        total.dead |= e.dead
+        total.late |= e.late
+    return total
+
+
+def assert_tables_match(cfg, produced):
+    want = lane_truth(produced, cfg)
+    assert counts(cfg) == want.counts
+    assert dead_letters(cfg) == want.dead
+    assert late_records(cfg) == want.late
+    return want
+
+
+def ends_of(produced) -> dict[int, int]:
+    return dict(Counter(p.partition for p in produced))
+
+
+def test_backfill_history_after_starting_at_latest_then_rebuild_and_verify(cfg, spark):
+    cfg = cfg.replace(start_position="latest", max_records_per_epoch=250)
+    history = produce_dataset(cfg, 600, seed=21)
+    first = run_epoch(cfg, spark)                      # pins "latest" in the ledger: an empty epoch
+    assert first.records_read == 0 and first.plan.size == 0
+    live = produce_dataset(cfg, 300, seed=22, base_ms=BASE_MS + 60_000)
+    produced = history + live
+    run_until_idle(cfg, spark)
+    assert sum(counts(cfg).values()) < 300             # history is not counted yet
+
+    pinned = ends_of(history)
+    spec = ",".join(f"{p}:0-{u}" for p, u in sorted(pinned.items()))
+    report = run_backfill(cfg, spark, BackfillRequest(offsets=parse_offsets(spec, cfg.topic)))
+    assert len(report.epochs) == 3                      # 600 offsets at 250 per epoch
+    assert report.skipped == ()
+    assert sum(e.records_read for e in report.epochs) == 600
+    want = assert_tables_match(cfg, produced)
+    assert sum(want.counts.values()) + len(want.late) + len(want.dead) == len(produced)
+    ends = ends_of(produced)
+    for p, spans in owned_offsets(cfg).items():  # (owned_offsets asserts that no two rows overlap)
+        assert spans[0][0] == 0 and spans[-1][1] == ends[p]
+        assert all(b == c for (_, b), (c, _) in zip(spans, spans[1:])), spans  # no gap either
+
+    # Asking again counts nothing and says so; a wider request counts only the new part.
+    before = snapshot(cfg)
+    again = run_backfill(cfg, spark, BackfillRequest(offsets=parse_offsets(spec, cfg.topic)))
+    assert again.epochs == [] and again.skipped == again.requested
+    assert snapshot(cfg) == before
+    more = produce_dataset(cfg, 90, seed=23, base_ms=BASE_MS + 120_000)
+    produced += more
+    wider = ",".join(f"{p}:0-{u}" for p, u in sorted(ends_of(produced).items()))
+    partial = run_backfill(cfg, spark, BackfillRequest(offsets=parse_offsets(wider, cfg.topic)))
+    assert sum(e.records_read for e in partial.epochs) == 90
+    assert {(r.partition, r.from_offset, r.until_offset) for r in partial.skipped} == {
+        (p, 0, u) for p, u in ends.items()}
+    assert_tables_match(cfg, produced)
+    assert run_epoch(cfg, spark) is None               # the chain skips what the backfill took
+
+    # Verify: the live table matches a recount from Kafka.
+    check = verify(cfg)
+    assert check.ok, [d.line() for d in check.differences[:5]]
+    assert check.records == len(produced) and check.windows == len(counts(cfg))
+
+    # Rebuild: replaying the whole ledger gives the same tables, row for row.
+    result = rebuild(cfg, spark, into="rebuilt")
+    assert len(result.replayed) == sum(len(epochs) for epochs in lanes(cfg).values()) > 5
+    rebuilt = cfg.for_target("rebuilt")
+    # (a rebuild happens later: the lag it saw, and its own table versions, differ)
+    ignore = frozenset({"lag_after", "sink_version"})
+    assert snapshot(rebuilt, ignore) == snapshot(cfg, ignore)
+    again_rebuilt = rebuild(cfg, spark, into="rebuilt")           # resumable: nothing left to do
+    assert again_rebuilt.replayed == [] and again_rebuilt.already == result.replayed
+
+    # A table altered behind the ledger's back: verify names each planted difference.
+    first_ip = min(ip for _, ip in counts(rebuilt))
+    spark.sql(f"UPDATE delta.`{rebuilt.counts_path}` SET count = count + 2 WHERE ip = '{first_ip}'")
+    victim = (spark.read.format("delta").load(rebuilt.counts_path).where(f"ip != '{first_ip}'")
+              .orderBy("window_start", "ip").first())
+    spark.sql(f"DELETE FROM delta.`{rebuilt.counts_path}` WHERE window_start = '{victim.window_start}' "
+              f"AND ip = '{victim.ip}'")
+    bad = verify(cfg, "rebuilt")
+    assert not bad.ok
+    by_key = {(d.window_start_ms, d.ip): (d.expected, d.actual) for d in bad.differences}
+    live_counts = counts(cfg)
+    altered = {k for k in live_counts if k[1] == first_ip}
+    deleted = (int(victim.window_start.timestamp() * 1000), victim.ip)
+    assert set(by_key) == altered | {deleted} and deleted not in altered
+    for k in altered:
+        assert by_key[k] == (live_counts[k], live_counts[k] + 2)
+    assert by_key[deleted] == (live_counts[deleted], 0)
+    assert verify(cfg).ok                               # the live table is untouched
+
+
+def test_backfill_by_time_into_a_replay_table(cfg, spark):
+    hour = 3_600_000
+    t0 = BASE_MS - 24 * hour                            # yesterday, as Kafka record timestamps
+    first = produce_dataset(cfg, 150, seed=31, kafka_ts=lambda i, r: t0 + i * 1000)          # [t0, t0+150s)
+    second = produce_dataset(cfg, 150, seed=32, kafka_ts=lambda i, r: t0 + hour + i * 1000)  # an hour later
+    request = BackfillRequest(target="audit", from_ms=t0, until_ms=t0 + hour)
+    report = run_backfill(cfg.replace(max_records_per_epoch=60), spark, request)
+    assert sum(e.records_read for e in report.epochs) == 150
+    audit = cfg.for_target("audit")
+    want = expected_tables(first + second, lanes(audit)[request.request_id])
+    assert counts(audit) == want.counts and dead_letters(audit) == want.dead
+    assert sum(want.counts.values()) + len(want.late) + len(want.dead) == 150
+    # requested exactly the first batch's offsets; the main tables were not touched
+    assert {(r.partition, r.from_offset, r.until_offset) for r in report.requested} == {
+        (p, 0, n) for p, n in ends_of(first).items()}
+    assert not Path(cfg.ledger_path).exists()
+    assert verify(cfg, "audit").ok
+
+
+def test_concurrent_backfill_and_scheduled_epochs_never_double_count(cfg, spark, tmp_path):
+    """A backfill process and the scheduled chain race over the same offsets."""
+    cfg = cfg.replace(max_records_per_epoch=150)
+    produced = produce_dataset(cfg, 1500, seed=41)
+    spec = ",".join(f"{p}:0-{u}" for p, u in sorted(ends_of(produced).items()))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    backfill = subprocess.Popen([sys.executable, "-m", "ipcount.cli", "backfill", "--offsets", spec,
+                                 *cfg.to_args()], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        chain = []
+        deadline = time.monotonic() + 600
+        while backfill.poll() is None or not chain or chain[-1] is not None:
+            assert time.monotonic() < deadline, "race did not finish"
+            chain.append(run_epoch(cfg, spark))
+        out = backfill.communicate(timeout=60)[0]
+    finally:
+        if backfill.poll() is None:
+            backfill.kill()
+    assert backfill.returncode == 0, out[-3000:]
+    kinds = lanes(cfg)
+    assert "scheduled" in kinds and len(kinds) == 2, list(kinds)     # both lanes really committed epochs
+    owned = owned_offsets(cfg)                                        # asserts no overlap
+    ends = ends_of(produced)
+    assert {p: sum(b - a for a, b in spans) for p, spans in owned.items()} == ends
+    assert_tables_match(cfg, produced)
+    print("scheduled epochs", len(kinds["scheduled"]), "backfill epochs",
+          sum(len(v) for k, v in kinds.items() if k != "scheduled"), "conflicts retried:",
+          out.count("planning again"))
+
+
+def test_bad_requests_fail_before_any_write(cfg, spark, broker):
+    produce_dataset(cfg, 30, seed=51)
+    ends = kafka_io.partition_offsets(cfg)[1]
+    cases = [
+        (BackfillRequest(offsets=(OffsetRange(cfg.topic, 7, 0, 5),)), BadRequestError, "has no partition 7"),
+        (BackfillRequest(offsets=(OffsetRange(cfg.topic, 0, 0, ends[0] + 5),)), BadRequestError,
+         "beyond the end of the log"),
+        (BackfillRequest(from_ms=int(time.time() * 1000) - 1000, until_ms=int(time.time() * 1000) + 3_600_000),
+         BadRequestError, "ends in the future"),
+    ]
+    for request, error, message in cases:
+        with pytest.raises(error, match=message):
+            run_backfill(cfg, spark, request)
+    with pytest.raises(kafka_io.UnknownTopicError, match="does not exist"):
+        run_backfill(cfg.replace(topic="no_such_topic_x"), spark, BackfillRequest(offsets=parse_offsets("0:0-1", "x")))
+    # offsets deleted by retention
+    with kafka_io.admin_client(cfg) as admin:
+        from kafka import TopicPartition
+        admin.delete_records({TopicPartition(cfg.topic, 0): 4})
+    with pytest.raises(BadRequestError, match=r"offsets \[0, 4\) of .*-0 were already deleted"):
+        run_backfill(cfg, spark, BackfillRequest(offsets=parse_offsets("0:0-6", cfg.topic)))
+    with pytest.raises(BadRequestError, match="fresh replay target"):
+        rebuild(cfg, spark, into="main")
+    with pytest.raises(BadRequestError, match="has no ledger"):
+        rebuild(cfg, spark, into="fresh")
+    assert not Path(cfg.warehouse).exists()             # nothing was written anywhere
+
+    # The CLI says what to fix, with exit code 2, before starting Spark.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    for args, message in [(["--offsets", "0:9-3"], "until (3) must be greater than from (9)"),
+                          (["--offsets", "0:0-3", "--target", "../../etc"], "plain identifier"),
+                          (["--from-time", "2026-11-20T10:00:00Z", "--until-time", "2026-11-20T09:00:00Z"],
+                           "must be after from"),
+                          (["--from-time", "noon"], "needs --until-time"),
+                          (["--offsets", "0:0-1", "--until-time", "2026-11-20T09:00:00Z"], "goes with --from-time")]:
+        done = subprocess.run([sys.executable, "-m", "ipcount.cli", "backfill", *args, *cfg.to_args()], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (args, done.stderr[-2000:])
+        assert message in done.stderr, (args, done.stderr[-2000:])
+    assert not Path(cfg.warehouse).exists()
+
+
+def test_rebuild_refuses_when_kafka_no_longer_has_the_offsets(cfg, spark):
+    produce_dataset(cfg, 30, seed=61)
+    run_until_idle(cfg, spark)
+    with kafka_io.admin_client(cfg) as admin:
+        from kafka import TopicPartition
+        admin.delete_records({TopicPartition(cfg.topic, 1): 3})
+    with pytest.raises(DataLossError, match=r"cannot rebuild epoch 1: .*-1\[0,10\) is no longer in Kafka"):
+        rebuild(cfg, spark, into="again")
+    assert not Path(cfg.for_target("again").ledger_path).exists()
