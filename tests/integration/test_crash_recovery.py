@@ -63,3 +63,38 @@ def test_crash_then_rerun_gives_the_tables_of_a_clean_run(point, source, spark, 
     assert snapshot(cfg) == snapshot(clean)
     ends = dict(Counter(p.partition for p in produced))
     assert kafka_io.group_offsets(cfg) == ends
+
+
+@pytest.fixture(scope="module")
+def clean_backfill(source, spark, tmp_path_factory):
+    """The tables a crash-free backfill of the whole topic makes (3 chunks of 250)."""
+    from ipcount.backfill import run_backfill
+
+    base, produced = source
+    clean = base.replace(warehouse=str(tmp_path_factory.mktemp("clean_backfill")))
+    spec = ",".join(f"{p}:0-{n}" for p, n in sorted(Counter(p.partition for p in produced).items()))
+    report = run_backfill(clean, spark, _request(spec, clean))
+    assert len(report.epochs) == 3
+    return clean, spec
+
+
+def _request(spec, cfg):
+    from ipcount.backfill_request import BackfillRequest, parse_offsets
+    return BackfillRequest(offsets=parse_offsets(spec, cfg.topic))
+
+
+@pytest.mark.parametrize("point", ["after_plan", "after_sink"])
+def test_a_crashed_backfill_rerun_gives_the_tables_of_a_clean_one(point, clean_backfill, spark, tmp_path):
+    from ipcount.backfill import run_backfill
+
+    clean, spec = clean_backfill
+    cfg = clean.replace(warehouse=str(Path(tmp_path) / "warehouse"))
+    proc = subprocess.run([sys.executable, "-m", "ipcount.cli", "backfill", "--offsets", spec, *cfg.to_args()],
+                          env={**os.environ, "IPCOUNT_CRASH_AT": point}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert {(r["epoch"], r["status"]) for r in ledger(cfg)} == {(1, "planned")}  # the first chunk was in flight
+
+    report = run_backfill(cfg, spark, _request(spec, cfg))   # the same request again
+    assert [s.epoch for s in report.resumed] == [1] and [s.epoch for s in report.epochs] == [2, 3]
+    assert snapshot(cfg) == snapshot(clean)
