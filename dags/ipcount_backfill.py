@@ -25,15 +25,15 @@ from datetime import timedelta
 
 import pendulum
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-from airflow.sdk import DAG, Asset, task
+from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 
 from ipcount.config import PipelineConfig
-from ipcount.orchestration import (REQUEST_BACKFILL_ARGS, backfill_params, check_backfill_request, epoch_summary,
-                                   spark_submit_kwargs)
+from ipcount.orchestration import (REQUEST_BACKFILL_ARGS, backfill_params, check_backfill_request, counts_asset,
+                                   epoch_summary, spark_submit_kwargs)
 
 CFG = PipelineConfig.load()
-COUNTS = Asset(name=f"{CFG.pipeline_id}_counts", uri=f"file://{CFG.counts_path}")
+COUNTS = counts_asset(CFG)
 
 with DAG(
     dag_id="ipcount_backfill",

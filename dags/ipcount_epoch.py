@@ -25,17 +25,17 @@ from datetime import timedelta
 
 import pendulum
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-from airflow.sdk import DAG, Asset, task
+from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 from airflow.timetables.interval import CronDataIntervalTimetable
 
 from ipcount.config import PipelineConfig
 from ipcount.epoch import commit_group_offsets_from_ledger
-from ipcount.orchestration import (INTERVAL_BACKFILL_ARGS, dag_params, epoch_summary, run_config,
-                                   spark_submit_kwargs)
+from ipcount.orchestration import (INTERVAL_BACKFILL_ARGS, counts_asset, dag_params, epoch_summary,
+                                   run_config, spark_submit_kwargs)
 
 CFG = PipelineConfig.load()
-COUNTS = Asset(name=f"{CFG.pipeline_id}_counts", uri=f"file://{CFG.counts_path}")
+COUNTS = counts_asset(CFG)
 
 with DAG(
     dag_id="ipcount_epoch",

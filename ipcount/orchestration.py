@@ -38,6 +38,13 @@ RUN_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+def counts_asset(cfg: PipelineConfig):
+    """The Asset both DAGs update when they commit counts into the main table."""
+    from airflow.sdk import Asset
+
+    return Asset(name=f"{cfg.pipeline_id}_counts", uri=f"file://{cfg.counts_path}")
+
+
 def dag_params(cfg: PipelineConfig) -> dict[str, Any]:
     """Airflow Params for :data:`RUN_PARAMS`, defaulting to the pipeline's configuration."""
     from airflow.sdk import Param

@@ -129,6 +129,12 @@ def test_backfill_history_after_starting_at_latest_then_rebuild_and_verify(cfg, 
         assert by_key[k] == (live_counts[k], live_counts[k] + 2)
     assert by_key[deleted] == (live_counts[deleted], 0)
     assert verify(cfg).ok                               # the live table is untouched
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    cli = subprocess.run([sys.executable, "-m", "ipcount.cli", "verify", "--target", "rebuilt", *cfg.to_args()],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 1, cli.stderr[-2000:]
+    assert f"ip {victim.ip}: Kafka has {live_counts[deleted]}, table has 0" in cli.stdout
+    assert f"MISMATCH: {len(by_key)} difference(s)" in cli.stdout
 
 
 def test_backfill_by_time_into_a_replay_table(cfg, spark):
