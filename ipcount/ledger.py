@@ -117,7 +117,6 @@ class LedgerState:
     pending_backfills: tuple[EpochPlan, ...] = ()  # backfill epochs planned but not committed
     coverage: Coverage = field(default_factory=lambda: Coverage(""))  # offsets any row owns
     request_watermarks: Mapping[str, int | None] = field(default_factory=dict)  # backfill lanes
-    request_epochs: Mapping[str, int] = field(default_factory=dict)  # committed epochs per request
 
 
 @dataclass(frozen=True)
@@ -151,7 +150,6 @@ class Ledger:
         table = self._table()
         groups = table.groupBy("topic", "kind", "request_id", "status", "partition").agg(
             F.max("epoch").alias("epoch"), F.max("until_offset").alias("until"),
-            F.count_distinct("epoch").alias("epochs"),
             F.max_by("watermark_after_ms", "epoch").alias("watermark")).collect()
         last_epoch = max((g.epoch for g in groups), default=0)
         mine = [g for g in groups if g.topic == topic]
@@ -163,7 +161,6 @@ class Ledger:
             if g.kind == BACKFILL and g.status == COMMITTED:
                 lanes.setdefault(g.request_id, []).append(g)
         request_watermarks = {rid: max(gs, key=lambda g: g.epoch).watermark for rid, gs in lanes.items()}
-        request_epochs = {rid: max(g.epochs for g in gs) for rid, gs in lanes.items()}
 
         pending, backfills = None, ()
         if any(g.status == PLANNED for g in mine):
@@ -187,8 +184,7 @@ class Ledger:
         coverage = Coverage.of(topic, (OffsetRange(topic, r.partition, r.f, r.u) for r in islands))
         return LedgerState(last_epoch=last_epoch, committed=committed,
                            watermark_ms=latest.watermark if latest is not None else None, pending=pending,
-                           pending_backfills=backfills, coverage=coverage, request_watermarks=request_watermarks,
-                           request_epochs=request_epochs)
+                           pending_backfills=backfills, coverage=coverage, request_watermarks=request_watermarks)
 
     @staticmethod
     def _pending_plans(planned) -> list[EpochPlan]:

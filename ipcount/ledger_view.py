@@ -5,13 +5,25 @@ DAG task or a terminal loop every few seconds.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
+_OPERATORS = ("=", "!=", "<", "<=", ">", ">=")
+
+
 def read_rows(path: str, columns: list[str] | None = None, filters: list | None = None) -> list[dict[str, Any]]:
-    from deltalake import DeltaTable
+    """Rows of the Delta table at ``path`` ([] if there is none), optionally only some
+    columns and only rows matching every ``(column, op, value)`` filter.
+
+    Through delta-rs's own query engine rather than ``to_pyarrow_table``: the pyarrow
+    dataset path aborts the interpreter at exit ("terminate called without an active
+    exception", delta-rs issue 2184) in short-lived processes such as CLI commands.
+    """
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
     from deltalake.exceptions import TableNotFoundError
 
     if not (Path(path) / "_delta_log").is_dir():
@@ -20,7 +32,31 @@ def read_rows(path: str, columns: list[str] | None = None, filters: list | None 
         table = DeltaTable(path)
     except TableNotFoundError:
         return []
-    return table.to_pyarrow_table(columns=columns, filters=filters).to_pylist()
+    select = ", ".join(_identifier(c) for c in columns) if columns else "*"
+    where = " AND ".join(f"{_identifier(c)} {_operator(op)} {_literal(v)}" for c, op, v in (filters or []))
+    sql = f"SELECT {select} FROM ledger_view_table" + (f" WHERE {where}" if where else "")
+    reader = QueryBuilder().register("ledger_view_table", table).execute(sql)
+    return pa.table(reader.read_all()).to_pylist()
+
+
+def _identifier(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"not a column name: {name!r}")
+    return f'"{name}"'
+
+
+def _operator(op: str) -> str:
+    if op not in _OPERATORS:
+        raise ValueError(f"unsupported filter operator {op!r}")
+    return op
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return "'" + str(value).replace("'", "''") + "'"
 
 
 def committed_positions(ledger_path: str, topic: str) -> tuple[int, dict[int, int]]:

@@ -39,6 +39,8 @@ def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
         "spark.sql.shuffle.partitions": "4",
         "spark.databricks.delta.snapshotPartitions": "2",
         "spark.ui.showConsoleProgress": "false",
+        # Only path-based Delta tables are used; keep Spark's catalog directory out of the cwd.
+        "spark.sql.warehouse.dir": str(STATE_DIR / "spark-warehouse"),
         "spark.driver.extraJavaOptions": "-Dlog4j2.level=warn",
     }
 

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from deltalake import DeltaTable
-
 from ipcount.config import PipelineConfig
+from ipcount.ledger_view import read_rows
 
 
 def _rows(path: str) -> list[dict]:
-    return DeltaTable(path).to_pyarrow_table().to_pylist()
+    return read_rows(path)
 
 
 def _ms(ts) -> int:
