@@ -37,7 +37,8 @@ SETTINGS_HELP = {
     "window_seconds": "tumbling event-time window size",
     "allowed_lateness_seconds": "how long after its end (by the watermark) a window still accepts records",
     "event_time": "where event time comes from: payload (the record's ts / [time]) or kafka (record timestamp)",
-    "max_records_per_epoch": "cap on the offsets one epoch reads, split across partitions by backlog",
+    "max_records_per_epoch": "cap on the offsets one epoch (or one backfill chunk) reads, split across "
+                             "partitions by backlog",
     "start_position": "where a pipeline with an empty ledger starts: earliest, latest, timestamp, "
                       "group-offsets or specific (ignored once the ledger has entries)",
     "start_timestamp_ms": "for start_position timestamp: per partition, the first offset at or after this time",

@@ -25,6 +25,7 @@ from ipcount.verify import verify
 from tests.conftest import run_until_idle
 from tests.ground_truth import Expected, expected_tables
 from tests.tables import counts, dead_letters, late_records, lanes, owned_offsets, snapshot
+from tests.tables import ledger as ledger_rows
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
 
@@ -162,19 +163,20 @@ def test_concurrent_backfill_and_scheduled_epochs_never_double_count(cfg, spark,
     produced = produce_dataset(cfg, 1500, seed=41)
     spec = ",".join(f"{p}:0-{u}" for p, u in sorted(ends_of(produced).items()))
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    backfill = subprocess.Popen([sys.executable, "-m", "ipcount.cli", "backfill", "--offsets", spec,
-                                 *cfg.to_args()], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    log_path = tmp_path / "backfill.log"  # a file, not a pipe: a full pipe would stall the process
+    with open(log_path, "w") as log:
+        backfill = subprocess.Popen([sys.executable, "-m", "ipcount.cli", "backfill", "--offsets", spec,
+                                     *cfg.to_args()], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         chain = []
         deadline = time.monotonic() + 600
         while backfill.poll() is None or not chain or chain[-1] is not None:
             assert time.monotonic() < deadline, "race did not finish"
             chain.append(run_epoch(cfg, spark))
-        out = backfill.communicate(timeout=60)[0]
     finally:
         if backfill.poll() is None:
             backfill.kill()
+    out = log_path.read_text()
     assert backfill.returncode == 0, out[-3000:]
     kinds = lanes(cfg)
     assert "scheduled" in kinds and len(kinds) == 2, list(kinds)     # both lanes really committed epochs
@@ -238,3 +240,43 @@ def test_rebuild_refuses_when_kafka_no_longer_has_the_offsets(cfg, spark):
     with pytest.raises(DataLossError, match=r"cannot rebuild epoch 1: .*-1\[0,10\) is no longer in Kafka"):
         rebuild(cfg, spark, into="again")
     assert not Path(cfg.for_target("again").ledger_path).exists()
+
+
+def test_the_ledger_refuses_overlapping_plans_even_recorded_at_the_same_moment(cfg, spark):
+    import threading
+
+    from ipcount.ledger import Ledger, PlanConflict
+    from ipcount.offsets import BACKFILL, EpochPlan
+
+    t = cfg.topic
+    ledger = Ledger(spark, cfg.ledger_path)
+    ledger.ensure()
+    ledger.record_plan(EpochPlan(1, (OffsetRange(t, 0, 0, 10),)), None)
+    with pytest.raises(PlanConflict):       # overlaps a recorded range
+        ledger.record_plan(EpochPlan(2, (OffsetRange(t, 0, 5, 15),), kind=BACKFILL, request_id="r"), None)
+    with pytest.raises(PlanConflict):       # takes a recorded epoch id
+        ledger.record_plan(EpochPlan(1, (OffsetRange(t, 1, 0, 10),)), None)
+    ledger.record_plan(EpochPlan(2, (OffsetRange(t, 0, 10, 20),), kind=BACKFILL, request_id="r"), None)
+
+    # Two planners that read the same ledger record overlapping plans at once: never both.
+    for i in range(6):
+        start = 100 * (i + 1)
+        plans = (EpochPlan(10 + 2 * i, (OffsetRange(t, 0, start, start + 50),)),
+                 EpochPlan(11 + 2 * i, (OffsetRange(t, 0, start + 25, start + 75),), kind=BACKFILL, request_id="r"))
+        barrier, results = threading.Barrier(2), [None, None]
+
+        def record(k):
+            barrier.wait()
+            try:
+                ledger.record_plan(plans[k], None)
+                results[k] = "recorded"
+            except PlanConflict:
+                results[k] = "refused"
+        threads = [threading.Thread(target=record, args=(k,)) for k in (0, 1)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=300)
+        assert sorted(results) == ["recorded", "refused"], results
+    owned_offsets(cfg)                       # (asserts that no two ledger rows overlap)
+    assert len({r["epoch"] for r in ledger_rows(cfg)}) == 2 + 6
