@@ -149,16 +149,35 @@ def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home,
     assert "skipping what the ledger already owns" in proc.stdout + proc.stderr
     assert len(_ledger_rows(cfg)) == len(rows)
 
-    # Bad requests fail in check_request, before Spark starts and before any write.
-    for bad, message in [({"offsets": "0:0-100000"}, "beyond the end of the log"),
-                         ({"offsets": "0:0-10", "from_time": "2026-11-20T00:00:00Z"}, "not both"),
-                         ({}, "give offsets")]:
-        proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c", json.dumps(bad), cfg=cfg)
-        assert proc.returncode != 0 and message in proc.stdout + proc.stderr, (bad, (proc.stdout + proc.stderr)[-3000:])
-    # A target that is not a plain identifier is refused by the form's JSON schema.
+    # A bad request fails in check_request, before Spark starts and before any write ...
+    proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c", json.dumps({"offsets": "0:0-100000"}),
+                    cfg=cfg)
+    assert proc.returncode != 0 and "beyond the end of the log" in proc.stdout + proc.stderr, \
+        (proc.stdout + proc.stderr)[-3000:]
+    # ... and a target that is not a plain identifier is refused by the form's JSON schema.
     proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c",
                     json.dumps({"offsets": "0:0-10", "target": "../x"}), cfg=cfg)
     assert proc.returncode != 0 and "target" in proc.stdout + proc.stderr
     assert len(_ledger_rows(cfg)) == len(rows)
     assert not (Path(cfg.warehouse) / "replays").exists()
+
+
+def test_backfill_form_checks_say_what_to_fix(cfg):
+    """check_request's logic in-process (the DAG test above runs it for real once)."""
+    from ipcount.backfill_request import BadRequestError
+    from ipcount.orchestration import check_backfill_request
+
+    produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=34).records(30, 1_795_255_200_000),
+            partition_of=lambda i, r: i % 3)
+    for bad, message in [({"offsets": "0:0-10", "from_time": "2026-11-20T00:00:00Z"}, "not both"),
+                         ({"target": "main"}, "give offsets"),
+                         ({"from_time": "2026-11-20T00:00:00Z"}, "give offsets"),
+                         ({"offsets": "5:0-1"}, "has no partition 5"),
+                         ({"offsets": "0:3-2"}, "must be greater"),
+                         ({"from_time": "2026-11-20T01:00:00Z", "until_time": "2026-11-20T00:00:00Z"}, "must be after")]:
+        with pytest.raises(BadRequestError, match=message):
+            check_backfill_request(cfg, bad)
+    ok = check_backfill_request(cfg, {"offsets": "0:0-10", "target": "audit"})
+    assert ok["target"] == "audit" and ok["ranges"] == [f"{cfg.topic}-0[0,10)"]
+    assert not Path(cfg.warehouse).exists()
 

@@ -160,7 +160,7 @@ def test_backfill_by_time_into_a_replay_table(cfg, spark):
 def test_concurrent_backfill_and_scheduled_epochs_never_double_count(cfg, spark, tmp_path):
     """A backfill process and the scheduled chain race over the same offsets."""
     cfg = cfg.replace(max_records_per_epoch=150)
-    produced = produce_dataset(cfg, 1500, seed=41)
+    produced = produce_dataset(cfg, 1050, seed=41)
     spec = ",".join(f"{p}:0-{u}" for p, u in sorted(ends_of(produced).items()))
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     log_path = tmp_path / "backfill.log"  # a file, not a pipe: a full pipe would stall the process
