@@ -20,7 +20,8 @@ from ipcount.config import PipelineConfig
 from ipcount.coverage import describe, next_chunk
 from ipcount.epoch import EpochSummary, execute, prepare_tables, record_new_plan
 from ipcount.ledger import COMMITTED, Ledger, LedgerState
-from ipcount.offsets import BACKFILL, DataLossError, EpochPlan, OffsetRange
+from ipcount.offsets import (BACKFILL, DataLossError, EpochPlan, OffsetRange, check_partitions_exist,
+                             check_readable)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -59,30 +60,41 @@ class BackfillReport:
                 "records_read": sum(e.records_read for e in self.epochs)}
 
 
-def resolve(cfg: PipelineConfig, request: BackfillRequest, earliest: dict[int, int], latest: dict[int, int],
-            now_ms: int | None = None) -> tuple[OffsetRange, ...]:
-    """The request as offset ranges of ``cfg.topic``, checked against the log."""
+@dataclass(frozen=True)
+class Resolved:
+    """A request as offset ranges, and the log bounds it was checked against."""
+
+    ranges: tuple[OffsetRange, ...]
+    earliest: dict[int, int]
+    latest: dict[int, int]
+
+
+def resolve(cfg: PipelineConfig, request: BackfillRequest) -> Resolved:
+    """The request as (non-empty) offset ranges of ``cfg.topic``, checked against the log."""
+    earliest, latest = kafka_io.partition_offsets(cfg)
     if request.by_time:
-        request.check_time(int(time.time() * 1000) if now_ms is None else now_ms)
+        request.check_time(int(time.time() * 1000))
         starts = kafka_io.offsets_for_time(cfg, request.from_ms, latest)
         ends = kafka_io.offsets_for_time(cfg, request.until_ms, latest)
         ranges = tuple(OffsetRange(cfg.topic, p, starts[p], max(starts[p], ends[p])) for p in sorted(latest))
     else:
         ranges = tuple(OffsetRange(cfg.topic, r.partition, r.from_offset, r.until_offset) for r in request.offsets)
     check_against_log(cfg.topic, ranges, earliest, latest)
-    return tuple(r for r in ranges if r.size > 0)
+    return Resolved(tuple(r for r in ranges if r.size > 0), earliest, latest)
 
 
 def run_backfill(cfg: PipelineConfig, spark: SparkSession, request: BackfillRequest, run_id: str | None = None,
-                 crash: Callable[[str], None] = lambda point: None, now_ms: int | None = None) -> BackfillReport:
+                 crash: Callable[[str], None] = lambda point: None, resolved: Resolved | None = None) -> BackfillReport:
     """Count what the request names and the target's ledger does not own yet, chunk by chunk.
 
     Re-running the same request (same id) after a crash finishes its unfinished chunk from
     its recorded plan and continues its watermark chain, so the result equals one clean run.
+    ``resolved``: the request already resolved (by a caller that checked it before starting
+    Spark); resolved here otherwise.
     """
     target_cfg = cfg.for_target(request.target)
-    earliest, latest = kafka_io.partition_offsets(cfg)
-    requested = resolve(cfg, request, earliest, latest, now_ms)  # every check before any write
+    resolved = resolved or resolve(cfg, request)  # every check before any write
+    requested, earliest, latest = resolved.ranges, resolved.earliest, resolved.latest
     log.info("backfill %s: %s -> %s", request.request_id, request.describe(), describe(requested))
     ledger, sink = prepare_tables(target_cfg, spark)
 
@@ -150,10 +162,12 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
     earliest, latest = kafka_io.partition_offsets(cfg)
     for plan, _ in epochs:  # everything must still be in Kafka: fail before writing anything
         for r in plan.nonempty_ranges:
-            if r.partition not in latest or r.from_offset < earliest[r.partition]:
-                raise DataLossError(f"cannot rebuild epoch {plan.epoch}: {r} is no longer in Kafka (log of "
-                                    f"partition {r.partition} starts at {earliest.get(r.partition, 'nothing')}); "
-                                    "a rebuild needs all counted offsets within retention")
+            try:
+                check_partitions_exist(cfg.topic, {r.partition: r.from_offset}, latest)
+                check_readable(cfg.topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
+            except DataLossError as e:
+                raise DataLossError(f"cannot rebuild epoch {plan.epoch}: {r} is no longer in Kafka ({e}); a "
+                                    "rebuild needs all counted offsets within retention") from None
     src_state = src.state(cfg.topic)
     unfinished = [p.epoch for p in src_state.pending_backfills] + ([src_state.pending.epoch] if src_state.pending else [])
     report = RebuildReport(source, into, unfinished_in_source=sorted(unfinished))

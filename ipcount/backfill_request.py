@@ -9,10 +9,11 @@ written, and never reaches SQL text or a file path unchecked.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Mapping
+from typing import Any, Mapping
 
 from ipcount.offsets import OffsetRange
 
@@ -122,6 +123,36 @@ class BackfillRequest:
                 f"the time range ends in the future ({format_ms(self.until_ms)} is after now, "
                 f"{format_ms(now_ms)}); records that do not exist yet cannot be backfilled - end it at "
                 "or before now")
+
+
+REQUEST_FIELDS = ("target", "offsets", "from_time", "until_time")
+
+
+def request_from_fields(fields: Mapping[str, Any] | str, topic: str,
+                        time_names: tuple[str, str] = ("from_time", "until_time")) -> BackfillRequest:
+    """A request from the trigger form's fields (or their JSON, as the backfill DAG passes
+    them, or the CLI's flags); empty values count as absent. ``time_names`` name the time
+    fields in messages."""
+    if isinstance(fields, str):
+        try:
+            fields = json.loads(fields)
+        except ValueError as e:
+            raise BadRequestError(f"the request is not valid JSON: {e}") from None
+    if not isinstance(fields, Mapping):
+        raise BadRequestError("the request must be a JSON object")
+    unknown = sorted(set(fields) - set(REQUEST_FIELDS))
+    if unknown:
+        raise BadRequestError(f"unknown request field(s) {unknown}; known: {', '.join(REQUEST_FIELDS)}")
+    target = fields.get("target") or MAIN_TARGET
+    offsets, start, until = fields.get("offsets"), fields.get("from_time"), fields.get("until_time")
+    if offsets and (start or until):
+        raise BadRequestError("give either offsets or from_time/until_time, not both")
+    if offsets:
+        return BackfillRequest(target=target, offsets=parse_offsets(offsets, topic))
+    if start and until:
+        return BackfillRequest(target=target, from_ms=parse_time(start, time_names[0]),
+                               until_ms=parse_time(until, time_names[1]))
+    raise BadRequestError("give offsets ('partition:from-until,...') or both from_time and until_time")
 
 
 def check_against_log(topic: str, ranges: tuple[OffsetRange, ...], earliest: Mapping[int, int],

@@ -162,8 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args)
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"ipcount {args.command}: error: {e}\n")
-    command = {"epoch": _epoch, "backfill": _backfill, "verify": _verify, "rebuild": _rebuild, "watch": _watch, "generate": _generate, "kafka": _kafka,
-               "airflow": _airflow, "config": _config}[args.command]
+    command = {"epoch": _epoch, "backfill": _backfill, "verify": _verify, "rebuild": _rebuild, "watch": _watch,
+               "generate": _generate, "kafka": _kafka, "airflow": _airflow, "config": _config}[args.command]
     try:
         return command(args, cfg)
     except KeyboardInterrupt:
@@ -191,11 +191,11 @@ def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
             crash("before_kafka_commit")
             epoch_mod.commit_group_offsets_from_ledger(cfg)
         return EXIT_OK
-    return _spark_command(run)
+    return _with_exit_codes(run)
 
 
-def _spark_command(run: Callable[[], int]) -> int:
-    """Run a Spark-backed command, mapping the pipeline's errors to exit codes and messages."""
+def _with_exit_codes(run: Callable[[], int]) -> int:
+    """Run a command, mapping the pipeline's errors to exit codes and messages."""
     from ipcount.backfill_request import BadRequestError
     from ipcount.kafka_io import BrokerUnavailableError, StartPositionError, UnknownTopicError
     from ipcount.offsets import DataLossError
@@ -215,19 +215,16 @@ def _spark_command(run: Callable[[], int]) -> int:
 
 
 def _backfill_request(args: argparse.Namespace, cfg: PipelineConfig):
-    from ipcount.backfill_request import BackfillRequest, BadRequestError, parse_offsets, parse_time
+    from ipcount.backfill_request import BadRequestError, request_from_fields
 
     if args.request_json is not None:
-        from ipcount.orchestration import backfill_request_fields
-        return backfill_request_fields(args.request_json, cfg.topic)
-    if args.offsets is not None:
-        if args.until_time is not None:
-            raise BadRequestError("--until-time goes with --from-time, not with --offsets")
-        return BackfillRequest(target=args.target, offsets=parse_offsets(args.offsets, cfg.topic))
-    if args.until_time is None:
+        return request_from_fields(args.request_json, cfg.topic)
+    if args.offsets is not None and args.until_time is not None:
+        raise BadRequestError("--until-time goes with --from-time, not with --offsets")
+    if args.from_time is not None and args.until_time is None:
         raise BadRequestError("--from-time needs --until-time (the end of the range, exclusive)")
-    return BackfillRequest(target=args.target, from_ms=parse_time(args.from_time, "--from-time"),
-                           until_ms=parse_time(args.until_time, "--until-time"))
+    return request_from_fields({"target": args.target, "offsets": args.offsets, "from_time": args.from_time,
+                                "until_time": args.until_time}, cfg.topic, time_names=("--from-time", "--until-time"))
 
 
 def _backfill(args: argparse.Namespace, cfg: PipelineConfig) -> int:
@@ -239,24 +236,22 @@ def _backfill(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 
     def run() -> int:
         from ipcount.backfill import resolve
-        from ipcount.kafka_io import partition_offsets
 
-        request = _backfill_request(args, cfg)  # checked, with the broker, before Spark starts
-        resolve(cfg, request, *partition_offsets(cfg))
-        report = run_backfill(cfg, get_spark(cfg), request, run_id=args.run_id, crash=crash)
+        request = _backfill_request(args, cfg)
+        resolved = resolve(cfg, request)  # checked, with the broker, before Spark starts
+        report = run_backfill(cfg, get_spark(cfg), request, run_id=args.run_id, crash=crash, resolved=resolved)
         print(report.line(), flush=True)
         if args.summary_json:
             print(json.dumps(report.to_dict()), flush=True)
         return EXIT_OK
-    return _spark_command(run)
+    return _with_exit_codes(run)
 
 
 def _verify(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.backfill_request import check_target, parse_time
+    from ipcount.backfill_request import parse_time
     from ipcount.verify import verify
 
     def run() -> int:
-        check_target(args.target)
         report = verify(cfg, args.target,
                         parse_time(args.from_time, "--from-time") if args.from_time else None,
                         parse_time(args.until_time, "--until-time") if args.until_time else None)
@@ -266,7 +261,7 @@ def _verify(args: argparse.Namespace, cfg: PipelineConfig) -> int:
             print(f"... and {len(report.differences) - args.max_differences} more")
         print(report.line(), flush=True)
         return EXIT_OK if report.ok else EXIT_FAILED
-    return _spark_command(run)
+    return _with_exit_codes(run)
 
 
 def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
@@ -274,12 +269,10 @@ def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.session import get_spark
 
     def run() -> int:
-        from ipcount.backfill_request import check_target
-        check_target(args.into), check_target(args.source)
         report = rebuild(cfg, get_spark(cfg), args.into, args.source, run_id=args.run_id)
         print(report.line(), flush=True)
         return EXIT_OK
-    return _spark_command(run)
+    return _with_exit_codes(run)
 
 
 def _watch(args: argparse.Namespace, cfg: PipelineConfig) -> int:

@@ -123,14 +123,12 @@ def record_new_plan(ledger: Ledger, topic: str, run_id: str | None,
 
 
 def execute(cfg: PipelineConfig, spark: SparkSession, plan: EpochPlan, earliest: dict[int, int],
-            latest: dict[int, int], *, run_id: str | None = None, crash: Callable[[str], None] = lambda p: None,
-            resumed: bool = False, started: float | None = None, ledger: Ledger | None = None,
-            sink: Sink | None = None) -> EpochSummary:
+            latest: dict[int, int], *, ledger: Ledger, sink: Sink, run_id: str | None = None,
+            crash: Callable[[str], None] = lambda p: None, resumed: bool = False,
+            started: float | None = None) -> EpochSummary:
     """Steps 2-4 of a recorded plan: read, sink, ledger commit. The same for scheduled
     epochs, backfill chunks and rebuilds; a re-run of the same plan changes nothing."""
     started = time.monotonic() if started is None else started
-    ledger = ledger or Ledger(spark, cfg.ledger_path)
-    sink = sink or Sink(spark, cfg)
     stages: dict[str, float] = {}
     crash("after_plan")
     # Data that aged out (or a partition that vanished) since planning fails loudly, too.

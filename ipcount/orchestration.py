@@ -2,7 +2,6 @@
 publish after it. Kept here so the DAG file stays wiring only."""
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from typing import Any
@@ -99,40 +98,13 @@ def backfill_params(cfg: PipelineConfig) -> dict[str, Any]:
             for name, (schema, title, text) in BACKFILL_PARAMS.items()}
 
 
-def backfill_request_fields(fields: dict[str, Any] | str, topic: str):
-    """A :class:`BackfillRequest` from the trigger form's fields (or their JSON)."""
-    from ipcount.backfill_request import BackfillRequest, BadRequestError, parse_offsets, parse_time
-
-    if isinstance(fields, str):
-        try:
-            fields = json.loads(fields)
-        except ValueError as e:
-            raise BadRequestError(f"the request is not valid JSON: {e}") from None
-    if not isinstance(fields, dict):
-        raise BadRequestError("the request must be a JSON object")
-    unknown = sorted(set(fields) - {"target", "offsets", "from_time", "until_time"})
-    if unknown:
-        raise BadRequestError(f"unknown request field(s) {unknown}; known: target, offsets, from_time, until_time")
-    target = fields.get("target") or "main"
-    offsets, start, until = fields.get("offsets"), fields.get("from_time"), fields.get("until_time")
-    if offsets and (start or until):
-        raise BadRequestError("give either offsets or from_time/until_time, not both")
-    if offsets:
-        return BackfillRequest(target=target, offsets=parse_offsets(offsets, topic))
-    if start and until:
-        return BackfillRequest(target=target, from_ms=parse_time(start, "from_time"),
-                               until_ms=parse_time(until, "until_time"))
-    raise BadRequestError("give offsets ('partition:from-until,...') or both from_time and until_time")
-
-
 def check_backfill_request(cfg: PipelineConfig, params: dict[str, Any]) -> dict[str, Any]:
     """The trigger form's request, checked (also against the broker) before Spark starts."""
     from ipcount.backfill import resolve
-    from ipcount.kafka_io import partition_offsets
+    from ipcount.backfill_request import REQUEST_FIELDS, request_from_fields
 
-    request = backfill_request_fields({k: params.get(k) for k in ("target", "offsets", "from_time", "until_time")},
-                                      cfg.topic)
-    ranges = resolve(cfg, request, *partition_offsets(cfg))
+    request = request_from_fields({k: params.get(k) for k in REQUEST_FIELDS}, cfg.topic)
+    ranges = resolve(cfg, request).ranges
     log.info("backfill request %s: %s -> %d offset range(s), %d offsets", request.request_id, request.describe(),
              len(ranges), sum(r.size for r in ranges))
     return {"request_id": request.request_id, "target": request.target, "request": request.describe(),
