@@ -24,19 +24,19 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pendulum
-from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 
 from ipcount.config import PipelineConfig
-from ipcount.orchestration import (REQUEST_BACKFILL_ARGS, backfill_params, check_backfill_request, counts_asset,
-                                   epoch_summary, spark_submit_kwargs)
+from ipcount.monitor.links import EpochSubmitOperator
+from ipcount.orchestration import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, backfill_params,
+                                   check_backfill_request, counts_asset, epoch_summary, spark_submit_kwargs)
 
 CFG = PipelineConfig.load()
 COUNTS = counts_asset(CFG)
 
 with DAG(
-    dag_id="ipcount_backfill",
+    dag_id=BACKFILL_DAG_ID,
     description=__doc__.strip().splitlines()[0].lstrip("# "),
     doc_md=__doc__,
     schedule=None,
@@ -51,7 +51,7 @@ with DAG(
         """The request, parsed and checked against the broker (fails before any write)."""
         return check_backfill_request(CFG, params)
 
-    run_backfill = SparkSubmitOperator(
+    run_backfill = EpochSubmitOperator(
         task_id="run_backfill", **spark_submit_kwargs(CFG, "backfill", REQUEST_BACKFILL_ARGS, run_params=False))
 
     @task(outlets=[COUNTS])

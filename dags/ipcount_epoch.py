@@ -24,21 +24,21 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pendulum
-from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 from airflow.timetables.interval import CronDataIntervalTimetable
 
 from ipcount.config import PipelineConfig
 from ipcount.epoch import commit_group_offsets_from_ledger
-from ipcount.orchestration import (INTERVAL_BACKFILL_ARGS, counts_asset, dag_params, epoch_summary,
-                                   run_config, spark_submit_kwargs)
+from ipcount.monitor.links import EpochSubmitOperator
+from ipcount.orchestration import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params,
+                                   epoch_summary, run_config, spark_submit_kwargs)
 
 CFG = PipelineConfig.load()
 COUNTS = counts_asset(CFG)
 
 with DAG(
-    dag_id="ipcount_epoch",
+    dag_id=EPOCH_DAG_ID,
     description=__doc__.strip().splitlines()[0].lstrip("# "),
     doc_md=__doc__,
     # Data intervals (not trigger instants): a backfill run counts its interval's records.
@@ -57,8 +57,8 @@ with DAG(
         run_type = getattr(dag_run.run_type, "value", dag_run.run_type)
         return "backfill_interval" if run_type == "backfill" else "run_epoch"
 
-    run_epoch = SparkSubmitOperator(task_id="run_epoch", **spark_submit_kwargs(CFG, "epoch", ("--skip-offset-commit",)))
-    backfill_interval = SparkSubmitOperator(task_id="backfill_interval",
+    run_epoch = EpochSubmitOperator(task_id="run_epoch", **spark_submit_kwargs(CFG, "epoch", ("--skip-offset-commit",)))
+    backfill_interval = EpochSubmitOperator(task_id="backfill_interval",
                                             **spark_submit_kwargs(CFG, "backfill", INTERVAL_BACKFILL_ARGS))
 
     @task(trigger_rule="none_failed_min_one_success")

@@ -62,21 +62,40 @@ LEDGER_SCHEMA = StructType([
 ])
 
 
-def ensure_table(spark: SparkSession, path: str, schema: StructType) -> None:
+def ensure_table(spark: SparkSession, path: str, schema: StructType,
+                 properties: Mapping[str, str] | None = None) -> None:
     """Create an empty Delta table at ``path`` unless one is there (checked first: creating
     is a commit, checking is a cheap look at the log). A table made by an older version
-    gets the nullable columns it lacks."""
+    gets the nullable columns and the table properties it lacks."""
     from delta.tables import DeltaTable
 
+    properties = dict(properties or {})
     if not DeltaTable.isDeltaTable(spark, path):
-        DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).execute()
+        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
+        for key, value in properties.items():
+            builder = builder.property(key, value)
+        builder.execute()
         return
+    detail = DeltaTable.forPath(spark, path).detail().select("properties").first()
+    have_props = dict(detail.properties or {})
+    stale = {k: v for k, v in properties.items() if have_props.get(k) != v}
+    if stale:
+        assignments = ", ".join(f"'{k}' = '{v}'" for k, v in stale.items())
+        retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})"),
+                          f"setting table properties of {path}")
     have = set(spark.read.format("delta").load(path).schema.fieldNames())
     missing = [f for f in schema.fields if f.name not in have]
     if missing:
         columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
         retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"),
                           f"adding columns to {path}")
+
+
+# Each epoch adds a few tiny files to the ledger (the plan, then the commit's rewrite).
+# Delta's auto compaction folds them together after a write once enough pile up, so a full
+# read of the ledger - planning here, the monitoring pages there - stays a few files long
+# however many epochs it holds.
+LEDGER_PROPERTIES = {"delta.autoOptimize.autoCompact": "true"}
 
 
 class PlanConflict(RuntimeError):
@@ -136,7 +155,7 @@ class Ledger:
         self.spark, self.path = spark, path
 
     def ensure(self) -> None:
-        ensure_table(self.spark, self.path, LEDGER_SCHEMA)
+        ensure_table(self.spark, self.path, LEDGER_SCHEMA, LEDGER_PROPERTIES)
 
     def _table(self):
         return self.spark.read.format("delta").load(self.path).withColumn(

@@ -32,26 +32,26 @@ def read_rows(path: str, columns: list[str] | None = None, filters: list | None 
         table = DeltaTable(path)
     except TableNotFoundError:
         return []
-    select = ", ".join(_identifier(c) for c in columns) if columns else "*"
-    where = " AND ".join(f"{_identifier(c)} {_operator(op)} {_literal(v)}" for c, op, v in (filters or []))
+    select = ", ".join(sql_identifier(c) for c in columns) if columns else "*"
+    where = " AND ".join(f"{sql_identifier(c)} {sql_operator(op)} {sql_literal(v)}" for c, op, v in (filters or []))
     sql = f"SELECT {select} FROM ledger_view_table" + (f" WHERE {where}" if where else "")
     reader = QueryBuilder().register("ledger_view_table", table).execute(sql)
     return pa.table(reader.read_all()).to_pylist()
 
 
-def _identifier(name: str) -> str:
+def sql_identifier(name: str) -> str:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"not a column name: {name!r}")
     return f'"{name}"'
 
 
-def _operator(op: str) -> str:
+def sql_operator(op: str) -> str:
     if op not in _OPERATORS:
         raise ValueError(f"unsupported filter operator {op!r}")
     return op
 
 
-def _literal(value: Any) -> str:
+def sql_literal(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):

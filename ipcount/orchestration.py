@@ -14,6 +14,7 @@ from ipcount.session import spark_conf, spark_jars
 log = logging.getLogger(__name__)
 
 EPOCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "epoch_job.py")
+EPOCH_DAG_ID, BACKFILL_DAG_ID = "ipcount_epoch", "ipcount_backfill"
 
 
 # Settings a DAG run may override from the trigger form or `airflow dags trigger --conf`:

@@ -6,70 +6,19 @@ reported no-op.
 """
 from __future__ import annotations
 
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
 import time
-import urllib.request
-from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 
-from ipcount.airflow_env import airflow_env
 from ipcount.generator import TrafficGenerator, produce
+from tests.airflow_services import airflow, airflow_services, service_env
 from tests.conftest import free_port, run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, lanes, ledger, owned_offsets
 
 pytestmark = pytest.mark.airflow
-AIRFLOW = str(Path(sys.executable).parent / "airflow")
-
-
-def _env(home, cfg, port):
-    env = airflow_env(home, api_port=port, spark_master=cfg.spark_master)
-    env.update({f"IPCOUNT_{k.upper()}": str(v) for k, v in cfg.to_dict().items()})
-    return env
-
-
-def _airflow(env, *args, timeout=300):
-    proc = subprocess.run([AIRFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (args, (proc.stdout + proc.stderr)[-4000:])
-    return proc
-
-
-@contextmanager
-def airflow_services(home: Path, env: dict):
-    """api-server (task execution API) and scheduler, stopped (process groups) on exit."""
-    procs = []
-    try:
-        for name, args in (("api-server", ["api-server", "--port", env["AIRFLOW__API__PORT"]]),
-                           ("scheduler", ["scheduler"])):
-            log = open(home / f"{name}.log", "w")
-            procs.append(subprocess.Popen([AIRFLOW, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-        health = f"{env['AIRFLOW__API__BASE_URL']}/api/v2/monitor/health"
-        for _ in range(180):
-            try:
-                with urllib.request.urlopen(health, timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
-        else:
-            raise AssertionError(f"api-server did not come up; see {home / 'api-server.log'}")
-        yield
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
 
 
 def _runs(home, run_type):
@@ -95,7 +44,7 @@ def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path)
     cfg = cfg.replace(schedule="@daily")
     home = tmp_path / "airflow"
     home.mkdir()
-    env = _env(home, cfg, free_port())
+    env = service_env(home, cfg, free_port())
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     day = lambda n: int((today - timedelta(days=n)).timestamp() * 1000)  # noqa: E731
     gen = TrafficGenerator(seed=71, events_per_second=50, malformed_share=0.03)
@@ -104,8 +53,8 @@ def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path)
                     partition_of=lambda i, r: i % 3, timestamp_of=lambda i, r: day(3) + 3_600_000 + i * 1000)
     run_until_idle(cfg, spark)
 
-    _airflow(env, "db", "migrate")
-    _airflow(env, "dags", "reserialize")
+    airflow(env, "db", "migrate")
+    airflow(env, "dags", "reserialize")
     with airflow_services(home, env):
         # The scheduler's own run (the latest interval) finds nothing new; then history arrives
         # that only a backfill will count: records stamped two days ago.
@@ -115,7 +64,7 @@ def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path)
                          .records(90, 1_795_255_800_000), partition_of=lambda i, r: i % 3,
                          timestamp_of=lambda i, r: day(2) + 3_600_000 + i * 1000)
         start, end = today - timedelta(days=3), today - timedelta(days=2)
-        _airflow(env, "backfill", "create", "--dag-id", "ipcount_epoch", "--from-date", start.isoformat(),
+        airflow(env, "backfill", "create", "--dag-id", "ipcount_epoch", "--from-date", start.isoformat(),
                  "--to-date", end.isoformat())
         runs = _wait_for(home, "backfill", 2)
     assert [state for _, state, _ in runs] == ["success", "success"], runs

@@ -14,6 +14,7 @@ from ipcount import kafka_io
 from ipcount.airflow_env import airflow_env
 from ipcount.generator import TrafficGenerator, produce
 from ipcount.ledger_view import committed_epochs
+from ipcount.monitor.links import run_page_path
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
 
@@ -95,6 +96,16 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     assert published["epochs"][0]["ranges"] == {
         str(p): {"from_offset": f, "until_offset": u} for p, (f, u) in epoch_ranges(cfg)[0].items()}
     assert published["records_counted"] == sum(expected.counts.values())
+
+    # The run's note (written by the monitoring plugin's listener) and the epoch task's link.
+    (run_id, note), = db.execute("SELECT r.run_id, n.content FROM dag_run r JOIN dag_run_note n "
+                                 "ON n.dag_run_id = r.id WHERE r.dag_id = 'ipcount_epoch'").fetchall()
+    spans = " ".join(f"p{p} [{f}, {u})" for p, (f, u) in sorted(epoch_ranges(cfg)[0].items()))
+    assert f"**epoch 1** (scheduled) committed: {spans}; read {len(produced)}, counted " \
+           f"{sum(expected.counts.values())}" in note
+    (link,) = db.execute("SELECT value FROM xcom WHERE run_id = ? AND task_id = 'run_epoch' "
+                         "AND key = '_link_EpochPageLink'", (run_id,)).fetchone()
+    assert json.loads(link).endswith(run_page_path("ipcount_epoch", run_id))
 
 
 def test_run_params_override_the_pipeline_config_for_one_run(airflow_home, cfg):

@@ -1,0 +1,92 @@
+"""A listener (registered by the monitoring plugin) that writes each pipeline DAG run's
+epoch summary into the run's note, where the Airflow UI shows it on the run's page.
+
+Airflow calls it in the scheduler when a run succeeds or fails; the run's own tasks cannot
+set notes (the Task SDK has no call for it). It never overwrites a note someone wrote, and
+a failure here is logged, never raised: the run's state is what matters.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+from airflow.listeners import hookimpl
+
+from ipcount.monitor.links import run_page_path
+from ipcount.monitor.runs import PIPELINE_DAGS
+from ipcount.orchestration import BACKFILL_DAG_ID
+
+log = logging.getLogger(__name__)
+NOTE_LIMIT = 1000  # Airflow's dag_run_note.content
+
+
+def run_note(dag_id: str, run_id: str, rows: Iterable[Mapping[str, Any]], target: str = "main") -> str:
+    """Markdown for the run's note from the ledger rows its epochs wrote (pure)."""
+    from ipcount.monitor.model import epoch_rows
+
+    epochs = sorted(epoch_rows(rows, {}), key=lambda e: e.epoch)
+    where = "" if target == "main" else f" into target `{target}`"
+    header = f"Epochs of this run{where} ([epoch page]({run_page_path(dag_id, run_id)})):\n"
+    lines = []
+    for e in epochs:
+        spans = " ".join(f"p{p} [{f}, {u})" for p, (f, u) in sorted(e.ranges.items()))
+        if e.status == "committed":
+            lines.append(f"- **epoch {e.epoch}** ({e.kind}) committed: {spans}; read {e.records_read}, counted "
+                         f"{e.records_counted}, late {e.records_late}, malformed {e.records_malformed}"
+                         + (f"; counts v{e.sink_version}" if e.sink_version is not None else ""))
+        else:
+            lines.append(f"- **epoch {e.epoch}** unfinished: {spans} - the next run on its lane resumes exactly "
+                         "these ranges")
+    if not lines:
+        return header + "\nNo epoch: nothing new to count (or the run failed before planning one)."
+    text, budget = header, NOTE_LIMIT - 40  # room for the "more" line
+    for i, line in enumerate(lines):
+        if len(text) + len(line) + 1 > budget:
+            return text + f"\n- ... and {len(lines) - i} more epoch(s)"
+        text += "\n" + line
+    return text
+
+
+def _annotate(dag_run) -> None:
+    if dag_run.dag_id not in PIPELINE_DAGS:
+        return
+    try:
+        from sqlalchemy.orm import object_session
+
+        session = object_session(dag_run)
+        if session is not None:  # the scheduler's: the note commits with the run's new state
+            _write_note(dag_run)
+            return
+        # `airflow dags test` hands over a detached run: write through a session of our own.
+        from airflow.models.dagrun import DagRun
+        from airflow.utils.session import create_session
+
+        with create_session() as own:
+            run = own.get(DagRun, dag_run.id)
+            if run is not None:
+                _write_note(run)
+    except Exception:
+        log.exception("could not write the epoch note of run %s", dag_run.run_id)
+
+
+def _write_note(dag_run) -> None:
+    if dag_run.note:  # never overwrite what somebody wrote
+        return
+    from ipcount.config import PipelineConfig
+    from ipcount.ledger_view import read_rows
+
+    conf = dag_run.conf or {}
+    target = str(conf.get("target") or "main") if dag_run.dag_id == BACKFILL_DAG_ID else "main"
+    cfg = PipelineConfig.load().for_target(target)
+    rows = read_rows(cfg.ledger_path, filters=[("run_id", "=", dag_run.run_id), ("topic", "=", cfg.topic)])
+    dag_run.note = run_note(dag_run.dag_id, dag_run.run_id, rows, target)
+
+
+@hookimpl
+def on_dag_run_success(dag_run, msg: str) -> None:
+    _annotate(dag_run)
+
+
+@hookimpl
+def on_dag_run_failed(dag_run, msg: str) -> None:
+    _annotate(dag_run)

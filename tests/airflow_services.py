@@ -1,0 +1,70 @@
+"""Real Airflow services for tests: an Airflow home with this repo's DAGs and plugin, and an
+api-server (and scheduler) started in their own process groups and stopped afterwards."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+from ipcount.airflow_env import ADMIN_USER, admin_password, airflow_env
+from ipcount.config import PipelineConfig
+
+AIRFLOW = str(Path(sys.executable).parent / "airflow")
+
+
+def service_env(home: Path, cfg: PipelineConfig, port: int) -> dict[str, str]:
+    env = airflow_env(home, api_port=port, spark_master=cfg.spark_master)
+    env.update({f"IPCOUNT_{k.upper()}": str(v) for k, v in cfg.to_dict().items()})
+    return env
+
+
+def airflow(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([AIRFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (args, (proc.stdout + proc.stderr)[-4000:])
+    return proc
+
+
+@contextmanager
+def airflow_services(home: Path, env: dict, services: tuple[str, ...] = ("api-server", "scheduler")):
+    """The given services (api-server first), each logging to ``home/<name>.log``."""
+    procs = []
+    try:
+        for name in services:
+            args = ["api-server", "--port", env["AIRFLOW__API__PORT"]] if name == "api-server" else [name]
+            log = open(home / f"{name}.log", "w")
+            procs.append(subprocess.Popen([AIRFLOW, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        health = f"{env['AIRFLOW__API__BASE_URL']}/api/v2/monitor/health"
+        for _ in range(180):
+            try:
+                with urllib.request.urlopen(health, timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        else:
+            raise AssertionError(f"api-server did not come up; see {home / 'api-server.log'}")
+        yield
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def access_token(base_url: str, home: Path) -> str:
+    """A JWT for the admin user, from the api-server's token endpoint."""
+    body = json.dumps({"username": ADMIN_USER, "password": admin_password(home)}).encode()
+    request = urllib.request.Request(f"{base_url}/auth/token", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["access_token"]

@@ -1,0 +1,315 @@
+"""The monitoring plugin, served by a real Airflow api-server over real Delta tables that
+real epochs wrote: its JSON endpoints against the ledger, the broker and counts recounted
+in plain Python; its authentication; and its pages in headless Chromium.
+
+The tests run in file order: the first sees the pipeline before any epoch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from ipcount import kafka_io
+from ipcount.config import STATE_DIR, PipelineConfig
+from ipcount.epoch import commit_group_offsets_from_ledger
+from ipcount.generator import TrafficGenerator, produce
+from tests.airflow_services import access_token, airflow, airflow_services, service_env
+from tests.conftest import free_port, run_until_idle
+from tests.ground_truth import expected_tables
+from tests.tables import ledger
+
+pytestmark = pytest.mark.airflow
+BASE_MS = 1_795_255_200_000
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("IPCOUNT_TEST_ARTIFACTS", STATE_DIR / "test-artifacts"))
+
+
+def committed_ranges(cfg: PipelineConfig) -> list[dict[int, tuple[int, int]]]:
+    """The committed epochs' ranges in epoch order (the crashed epoch's planned rows left out)."""
+    out: dict[int, dict[int, tuple[int, int]]] = {}
+    for r in ledger(cfg):
+        if r["status"] == "committed":
+            out.setdefault(r["epoch"], {})[r["partition"]] = (r["from_offset"], r["until_offset"])
+    return [out[e] for e in sorted(out)]
+
+
+@dataclass
+class Server:
+    cfg: PipelineConfig
+    url: str
+    home: Path
+    token: str
+
+    def get(self, path: str, token: str | None = "default", cookie: str | None = None):
+        """(status, body) of GET ``/ipcount<path>``; JSON bodies parsed."""
+        headers = {}
+        if token == "default":
+            token = self.token
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if cookie:
+            headers["Cookie"] = f"_token={cookie}"
+        request = urllib.request.Request(f"{self.url}/ipcount{path}", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                status, body, kind = r.status, r.read().decode(), r.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as e:
+            status, body, kind = e.code, e.read().decode(), e.headers.get("Content-Type", "")
+        return status, (json.loads(body) if kind.startswith("application/json") else body)
+
+    def api(self, path: str):
+        status, body = self.get(path)
+        assert status == 200, (path, status, body)
+        return body
+
+
+@pytest.fixture(scope="module")
+def server(broker, tmp_path_factory):
+    from ipcount.kafka_io import create_topic
+
+    root = tmp_path_factory.mktemp("monitor")
+    name = f"m_{uuid.uuid4().hex[:8]}"
+    cfg = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, topic=name, group_id=f"g_{name}",
+                         pipeline_id=f"p_{name}", warehouse=str(root / "warehouse"), spark_master="local[2]",
+                         max_records_per_epoch=250, schedule="*/5 * * * *")
+    create_topic(cfg, 3)
+    home = root / "airflow"
+    home.mkdir()
+    port = free_port()
+    env = service_env(home, cfg, port)
+    airflow(env, "db", "migrate")
+    with airflow_services(home, env, services=("api-server",)):
+        url = f"http://127.0.0.1:{port}"
+        yield Server(cfg, url, home, access_token(url, home))
+
+
+@pytest.fixture(scope="module")
+def pipeline(server, spark):
+    """Three committed epochs (600 records), a consumer-group commit, an epoch left planned
+    by a crashed run (90 records), and 30 more records nobody read yet."""
+    cfg = server.cfg
+    gen = TrafficGenerator(seed=41, events_per_second=40, malformed_share=0.03)
+    counted = produce(cfg.bootstrap_servers, cfg.topic, gen.records(600, BASE_MS), partition_of=lambda i, r: i % 3)
+    assert len(run_until_idle(cfg, spark)) == 3
+    commit_group_offsets_from_ledger(cfg)
+    planned = produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, BASE_MS + 60_000),
+                      partition_of=lambda i, r: i % 3)
+    proc = subprocess.run([sys.executable, "-m", "ipcount.cli", "epoch", *cfg.to_args(), "--run-id", "manual__crashed"],
+                          env={**os.environ, "IPCOUNT_CRASH_AT": "after_plan"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    waiting = produce(cfg.bootstrap_servers, cfg.topic, gen.records(30, BASE_MS + 120_000),
+                      partition_of=lambda i, r: i % 3)
+    return counted, planned, waiting
+
+
+def test_an_empty_pipeline_shows_empty_pages(server):
+    assert not Path(server.cfg.ledger_path).exists()
+    assert server.api("/api/epochs") == {"target": "main", "total": 0, "page": 1, "pages": 1, "page_size": 50,
+                                         "epochs": []}
+    health = server.api("/api/health")
+    assert (health["state"], health["last_epoch"], health["total_lag"], health["unfinished_epochs"]) == \
+        ("idle", None, 0, [])
+    assert health["interval_seconds"] == 300
+    lag = server.api("/api/lag")
+    assert [(p["partition"], p["log_end"], p["ledger_position"], p["lag"]) for p in lag["partitions"]] == \
+        [(0, 0, None, 0), (1, 0, None, 0), (2, 0, None, 0)]
+    assert lag["history"] == [] and lag["broker_error"] is None
+    counts = server.api("/api/counts")
+    assert counts["top_ips"] == [] and counts["windows"] == []
+    status, html = server.get("/epochs")
+    assert status == 200 and 'id="no-epochs"' in html and "the ledger of target main is empty" in html
+    for page in ("/lag", "/counts"):
+        status, html = server.get(page)
+        assert status == 200 and "no data yet" in html
+
+
+def test_epochs_endpoint_matches_the_ledger(server, pipeline):
+    counted, planned, _ = pipeline
+    rows = ledger(server.cfg)
+    expected = expected_tables(counted, committed_ranges(server.cfg))
+
+    page = server.api("/api/epochs?page_size=3")
+    assert (page["total"], page["pages"]) == (4, 2)
+    assert [e["epoch"] for e in page["epochs"]] == [4, 3, 2]
+    crashed = page["epochs"][0]
+    assert (crashed["status"], crashed["run_id"], crashed["dag_id"]) == ("failed", "manual__crashed", None)
+    assert crashed["ranges"] == {str(r["partition"]): [r["from_offset"], r["until_offset"]]
+                                 for r in rows if r["epoch"] == 4}
+    assert sum(u - f for f, u in crashed["ranges"].values()) == len(planned)
+    older = server.api("/api/epochs?page=2&page_size=3")["epochs"]
+    committed = page["epochs"][1:] + older
+    assert [e["epoch"] for e in committed] == [3, 2, 1] and {e["status"] for e in committed} == {"committed"}
+    for e in committed:
+        mine = [r for r in rows if r["epoch"] == e["epoch"]]
+        assert e["ranges"] == {str(r["partition"]): [r["from_offset"], r["until_offset"]] for r in mine}
+        assert e["sink_version"] == mine[0]["sink_version"] and set(e["stage_seconds"]) >= {"plan", "read", "merge"}
+    assert sum(e["records_read"] for e in committed) == len(counted)
+    assert sum(e["records_counted"] for e in committed) == sum(expected.counts.values())
+    assert sum(e["records_malformed"] for e in committed) == len(expected.dead)
+    assert sum(e["records_late"] for e in committed) == len(expected.late)
+
+    assert [e["epoch"] for e in server.api("/api/epochs?status=failed")["epochs"]] == [4]
+    assert [e["epoch"] for e in server.api("/api/epochs?status=committed")["epochs"]] == [3, 2, 1]
+    assert server.api("/api/epochs?kind=backfill")["total"] == 0
+    assert [e["epoch"] for e in server.api("/api/epochs?run_id=manual__crashed")["epochs"]] == [4]
+    for query, message in (("status=done", "status must be one of committed, running, failed"),
+                           ("page=0", "page must be 1 or more"), ("target=nope", "unknown target 'nope'")):
+        status, body = server.get(f"/api/epochs?{query}")
+        assert status == 400 and message in body["detail"], (query, body)
+
+    health = server.api("/api/health")
+    assert health["state"] == "failing" and health["last_epoch"] == 3 and health["unfinished_epochs"] == [4]
+    assert any("epoch 4" in p and "resumes" in p for p in health["problems"])
+    assert health["total_lag"] == len(planned) + 30
+
+
+def test_lag_endpoint_matches_broker_and_ledger(server, pipeline):
+    _, planned, waiting = pipeline
+    earliest, latest = kafka_io.partition_offsets(server.cfg)
+    chain = {}
+    for r in ledger(server.cfg):
+        if r["status"] == "committed":
+            chain[r["partition"]] = max(chain.get(r["partition"], 0), r["until_offset"])
+    lag = server.api("/api/lag")
+    assert {p["partition"]: (p["log_start"], p["log_end"], p["ledger_position"], p["group_offset"], p["lag"])
+            for p in lag["partitions"]} == {
+        p: (earliest[p], latest[p], chain[p], chain[p], latest[p] - chain[p]) for p in latest}
+    assert sum(p["lag"] for p in lag["partitions"]) == len(planned) + len(waiting)
+    history = {h["epoch"]: h["lag"] for h in lag["history"]}
+    assert set(history) == {1, 2, 3}
+    for r in ledger(server.cfg):
+        if r["status"] == "committed":
+            assert history[r["epoch"]][str(r["partition"])] == r["lag_after"]
+
+
+def test_counts_endpoint_matches_a_plain_python_recount(server, pipeline):
+    counted, _, _ = pipeline
+    expected = expected_tables(counted, committed_ranges(server.cfg)).counts
+    start = datetime.fromtimestamp(min(w for w, _ in expected) / 1000, timezone.utc)
+    until = datetime.fromtimestamp(max(w for w, _ in expected) / 1000 + 5, timezone.utc)
+    query = f"from={start.isoformat()}&until={until.isoformat()}".replace("+", "%2B")
+    data = server.api(f"/api/counts?{query}&top=5")
+    per_ip = Counter()
+    per_window = Counter()
+    for (window, ip), n in expected.items():
+        per_ip[ip] += n
+        per_window[window] += n
+    assert [(r["ip"], r["requests"]) for r in data["top_ips"]] == \
+        sorted(per_ip.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
+    got_windows = {int(datetime.fromisoformat(w["window_start"]).timestamp() * 1000): w["requests"]
+                   for w in data["windows"]}
+    assert got_windows == dict(per_window)
+    # A narrower range counts only the windows inside it.
+    narrow = server.api(f"/api/counts?from={start.isoformat()}&until={(start + timedelta(seconds=10)).isoformat()}"
+                        .replace("+", "%2B"))
+    assert sum(w["requests"] for w in narrow["windows"]) == sum(
+        n for w, n in per_window.items() if w < (start.timestamp() + 5) * 1000 + 1)
+    status, body = server.get("/api/counts?from=yesterday")
+    assert status == 400 and "from must be an ISO-8601 time" in body["detail"]
+
+
+def test_thousands_of_epochs_page_quickly(server, pipeline, spark):
+    """A replay target whose ledger holds 3,000 epochs (9,000 rows), appended in 30 commits."""
+    from ipcount.ledger import LEDGER_SCHEMA, Ledger
+
+    cfg = server.cfg.for_target("history")
+    Ledger(spark, cfg.ledger_path).ensure()
+    now = datetime.now(timezone.utc)
+    for first in range(1, 3001, 100):
+        rows = [(e, cfg.topic, p, e * 10, e * 10 + 10, "planned" if e == 1234 else "committed", now,
+                 None if e == 1234 else now, 10, 9, 0, 1, None, None, e, 1.5, f"scheduled__{e}", 0,
+                 {"plan": 0.1}, "scheduled", None, None) for e in range(first, first + 100) for p in range(3)]
+        spark.createDataFrame(rows, LEDGER_SCHEMA).write.format("delta").mode("append").save(cfg.ledger_path)
+
+    started = time.monotonic()
+    page = server.api("/api/epochs?target=history&page=7&page_size=100")
+    first_seconds = time.monotonic() - started
+    assert (page["total"], page["pages"]) == (3000, 30)
+    assert [e["epoch"] for e in page["epochs"]] == list(range(2400, 2300, -1))
+    assert all(e["ranges"] == {str(p): [e["epoch"] * 10, e["epoch"] * 10 + 10] for p in range(3)}
+               for e in page["epochs"])
+    started = time.monotonic()
+    last = server.api("/api/epochs?target=history&page=30&page_size=100")
+    again_seconds = time.monotonic() - started
+    assert [e["epoch"] for e in last["epochs"]][-1] == 1
+    assert [e["epoch"] for e in server.api("/api/epochs?target=history&status=failed")["epochs"]] == [1234]
+    status, html = server.get("/epochs?target=history&page=2")
+    assert status == 200 and html.count('class="epoch"') == 50 and 'id="next-page"' in html
+    print(f"3000-epoch ledger: page 7 in {first_seconds:.3f} s (first read), page 30 in {again_seconds:.3f} s")
+
+
+def test_every_route_needs_an_authenticated_airflow_user(server, pipeline):
+    for path in ("/api/epochs", "/api/health", "/api/lag", "/api/counts", "/api/openapi.json", "/api/docs"):
+        status, body = server.get(path, token=None)
+        assert status == 401 and body == {"detail": "Not authenticated"}, (path, status, body)
+        status, _ = server.get(path, token="not-a-jwt")
+        assert status == 403, path
+    status, html = server.get("/epochs", token=None)
+    assert status == 401 and "Log in to Airflow first" in html and "epoch" not in html.split("Log in")[0].lower()
+    status, html = server.get("/runs/ipcount_epoch/x", token=None)
+    assert status == 401
+    # The Airflow UI's session cookie is enough (that is how the embedded page is reached).
+    status, body = server.get("/api/epochs", token=None, cookie=server.token)
+    assert status == 200 and body["total"] == 4
+    assert set(server.api("/api/openapi.json")["paths"]) >= {"/api/health", "/api/epochs", "/api/lag", "/api/counts"}
+
+
+def test_pages_in_headless_chromium_after_logging_in(server, pipeline):
+    from playwright.sync_api import sync_playwright
+
+    from ipcount.airflow_env import admin_password
+
+    assert Path(CHROMIUM).exists(), "Debian's chromium is needed (bin/setup --browser installs it)"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.goto(f"{server.url}/ipcount/epochs")
+            assert "Log in to Airflow first" in page.content()
+            # Airflow's own login form.
+            page.goto(f"{server.url}/auth/login/")
+            page.fill("input[name=username]", "admin")
+            page.fill("input[name=password]", admin_password(server.home))
+            page.click("button[type=submit]")
+            page.wait_for_url(lambda u: "/auth/login" not in u, timeout=60_000)
+
+            # The plugin's entry in the UI's navigation: the epochs page inside Airflow's frame.
+            page.goto(f"{server.url}/plugin/ipcount")
+            frame = page.frame_locator("iframe[title='ipcount pipeline']")
+            rows = frame.locator("tr.epoch")
+            rows.first.wait_for(timeout=60_000)
+            assert rows.count() == 4
+            assert frame.locator("tr.epoch[data-status=failed]").count() == 1
+            assert frame.locator("#epochs-chart rect.bar").count() == 4
+            assert "FAILING" in frame.locator("#health").inner_text()
+            page.screenshot(path=str(ARTIFACTS / "monitor-epochs.png"), full_page=True)
+
+            frame.locator("nav a", has_text="Lag").click()
+            frame.locator("#lag-chart polyline.series").first.wait_for(timeout=30_000)
+            assert frame.locator("#lag-chart polyline.series").count() == 3
+            assert frame.locator("tr.partition").count() == 3
+            page.screenshot(path=str(ARTIFACTS / "monitor-lag.png"), full_page=True)
+
+            frame.locator("nav a", has_text="Counts").click()
+            frame.locator("#window-chart rect.bar").first.wait_for(timeout=30_000)
+            assert frame.locator("tr.ip").count() == 20
+            page.screenshot(path=str(ARTIFACTS / "monitor-counts.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "monitor-epochs.png").stat().st_size > 10_000

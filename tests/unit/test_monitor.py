@@ -1,0 +1,125 @@
+"""The monitoring pages' pure logic: epoch status, pages, health, time ranges, charts, notes."""
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from ipcount.monitor import model
+from ipcount.monitor.charts import bar_chart, line_chart
+from ipcount.monitor.notes import NOTE_LIMIT, run_note
+
+T0 = datetime(2026, 11, 21, 12, 0, tzinfo=timezone.utc)
+
+
+def row(epoch, partition, f, u, status="committed", run_id="r1", **extra):
+    base = {"epoch": epoch, "topic": "t", "partition": partition, "from_offset": f, "until_offset": u,
+            "status": status, "run_id": run_id, "kind": "scheduled", "request_id": None,
+            "records_read": u - f, "records_counted": u - f - 2, "records_late": 1, "records_malformed": 1,
+            "stage_seconds": [("merge", 0.5), ("plan", 0.1), ("read", 1.0)],  # as Arrow gives a map "duration_seconds": 2.0,
+            "sink_version": epoch + 1, "planned_at": T0, "committed_at": T0 if status == "committed" else None}
+    return {**base, **extra}
+
+
+@pytest.mark.parametrize("planned,run_state,want", [
+    (False, None, "committed"), (False, "failed", "committed"), (True, "running", "running"),
+    (True, "queued", "running"), (True, "failed", "failed"), (True, "success", "failed"), (True, None, "failed")])
+def test_epoch_status(planned, run_state, want):
+    assert model.epoch_status(planned, run_state) == want
+
+
+def test_epoch_rows_assemble_partitions_newest_first_and_sum_only_live_ranges():
+    rows = [row(1, 0, 0, 10), row(1, 1, 0, 20), row(2, 0, 10, 15, status="planned", run_id="r2"),
+            row(2, 1, 20, 30, status="lost", run_id="r2", records_read=None, records_counted=None,
+                records_late=None, records_malformed=None)]
+    got = model.epoch_rows(rows, {"r2": ("ipcount_epoch", "running")})
+    assert [e.epoch for e in got] == [2, 1]
+    running, done = got
+    assert running.status == "running" and running.dag_id == "ipcount_epoch"
+    assert running.ranges == {0: (10, 15)} and running.lost == {1: (20, 30)}
+    assert done.status == "committed" and done.run_state is None
+    assert done.ranges == {0: (0, 10), 1: (0, 20)}
+    assert (done.records_read, done.records_counted, done.records_late, done.records_malformed) == (30, 26, 2, 2)
+    assert list(done.stage_seconds) == ["plan", "read", "merge"]  # pipeline order, not the map's
+    d = done.to_dict()
+    assert d["ranges"] == {"0": [0, 10], "1": [0, 20]} and d["committed_at"] == T0.isoformat()
+
+
+def test_pages_and_their_bounds():
+    p = model.page_of(101, 3, 50)
+    assert (p.pages, p.start, p.has_prev, p.has_next) == (3, 100, True, False)
+    assert model.page_of(0, 1, 50).pages == 1
+    for number, size in ((0, 50), (1, 0), (1, 501)):
+        with pytest.raises(model.BadQueryError):
+            model.page_of(10, number, size)
+
+
+def test_choices():
+    assert model.check_choice("status", "", model.STATUSES) is None
+    assert model.check_choice("status", "all", model.STATUSES) is None
+    assert model.check_choice("status", "failed", model.STATUSES) == "failed"
+    with pytest.raises(model.BadQueryError, match="status must be one of committed, running, failed"):
+        model.check_choice("status", "done", model.STATUSES)
+
+
+def test_schedule_interval():
+    assert model.schedule_interval("* * * * *", T0) == timedelta(minutes=1)
+    assert model.schedule_interval("*/5 * * * *", T0 + timedelta(seconds=7)) == timedelta(minutes=5)
+    assert model.schedule_interval("@daily", T0) == timedelta(days=1)
+    assert model.schedule_interval("not a cron", T0) is None
+
+
+def test_health_states():
+    minute = timedelta(minutes=1)
+    ok = model.assess_health(T0, 7, T0 - 2 * minute, minute, 40, [], [])
+    assert ok.state == "ok" and ok.problems == () and ok.age_seconds == 120
+    # Old but nothing waiting: an empty epoch commits nothing, so that is not late.
+    assert model.assess_health(T0, 7, T0 - 60 * minute, minute, 0, [], []).state == "ok"
+    late = model.assess_health(T0, 7, T0 - 4 * minute, minute, 40, [], [])
+    assert late.state == "late" and "40 records waiting" in late.problems[0]
+    assert model.assess_health(T0, None, None, minute, None, [], []).state == "idle"
+    stuck = model.epoch_rows([row(8, 0, 0, 5, status="planned", run_id="r8")], {"r8": ("ipcount_epoch", "failed")})
+    failing = model.assess_health(T0, 7, T0, minute, 40, stuck, ["r8"])
+    assert failing.state == "failing" and failing.unfinished == (8,)
+    assert any("epoch 8" in p and "resumes" in p for p in failing.problems)
+    assert any("1 failed run(s)" in p for p in failing.problems)
+    running = model.epoch_rows([row(8, 0, 0, 5, status="planned", run_id="r8")], {"r8": ("ipcount_epoch", "running")})
+    assert model.assess_health(T0, 7, T0, minute, 40, running, []).state == "ok"
+    assert model.assess_health(T0, 7, T0, minute, None, [], [], broker_error="down").state == "failing"
+
+
+def test_time_ranges():
+    assert model.parse_instant("from", "2026-11-21T10:00") == datetime(2026, 11, 21, 10, tzinfo=timezone.utc)
+    assert model.parse_instant("from", "2026-11-21T10:00:00Z") == datetime(2026, 11, 21, 10, tzinfo=timezone.utc)
+    assert model.parse_instant("from", "") is None
+    with pytest.raises(model.BadQueryError, match="from must be an ISO-8601 time"):
+        model.parse_instant("from", "yesterday")
+    assert model.counts_range(None, None, T0) == (T0 - timedelta(hours=1), T0)
+    assert model.counts_range(T0 - timedelta(minutes=5), None, T0) == (T0 - timedelta(minutes=5), T0)
+    with pytest.raises(model.BadQueryError, match="must be before until"):
+        model.counts_range(T0, T0 - timedelta(seconds=1), None)
+
+
+def test_charts_are_valid_svg_with_one_mark_per_value():
+    svg = ET.fromstring(line_chart("lag", "Lag", [1, 2, 3], {"p0": [5, 3, 0], "p1": [1, None, 2]}))
+    ns = "{http://www.w3.org/2000/svg}"
+    lines = svg.findall(f"{ns}polyline")
+    assert [p.get("data-series") for p in lines] == ["p0", "p1"]
+    assert [len(p.get("points").split()) for p in lines] == [3, 2]
+    bars = ET.fromstring(bar_chart("w", "Windows", ["a", "b"], [10, 0], [False, True])).findall(f"{ns}rect")
+    assert len([b for b in bars if b.get("class") == "bar"]) == 2
+    assert "no data yet" in line_chart("lag", "Lag", [], {}) and "no data yet" in bar_chart("w", "W", [], [])
+    assert "&lt;x&gt;" in line_chart("lag", "<x>", [1], {"<x>": [1]})  # labels are escaped
+
+
+def test_run_note():
+    rows = [row(3, 0, 0, 10, run_id="r"), row(3, 1, 5, 9, run_id="r"), row(4, 0, 10, 12, status="planned", run_id="r")]
+    note = run_note("ipcount_epoch", "scheduled__x", rows)
+    assert "**epoch 3** (scheduled) committed: p0 [0, 10) p1 [5, 9); read 14, counted 10, late 2, malformed 2" in note
+    assert "**epoch 4** unfinished: p0 [10, 12)" in note
+    assert "(/ipcount/runs/ipcount_epoch/scheduled__x)" in note
+    assert "No epoch" in run_note("ipcount_epoch", "r", [])
+    many = [row(e, p, e * 10, e * 10 + 5, run_id="r") for e in range(1, 60) for p in range(3)]
+    long = run_note("ipcount_backfill", "r", many, target="audit")
+    assert len(long) <= NOTE_LIMIT and "more epoch(s)" in long and "into target `audit`" in long
