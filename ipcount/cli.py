@@ -180,16 +180,20 @@ def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
         summary = epoch_mod.run_epoch(cfg, get_spark(cfg), run_id=args.run_id, crash=crash)
         if summary is not None:
             print(summary.line(), flush=True)
-            if args.summary_json:
-                print(json.dumps({"epoch": summary.epoch, "records_read": summary.records_read,
-                                  "records_counted": summary.records_counted, "records_late": summary.records_late,
-                                  "records_malformed": summary.records_malformed, "seconds": summary.seconds,
-                                  "stage_seconds": summary.stage_seconds, "sink_version": summary.sink_version}))
         else:
             print("no new records: no epoch committed", flush=True)
+        stages = dict(summary.stage_seconds) if summary is not None else {}
         if not args.skip_offset_commit:
             crash("before_kafka_commit")
+            started = time.monotonic()
             epoch_mod.commit_group_offsets_from_ledger(cfg)
+            stages["kafka_commit"] = time.monotonic() - started
+        if args.summary_json:
+            print(json.dumps(None if summary is None else {
+                "epoch": summary.epoch, "records_read": summary.records_read,
+                "records_counted": summary.records_counted, "records_late": summary.records_late,
+                "records_malformed": summary.records_malformed, "seconds": summary.seconds,
+                "stage_seconds": stages, "sink_version": summary.sink_version}), flush=True)
         return EXIT_OK
     return _with_exit_codes(run)
 

@@ -17,7 +17,8 @@ def row(epoch, partition, f, u, status="committed", run_id="r1", **extra):
     base = {"epoch": epoch, "topic": "t", "partition": partition, "from_offset": f, "until_offset": u,
             "status": status, "run_id": run_id, "kind": "scheduled", "request_id": None,
             "records_read": u - f, "records_counted": u - f - 2, "records_late": 1, "records_malformed": 1,
-            "stage_seconds": [("merge", 0.5), ("plan", 0.1), ("read", 1.0)],  # as Arrow gives a map "duration_seconds": 2.0,
+            # a map column as Arrow gives it: (key, value) pairs
+            "stage_seconds": [("merge", 0.5), ("plan", 0.1), ("read", 1.0)], "duration_seconds": 2.0,
             "sink_version": epoch + 1, "planned_at": T0, "committed_at": T0 if status == "committed" else None}
     return {**base, **extra}
 

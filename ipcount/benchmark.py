@@ -1,0 +1,349 @@
+"""``bin/benchmark``: this pipeline side by side with Spark Structured Streaming (the peer)
+and with the read-only limits, on the same data and the same Spark settings.
+
+Each measurement is a process of its own, started the way it would run for real (the
+pipeline exactly as the DAG submits it: ``spark-submit spark_jobs/epoch_job.py epoch``),
+watched for its Spark driver's peak memory (the JVM's resident set; in local mode the
+driver is the whole of Spark). Two times per measurement:
+
+* **wall**: the whole process, JVM start included - what a DAG run costs;
+* **work**: from a ready Spark session to done - what the approach itself costs.
+
+Ratios compare work times (and wall times beside them); the figures go to a table on stdout
+and to a JSON file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+from ipcount.config import REPO_ROOT, STATE_DIR, PipelineConfig
+
+MEASUREMENTS = ("pipeline", "peer", "spark_count", "kafka_python")
+BENCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "bench_job.py")
+
+
+@dataclass
+class Measurement:
+    name: str
+    what: str
+    records: int
+    wall_seconds: float
+    work_seconds: float
+    peak_driver_mb: float | None
+    stages: dict[str, float] = field(default_factory=dict)
+    counted: int | None = None  # requests counted into windows (pipeline and peer must agree)
+
+    @property
+    def records_per_second(self) -> float:
+        return self.records / self.work_seconds if self.work_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "records_per_second": round(self.records_per_second, 1)}
+
+
+class PeakMemory:
+    """Samples the resident memory of the JVMs under a process, keeping the peak (MB)."""
+
+    def __init__(self, pid: int, every: float = 0.2) -> None:
+        self.pid, self.every, self.peak_mb = pid, every, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self._stop.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+                rss = sum(p.memory_info().rss for p in procs if "java" in (p.name() or ""))
+            except psutil.Error:
+                rss = 0
+            if rss:
+                self.peak_mb = max(self.peak_mb or 0.0, rss / 2**20)
+            self._stop.wait(self.every)
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self._thread.join()
+        return None if self.peak_mb is None else round(self.peak_mb, 1)
+
+
+def run_process(command: Sequence[str], log_path: Path, env: dict | None = None) -> tuple[float, float | None, str]:
+    """(wall seconds, peak JVM MB, output) of a command that must succeed."""
+    started = time.monotonic()
+    with open(log_path, "w") as log:  # a file, not a pipe: Spark's logs would fill a pipe and stall it
+        proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})})
+        memory = PeakMemory(proc.pid)
+        proc.wait()
+    wall = time.monotonic() - started
+    peak = memory.stop()
+    out = log_path.read_text(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(command[0]).name} failed (exit {proc.returncode}); its output: {log_path}")
+    return wall, peak, out
+
+
+def spark_submit(cfg: PipelineConfig, application: str, args: Sequence[str], name: str) -> list[str]:
+    """The spark-submit command line the DAG's SparkSubmitOperator builds (same master,
+    jars and settings)."""
+    from ipcount.session import spark_conf, spark_jars
+
+    command = [str(Path(sys.executable).parent / "spark-submit"), "--master", cfg.spark_master,
+               "--name", name, "--jars", ",".join(spark_jars())]
+    for key, value in spark_conf(cfg).items():
+        command += ["--conf", f"{key}={value}"]
+    return [*command, application, *args]
+
+
+def _last_json(stdout: str) -> dict:
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no JSON summary in the output: {stdout[-2000:]}")
+
+
+def measure_pipeline(cfg: PipelineConfig, records: int, logs: Path) -> Measurement:
+    env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    command = spark_submit(cfg, str(REPO_ROOT / "spark_jobs" / "epoch_job.py"),
+                           ["epoch", *cfg.to_args(), "--run-id", "benchmark", "--summary-json"], "bench-pipeline")
+    wall, peak, out = run_process(command, logs / "pipeline.log", env)
+    summary = _last_json(out)
+    if summary is None or summary["records_read"] != records:
+        raise RuntimeError(f"the epoch did not read all {records} records: {summary}")
+    stages = {k: round(v, 3) for k, v in summary["stage_seconds"].items()}
+    return Measurement("pipeline", "this pipeline: one epoch over the whole range (spark-submit, as the DAG)",
+                       records, round(wall, 3), round(sum(stages.values()), 3), peak, stages,
+                       summary["records_counted"])
+
+
+def measure_job(cfg: PipelineConfig, job: str, what: str, records: int, logs: Path, workdir: Path,
+                ending: dict[int, int]) -> Measurement:
+    env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    args = [job, "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
+            "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(workdir / job),
+            "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds",
+            str(cfg.allowed_lateness_seconds)]
+    if job == "kafka_python":
+        command = [sys.executable, BENCH_APPLICATION, *args]
+    else:
+        command = spark_submit(cfg, BENCH_APPLICATION, args, f"bench-{job}")
+    wall, peak, out = run_process(command, logs / f"{job}.log", env)
+    result = _last_json(out)
+    if job != "peer" and result["records"] != records:
+        raise RuntimeError(f"{job} read {result['records']} records, not {records}")
+    return Measurement(job, what, records, round(wall, 3), round(result["seconds"], 3),
+                       peak if job != "kafka_python" else None, result.get("stages", {}), result.get("counted"))
+
+
+def job_main(argv: Sequence[str] | None = None) -> int:
+    """The peer and the limits as jobs (``spark_jobs/bench_job.py``); prints a JSON line."""
+    p = argparse.ArgumentParser(prog="bench_job.py", description="one benchmark measurement (used by bin/benchmark)")
+    p.add_argument("job", choices=("peer", "spark_count", "kafka_python"))
+    p.add_argument("--bootstrap-servers", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--ending", required=True, help="JSON: partition -> end offset")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--window-seconds", type=int, default=5)
+    p.add_argument("--allowed-lateness-seconds", type=int, default=5)
+    args = p.parse_args(argv)
+    ending = {int(k): v for k, v in json.loads(args.ending).items()}
+    cfg = PipelineConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic, window_seconds=args.window_seconds,
+                         allowed_lateness_seconds=args.allowed_lateness_seconds, warehouse=args.workdir)
+    from ipcount import peer
+
+    if args.job == "kafka_python":
+        started = time.monotonic()
+        n = peer.drain(cfg, ending)
+        print(json.dumps({"records": n, "seconds": time.monotonic() - started}), flush=True)
+        return 0
+    from ipcount.session import get_spark
+
+    spark = get_spark(cfg, app_name=f"bench-{args.job}")
+    started = time.monotonic()
+    if args.job == "spark_count":
+        n = peer.spark_count(cfg, spark, ending)
+        print(json.dumps({"records": n, "seconds": time.monotonic() - started}), flush=True)
+        return 0
+    table = str(Path(args.workdir) / "counts")
+    batches = peer.run_peer(cfg, spark, table, str(Path(args.workdir) / "checkpoint"), ending)
+    seconds = time.monotonic() - started
+    rows = spark.read.format("delta").load(table).selectExpr("coalesce(sum(count), 0) AS n").first().n
+    print(json.dumps({"records": sum(ending.values()), "counted": rows, "batches": batches, "seconds": seconds}),
+          flush=True)
+    return 0
+
+
+def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int) -> dict[int, int]:
+    """``records`` generator records (JSON and NGINX lines, a few late and malformed) spread
+    over the partitions; the log end per partition."""
+    from kafka import KafkaProducer
+
+    from ipcount.generator import TrafficGenerator
+    from ipcount.kafka_io import create_topic, partition_offsets
+
+    create_topic(cfg, partitions)
+    producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks=1, linger_ms=50,
+                             batch_size=512 * 1024, compression_type=None)
+    gen = TrafficGenerator(seed=seed, events_per_second=2000)
+    start_ms = int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000)
+    for i, rec in enumerate(gen.records(records, start_ms)):
+        producer.send(cfg.topic, key=rec.key, value=rec.value, partition=i % partitions)
+    producer.flush()
+    producer.close()
+    _, latest = partition_offsets(cfg)
+    if sum(latest.values()) != records:
+        raise RuntimeError(f"produced {records} records but the log holds {sum(latest.values())}")
+    return latest
+
+
+def ratios(results: dict[str, Measurement]) -> dict[str, float]:
+    out = {}
+    pipe = results.get("pipeline")
+
+    def ratio(name: str, a: Measurement, b: Measurement) -> None:
+        # Throughput ratios: > 1 means the first is faster.
+        out[f"{name} (work)"] = round(b.work_seconds / a.work_seconds, 3)
+        out[f"{name} (wall)"] = round(b.wall_seconds / a.wall_seconds, 3)
+
+    if pipe and "peer" in results:
+        ratio("pipeline / peer", pipe, results["peer"])
+    if pipe and "spark_count" in results:
+        ratio("pipeline / spark read limit", pipe, results["spark_count"])
+    if pipe and "kafka_python" in results:
+        ratio("pipeline / kafka-python drain", pipe, results["kafka_python"])
+    return out
+
+
+def table(results: dict[str, Measurement], rs: dict[str, float]) -> str:
+    lines = [f"{'measurement':<14} {'records':>9} {'wall s':>8} {'work s':>8} {'records/s (work)':>17} "
+             f"{'driver peak MB':>15}  stages (s)"]
+    for m in results.values():
+        stages = " ".join(f"{k} {v:.2f}" for k, v in m.stages.items())
+        peak = "-" if m.peak_driver_mb is None else f"{m.peak_driver_mb:.0f}"
+        lines.append(f"{m.name:<14} {m.records:>9} {m.wall_seconds:>8.1f} {m.work_seconds:>8.1f} "
+                     f"{m.records_per_second:>17,.0f} {peak:>15}  {stages}")
+    lines.append("")
+    lines += [f"{k:<40} {v:>6.2f}" for k, v in rs.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bin/benchmark", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", type=int, default=1_000_000, help="records to generate (default 1M; 5M and more work)")
+    p.add_argument("--partitions", type=int, default=3, help="topic partitions (default 3)")
+    p.add_argument("--bootstrap-servers", help="use this broker instead of starting an embedded one")
+    p.add_argument("--only", default=",".join(MEASUREMENTS),
+                   help=f"comma-separated measurements to run (default all: {','.join(MEASUREMENTS)})")
+    p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
+    p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
+    p.add_argument("--seed", type=int, default=11)
+    args = p.parse_args(argv)
+    if args.records < 1:
+        p.error("--records must be at least 1")
+    if not 1 <= args.partitions <= 64:
+        p.error("--partitions must be between 1 and 64")
+    only = [m.strip() for m in args.only.split(",") if m.strip()]
+    unknown = [m for m in only if m not in MEASUREMENTS]
+    if unknown or not only:
+        p.error(f"--only takes names from {', '.join(MEASUREMENTS)}; got {args.only!r}")
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ipcount-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    logs = workdir / "logs"
+    logs.mkdir(exist_ok=True)
+    broker = None
+    if args.bootstrap_servers:
+        servers = args.bootstrap_servers
+    else:
+        from ipcount.embedded_kafka import EmbeddedKafka
+
+        broker = EmbeddedKafka(state_dir=workdir / "kafka", port=free_port(), controller_port=free_port())
+        say(f"starting an embedded Kafka broker (log: {broker.log_file})")
+        broker.start()
+        servers = broker.bootstrap_servers
+    try:
+        topic = f"bench_{uuid.uuid4().hex[:8]}"
+        cfg = PipelineConfig(bootstrap_servers=servers, topic=topic, group_id=f"g_{topic}", pipeline_id=f"p_{topic}",
+                             warehouse=str(workdir / "pipeline"), spark_master="local[*]",
+                             max_records_per_epoch=max(args.records, 1))
+        say(f"generating {args.records:,} records over {args.partitions} partitions of {topic}")
+        started = time.monotonic()
+        ending = generate(cfg, args.records, args.partitions, args.seed)
+        say(f"generated in {time.monotonic() - started:.1f} s: log ends {ending}")
+        results: dict[str, Measurement] = {}
+        what = {"peer": "Structured Streaming, AvailableNow, foreachBatch MERGE with txnAppId/txnVersion",
+                "spark_count": "limit: Spark batch Kafka read of the range, count only",
+                "kafka_python": "limit: a plain kafka-python consumer draining the range"}
+        for name in only:
+            say(f"measuring {name} ...")
+            if name == "pipeline":
+                results[name] = measure_pipeline(cfg, args.records, logs)
+            else:
+                results[name] = measure_job(cfg, name, what[name], args.records, logs, workdir, ending)
+            m = results[name]
+            say(f"  {name}: wall {m.wall_seconds:.1f} s, work {m.work_seconds:.1f} s, "
+                f"{m.records_per_second:,.0f} records/s, driver peak {m.peak_driver_mb} MB")
+        if "pipeline" in results and "peer" in results and results["pipeline"].counted != results["peer"].counted:
+            raise RuntimeError(f"the pipeline counted {results['pipeline'].counted} requests but the peer "
+                               f"{results['peer'].counted}: they do not compute the same thing")
+        rs = ratios(results)
+        print(table(results, rs), flush=True)
+        report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+                  "records": args.records, "partitions": args.partitions, "spark_master": cfg.spark_master,
+                  "measurements": {k: m.to_dict() for k, m in results.items()}, "ratios": rs}
+        out = args.json or STATE_DIR / "benchmark" / f"{datetime.now():%Y%m%d-%H%M%S}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        say(f"figures written to {out}")
+        return 0
+    finally:
+        if broker is not None:
+            broker.stop()
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine() -> dict:
+    import psutil
+
+    java = subprocess.run(["java", "-version"], capture_output=True, text=True).stderr.splitlines()
+    return {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "python": platform.python_version(), "java": java[0] if java else None,
+            "platform": platform.platform()}
+
+
+def say(text: str) -> None:
+    print(f"[benchmark] {text}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

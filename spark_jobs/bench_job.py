@@ -1,0 +1,11 @@
+"""One measurement of ``bin/benchmark`` (the peer or a read-only limit), as a Spark
+application: ``spark-submit spark_jobs/bench_job.py {peer,spark_count} ...``; the
+kafka-python limit runs it with plain Python. Prints one JSON line."""
+from __future__ import annotations
+
+import sys
+
+from ipcount.benchmark import job_main
+
+if __name__ == "__main__":
+    sys.exit(job_main())
