@@ -12,6 +12,11 @@ from ipcount.config import REPO_ROOT, STATE_DIR
 
 DEFAULT_AIRFLOW_HOME = STATE_DIR / "airflow"
 ADMIN_USER = "admin"
+# SQLite lets one writer in at a time and, by default, gives up after 5 s. The scheduler, the
+# api-server and CLI commands such as `airflow backfill create` write concurrently; when one
+# gave up, `backfill create` deleted the runs it had made while the scheduler was looking at
+# them, which crashed the scheduler. Waiting longer for the lock avoids both.
+SQLITE_CONNECT_ARGS = {"timeout": 60}
 
 
 def airflow_env(home: Path = DEFAULT_AIRFLOW_HOME, api_port: int = 8080, spark_master: str = "local[*]",
@@ -25,6 +30,7 @@ def airflow_env(home: Path = DEFAULT_AIRFLOW_HOME, api_port: int = 8080, spark_m
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO_ROOT / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "ipcount.airflow_env.SQLITE_CONNECT_ARGS",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "4",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
@@ -151,6 +152,12 @@ def create_app(cfg: PipelineConfig | None = None) -> FastAPI:
     @app.exception_handler(ConfigError)
     async def bad_config(request: Request, e: ConfigError):
         return _error(request, 500, f"the pipeline's configuration is invalid: {e}")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request: Request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())[1:])}: {err.get('msg')}"
+                             for err in e.errors())
+        return _error(request, 400, f"bad parameter: {problems}")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):

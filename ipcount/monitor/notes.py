@@ -51,11 +51,16 @@ def _annotate(dag_run) -> None:
     if dag_run.dag_id not in PIPELINE_DAGS:
         return
     try:
+        # The ledger is read before the run's session is touched: in the scheduler that
+        # session holds SQLite's write lock from its first flush until its commit.
+        text = _note_text(dag_run.dag_id, dag_run.run_id, dag_run.conf or {})
         from sqlalchemy.orm import object_session
 
         session = object_session(dag_run)
         if session is not None:  # the scheduler's: the note commits with the run's new state
-            _write_note(dag_run)
+            with session.no_autoflush:
+                if not dag_run.note:  # never overwrite what somebody wrote
+                    dag_run.note = text
             return
         # `airflow dags test` hands over a detached run: write through a session of our own.
         from airflow.models.dagrun import DagRun
@@ -63,23 +68,20 @@ def _annotate(dag_run) -> None:
 
         with create_session() as own:
             run = own.get(DagRun, dag_run.id)
-            if run is not None:
-                _write_note(run)
+            if run is not None and not run.note:
+                run.note = text
     except Exception:
         log.exception("could not write the epoch note of run %s", dag_run.run_id)
 
 
-def _write_note(dag_run) -> None:
-    if dag_run.note:  # never overwrite what somebody wrote
-        return
+def _note_text(dag_id: str, run_id: str, conf: Mapping[str, Any]) -> str:
     from ipcount.config import PipelineConfig
     from ipcount.ledger_view import read_rows
 
-    conf = dag_run.conf or {}
-    target = str(conf.get("target") or "main") if dag_run.dag_id == BACKFILL_DAG_ID else "main"
+    target = str(conf.get("target") or "main") if dag_id == BACKFILL_DAG_ID else "main"
     cfg = PipelineConfig.load().for_target(target)
-    rows = read_rows(cfg.ledger_path, filters=[("run_id", "=", dag_run.run_id), ("topic", "=", cfg.topic)])
-    dag_run.note = run_note(dag_run.dag_id, dag_run.run_id, rows, target)
+    rows = read_rows(cfg.ledger_path, filters=[("run_id", "=", run_id), ("topic", "=", cfg.topic)])
+    return run_note(dag_id, run_id, rows, target)
 
 
 @hookimpl

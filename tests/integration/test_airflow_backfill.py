@@ -56,16 +56,20 @@ def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path)
     airflow(env, "db", "migrate")
     airflow(env, "dags", "reserialize")
     with airflow_services(home, env):
-        # The scheduler's own run (the latest interval) finds nothing new; then history arrives
-        # that only a backfill will count: records stamped two days ago.
+        # The scheduler's own run (the latest interval) finds nothing new.
         (scheduled,) = _wait_for(home, "scheduled", 1)
         assert scheduled[1] == "success"
-        second = produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=72, events_per_second=50)
-                         .records(90, 1_795_255_800_000), partition_of=lambda i, r: i % 3,
-                         timestamp_of=lambda i, r: day(2) + 3_600_000 + i * 1000)
-        start, end = today - timedelta(days=3), today - timedelta(days=2)
-        airflow(env, "backfill", "create", "--dag-id", "ipcount_epoch", "--from-date", start.isoformat(),
-                 "--to-date", end.isoformat())
+    # Then history arrives that only a backfill will count: records stamped two days ago.
+    # The backfill is created while the scheduler is stopped: on SQLite, `backfill create`
+    # racing a busy scheduler can fail with "database is locked" (a snapshot conflict that no
+    # lock timeout waits out), and Airflow's clean-up after it can crash the scheduler.
+    second = produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=72, events_per_second=50)
+                     .records(90, 1_795_255_800_000), partition_of=lambda i, r: i % 3,
+                     timestamp_of=lambda i, r: day(2) + 3_600_000 + i * 1000)
+    start, end = today - timedelta(days=3), today - timedelta(days=2)
+    airflow(env, "backfill", "create", "--dag-id", "ipcount_epoch", "--from-date", start.isoformat(),
+            "--to-date", end.isoformat())
+    with airflow_services(home, env):
         runs = _wait_for(home, "backfill", 2)
     assert [state for _, state, _ in runs] == ["success", "success"], runs
     (covered_run, _, _), (new_run, _, _) = runs

@@ -166,7 +166,8 @@ def test_epochs_endpoint_matches_the_ledger(server, pipeline):
     assert server.api("/api/epochs?kind=backfill")["total"] == 0
     assert [e["epoch"] for e in server.api("/api/epochs?run_id=manual__crashed")["epochs"]] == [4]
     for query, message in (("status=done", "status must be one of committed, running, failed"),
-                           ("page=0", "page must be 1 or more"), ("target=nope", "unknown target 'nope'")):
+                           ("page=0", "page must be 1 or more"), ("target=nope", "unknown target 'nope'"),
+                           ("page=two", "bad parameter: page:")):
         status, body = server.get(f"/api/epochs?{query}")
         assert status == 400 and message in body["detail"], (query, body)
 
