@@ -54,11 +54,6 @@ class DeltaReader:
         self._tables[path] = (table, now)
         return table
 
-    def version(self, path: str) -> int | None:
-        with self._lock:
-            table = self._table(path)
-            return None if table is None else table.version()
-
     def query(self, path: str, sql: str) -> list[dict[str, Any]]:
         """Rows of ``sql`` over the table at ``path``, named ``t`` in the query ([] if there
         is no table yet)."""
