@@ -28,54 +28,71 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload") -> 
     timestamp; the payload's time is then neither required nor checked). Keeps topic,
     partition, offset, timestamp, key and value so that malformed records can be written to
     the dead-letter table as they arrived.
+
+    Built in stages, each costly value (trimmed text, parsed JSON, regex matches, event
+    time, reason) a column of its own: Spark does not share a subexpression between the
+    branches of a CASE, so written as one expression the JSON was parsed some 30 times per
+    record. The optimizer keeps these stages apart, since it only merges a costly column into
+    its consumer where it is used once.
     """
     from_kafka = event_time == "kafka"
-    value = F.col("value")
-    text = F.btrim(F.col("value").cast("string"), F.lit(R.WHITESPACE))
-    is_utf8 = F.try_validate_utf8(value).isNotNull()
-    is_json = text.startswith("{")
-    doc = F.try_parse_json(text)
-    # parse_json stops after the first value and ignores what follows; a record must be
-    # exactly one object. Wrapped in an array, the text must be one element, and one more
-    # element appended must make two (text that closes the array early fails the second).
-    whole = ((F.json_array_length(F.concat(F.lit("["), text, F.lit("]"))) == 1)
-             & (F.json_array_length(F.concat(F.lit("["), text, F.lit(",0]"))) == 2))
-    ip_kind, ts_kind = _variant_kind(doc, "$.ip"), _variant_kind(doc, "$.ts")
-    json_ip = F.try_variant_get(doc, "$.ip", "string")
+    kafka = [F.col(c) for c in ("topic", "partition", "offset", "timestamp", "key", "value")]
+    value, text, doc, is_json = F.col("value"), F.col("_text"), F.col("_doc"), F.col("_is_json")
+
+    trimmed = raw.select(*kafka, F.btrim(value.cast("string"), F.lit(R.WHITESPACE)).alias("_text"))
+    split = trimmed.select(
+        *kafka, text, text.startswith("{").alias("_is_json"),
+        F.when(text.startswith("{"), F.try_parse_json(text)).alias("_doc"),
+        # NGINX's remote_addr group is never empty, so "" means the line did not match.
+        F.when(~text.startswith("{"), F.regexp_extract(text, R.NGINX_PATTERN, 1)).alias("_nginx_ip"))
     json_ts = F.try_variant_get(doc, "$.ts", "string")
+    fields = split.select(
+        "*",
+        # parse_json stops after the first value and ignores what follows; a record must be
+        # exactly one object. Wrapped in an array, the text must be one element, and one more
+        # element appended must make two (text that closes the array early fails the second).
+        F.when(doc.isNotNull(),
+               (F.json_array_length(F.concat(F.lit("["), text, F.lit("]"))) == 1)
+               & (F.json_array_length(F.concat(F.lit("["), text, F.lit(",0]"))) == 2)).alias("_whole"),
+        F.when(doc.isNotNull(), F.schema_of_variant(doc).startswith("OBJECT")).alias("_is_object"),
+        _variant_kind(doc, "$.ip").alias("_ip_kind"), _variant_kind(doc, "$.ts").alias("_ts_kind"),
+        F.when(is_json, F.try_variant_get(doc, "$.ip", "string")).otherwise(F.col("_nginx_ip")).alias("_ip"),
+        json_ts.alias("_json_ts"),
+        F.when(F.col("_nginx_ip") != "", F.regexp_extract(text, R.NGINX_PATTERN, 2)).alias("_nginx_time"))
 
-    nginx_ip = F.regexp_extract(text, R.NGINX_PATTERN, 1)
-    nginx_time = F.regexp_extract(text, R.NGINX_PATTERN, 2)
-    ip = F.when(is_json, json_ip).otherwise(nginx_ip)
-
-    iso_ms = _iso_to_ms(json_ts)
-    epoch_ms = json_ts.try_cast("long")
-    nginx_ms = F.when(nginx_time.rlike(R.NGINX_TIME_PATTERN),
-                      F.unix_millis(F.try_to_timestamp(nginx_time, F.lit("dd/MMM/yyyy:HH:mm:ss Z"))))
-    event_ms = F.when(is_json, F.when(ts_kind == "STRING", iso_ms).otherwise(epoch_ms)).otherwise(nginx_ms)
+    ts_kind, nginx_time = F.col("_ts_kind"), F.col("_nginx_time")
     if from_kafka:
-        event_ms = F.unix_millis(F.col("timestamp"))
-    ts_ok = F.lit(True) if from_kafka else (ts_kind.isNotNull() & ((ts_kind == "STRING") | (ts_kind == "BIGINT")))
-    event_ms = F.when((event_ms >= R.MIN_EVENT_MS) & (event_ms < R.MAX_EVENT_MS), event_ms.cast("long"))
+        any_ms = F.unix_millis(F.col("timestamp"))
+        ts_ok = F.lit(True)
+    else:
+        nginx_ms = F.when(nginx_time.rlike(R.NGINX_TIME_PATTERN),
+                          F.unix_millis(F.try_to_timestamp(nginx_time, F.lit("dd/MMM/yyyy:HH:mm:ss Z"))))
+        json_ms = F.when(ts_kind == "STRING", _iso_to_ms(F.col("_json_ts"))).otherwise(
+            F.col("_json_ts").try_cast("long"))
+        any_ms = F.when(is_json, json_ms).otherwise(nginx_ms)
+        ts_ok = ts_kind.isNotNull() & ((ts_kind == "STRING") | (ts_kind == "BIGINT"))
+    timed = fields.select("*", any_ms.alias("_any_ms"))
+    any_ms = F.col("_any_ms")
+    event_ms = F.when((any_ms >= R.MIN_EVENT_MS) & (any_ms < R.MAX_EVENT_MS), any_ms.cast("long"))
 
+    ip, ip_kind = F.col("_ip"), F.col("_ip_kind")
     reason = (
         F.when(value.isNull(), R.NULL_VALUE)
         .when(F.length(value) == 0, R.EMPTY_VALUE)
         .when(F.length(value) > max_value_bytes, R.TOO_LARGE)
-        .when(~is_utf8, R.NOT_UTF8)
-        .when(is_json & (doc.isNull() | ~F.coalesce(whole, F.lit(False))), R.BAD_JSON)
-        .when(is_json & ~F.schema_of_variant(doc).startswith("OBJECT"), R.BAD_JSON)
+        .when(F.try_validate_utf8(value).isNull(), R.NOT_UTF8)
+        .when(is_json & (doc.isNull() | ~F.coalesce(F.col("_whole"), F.lit(False))), R.BAD_JSON)
+        .when(is_json & ~F.col("_is_object"), R.BAD_JSON)
         .when(is_json & (ip_kind.isNull() | (ip_kind != "STRING") | ~ts_ok), R.BAD_SHAPE)
-        .when(~is_json & ~text.rlike(R.NGINX_PATTERN), R.UNRECOGNIZED)
+        .when(~is_json & (F.col("_nginx_ip") == ""), R.UNRECOGNIZED)
         .when(~ip.rlike(R.IP_PATTERN), R.INVALID_IP)
-        .when(event_ms.isNull(), R.INVALID_TIMESTAMP)
+        .when(F.col("_event_ms").isNull(), R.INVALID_TIMESTAMP)
     )
-    return raw.select(
-        "topic", "partition", "offset", "timestamp", "key", "value",
-        reason.alias("reason"),
-        F.when(reason.isNull(), F.lower(ip)).alias("ip"),
-        F.when(reason.isNull(), event_ms).alias("event_ms"),
-    )
+    return (timed.select("*", event_ms.alias("_event_ms"))
+            .select(*kafka, ip, "_event_ms", reason.alias("reason"))
+            .select(*kafka, "reason",
+                    F.when(F.col("reason").isNull(), F.lower(ip)).alias("ip"),
+                    F.when(F.col("reason").isNull(), F.col("_event_ms")).alias("event_ms")))
 
 
 def _iso_to_ms(ts: Column) -> Column:
