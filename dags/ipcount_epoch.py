@@ -5,15 +5,17 @@ Each run reads the next bounded Kafka offset range of the source topic, counts r
 client IP in tumbling event-time windows with allowed lateness, and commits the counts to
 Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
 
-1. `run_epoch` - spark-submit of `spark_jobs/epoch_job.py` (connection `spark_default`):
+1. `choose_path` - skip the run when the chain is at the log end (the ledger read with
+   delta-rs, the log ends asked of the broker: no JVM is started for nothing).
+2. `run_epoch` - spark-submit of `spark_jobs/epoch_job.py` (connection `spark_default`):
    plan from the ledger (or finish an unfinished epoch with its recorded ranges), read, count,
    merge into the counts table, commit the ledger.
    A run made by `airflow backfill create` takes `backfill_interval` instead: it counts the
    records whose Kafka timestamps fall in the run's data interval and that the ledger does
    not own yet (an interval the chain already counted is a no-op, and says so).
-2. `commit_offsets` - copy the ledger's positions to the Kafka consumer group, for lag
+3. `commit_offsets` - copy the ledger's positions to the Kafka consumer group, for lag
    monitoring only; recovery never reads them.
-3. `publish_summary` - log the epoch, return it to XCom and put it in the counts Asset event.
+4. `publish_summary` - log the epoch, return it to XCom and put it in the counts Asset event.
 
 Configuration: `IPCOUNT_*` environment variables or the file named by `IPCOUNT_CONFIG`
 (see the README). `max_active_runs=1`: scheduled epochs never overlap (and backfills that
@@ -21,6 +23,7 @@ do run beside them cannot double count: the ledger refuses overlapping plans).
 """
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import pendulum
@@ -28,6 +31,7 @@ from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 from airflow.timetables.interval import CronDataIntervalTimetable
 
+from ipcount import idle
 from ipcount.config import PipelineConfig
 from ipcount.epoch import commit_group_offsets_from_ledger
 from ipcount.monitor.links import EpochSubmitOperator
@@ -35,6 +39,7 @@ from ipcount.orchestration import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_
                                    epoch_summary, run_config, spark_submit_kwargs)
 
 CFG = PipelineConfig.load()
+log = logging.getLogger(__name__)
 COUNTS = counts_asset(CFG)
 
 with DAG(
@@ -51,11 +56,16 @@ with DAG(
     params=dag_params(CFG),  # per-run overrides (trigger form / --conf), validated by JSON schema
 ):
     @task.branch
-    def choose_path(dag_run=None) -> str:
-        """Scheduled and manual runs advance the chain; `airflow backfill create` runs count
+    def choose_path(dag_run=None, params: dict | None = None) -> str | None:
+        """Scheduled and manual runs advance the chain, unless it is at the log end (checked
+        without Spark: then the run skips the rest); `airflow backfill create` runs count
         their data interval."""
         run_type = getattr(dag_run.run_type, "value", dag_run.run_type)
-        return "backfill_interval" if run_type == "backfill" else "run_epoch"
+        if run_type == "backfill":
+            return "backfill_interval"
+        verdict = idle.check(run_config(CFG, params))
+        log.info("%s: %s", "running the epoch" if verdict.run else "skipping the epoch", verdict.why)
+        return "run_epoch" if verdict.run else None
 
     run_epoch = EpochSubmitOperator(task_id="run_epoch", **spark_submit_kwargs(CFG, "epoch", ("--skip-offset-commit",)))
     backfill_interval = EpochSubmitOperator(task_id="backfill_interval",

@@ -9,6 +9,10 @@ driver is the whole of Spark). Two times per measurement:
 * **wall**: the whole process, JVM start included - what a DAG run costs;
 * **work**: from a ready Spark session to done - what the approach itself costs.
 
+``small_epochs`` adds the fixed overhead (an empty epoch through spark-submit, in a running
+session, and the DAG's JVM-free idle check) and history growth (an epoch after 1 committed
+epoch against one after ``--history-epochs``, with every table grown by the epochs between).
+
 Ratios compare work times (and wall times beside them); the figures go to a table on stdout
 and to a JSON file.
 """
@@ -32,7 +36,7 @@ from typing import Sequence
 
 from ipcount.config import REPO_ROOT, STATE_DIR, PipelineConfig
 
-MEASUREMENTS = ("pipeline", "peer", "spark_count", "kafka_python")
+MEASUREMENTS = ("pipeline", "peer", "spark_count", "kafka_python", "small_epochs")
 BENCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "bench_job.py")
 
 
@@ -136,6 +140,97 @@ def measure_pipeline(cfg: PipelineConfig, records: int, logs: Path) -> Measureme
                        summary["records_counted"])
 
 
+def submit_epoch(cfg: PipelineConfig, logs: Path, name: str, *extra: str) -> tuple[float, float | None, list[dict]]:
+    """``spark-submit spark_jobs/epoch_job.py epoch`` as the DAG runs it: (wall seconds, peak
+    JVM MB, the summary JSON of each epoch attempted)."""
+    env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    command = spark_submit(cfg, str(REPO_ROOT / "spark_jobs" / "epoch_job.py"),
+                           ["epoch", *cfg.to_args(), "--run-id", f"benchmark-{name}", "--summary-json", *extra],
+                           f"bench-{name}")
+    wall, peak, out = run_process(command, logs / f"{name}.log", env)
+    summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if not summaries:
+        raise RuntimeError(f"no epoch summary in {logs / (name + '.log')}")
+    return wall, peak, summaries
+
+
+def measure_small_epochs(servers: str, epochs: int, per_epoch: int, partitions: int, seed: int, logs: Path,
+                         workdir: Path) -> tuple[dict[str, Measurement], dict]:
+    """Fixed overhead and history growth, on a pipeline of ``per_epoch``-record epochs.
+
+    Epochs 1 and 2 are submitted one by one (epoch 2 runs after 1 committed epoch); epochs
+    3..N run in one session (``epoch --epochs``), whose last attempt finds nothing new: an
+    empty epoch in a running session. Then an empty epoch through spark-submit, the DAG's
+    idle check (no JVM), and - after ``per_epoch`` more records - epoch N+1, which runs
+    after N committed epochs with the tables grown accordingly.
+    """
+    topic = f"bench_{uuid.uuid4().hex[:8]}_small"
+    cfg = PipelineConfig(bootstrap_servers=servers, topic=topic, group_id=f"g_{topic}", pipeline_id=f"p_{topic}",
+                         warehouse=str(workdir / "small_epochs"), spark_master="local[*]",
+                         max_records_per_epoch=per_epoch)
+    say(f"  generating {epochs} epochs of {per_epoch:,} records on {topic}")
+    generate(cfg, epochs * per_epoch, partitions, seed)
+    out: dict[str, Measurement] = {}
+
+    def epoch_measurement(name: str, what: str, wall: float, peak: float | None, summary: dict) -> Measurement:
+        stages = {k: round(v, 3) for k, v in summary["stage_seconds"].items()}
+        return Measurement(name, what, summary["records_read"], round(wall, 3), round(summary["seconds"], 3),
+                           peak, stages, summary.get("records_counted"))
+
+    for n in (1, 2):
+        say(f"  epoch {n} (spark-submit)")
+        wall, peak, (summary,) = submit_epoch(cfg, logs, f"small-epoch-{n}")
+        if summary["epoch"] != n or summary["records_read"] != per_epoch:
+            raise RuntimeError(f"expected epoch {n} of {per_epoch} records, got {summary}")
+    out["epoch_after_1"] = epoch_measurement("epoch_after_1", "an epoch after 1 committed epoch (spark-submit)",
+                                             wall, peak, summary)
+    say(f"  epochs 3..{epochs} in one session (epoch --epochs)")
+    started = time.monotonic()
+    _, peak, summaries = submit_epoch(cfg, logs, "small-epochs-grow", "--epochs", str(epochs - 1))
+    if [s_["epoch"] for s_ in summaries] != [*range(3, epochs + 1), None]:
+        raise RuntimeError(f"expected epochs 3..{epochs} and then nothing new: {summaries}")
+    say(f"    done in {time.monotonic() - started:.1f} s")
+    empty = summaries[-1]
+    out["empty_in_session"] = Measurement("empty_in_session", "an empty epoch in a running Spark session", 0,
+                                          round(empty["seconds"], 3), round(empty["seconds"], 3), peak)
+    say("  an empty epoch (spark-submit)")
+    wall, peak, (summary,) = submit_epoch(cfg, logs, "small-epoch-empty")
+    out["empty_submit"] = Measurement("empty_submit", "an empty epoch through spark-submit (the DAG without "
+                                      "its idle check)", 0, round(wall, 3), round(summary["seconds"], 3), peak)
+    say("  the DAG's idle check (no JVM)")
+    command = [sys.executable, BENCH_APPLICATION, "idle_check", "--bootstrap-servers", servers, "--topic", topic,
+               "--ending", "{}", "--workdir", cfg.warehouse]
+    wall, _, text = run_process(command, logs / "idle_check.log")
+    result = _last_json(text)
+    if result["run"]:
+        raise RuntimeError(f"the idle check wants to run an epoch although nothing is new: {result['why']}")
+    out["idle_check"] = Measurement("idle_check", "the DAG's idle check: ledger by delta-rs, log ends by kafka-python",
+                                    0, round(wall, 3), round(result["seconds"], 3), None)
+    generate(cfg, per_epoch, partitions, seed, after=epochs * per_epoch)
+    say(f"  epoch {epochs + 1} (spark-submit)")
+    wall, peak, (summary,) = submit_epoch(cfg, logs, f"small-epoch-{epochs + 1}")
+    if summary["epoch"] != epochs + 1 or summary["records_read"] != per_epoch:
+        raise RuntimeError(f"expected epoch {epochs + 1} of {per_epoch} records, got {summary}")
+    out[f"epoch_after_{epochs}"] = epoch_measurement(
+        f"epoch_after_{epochs}", f"an epoch after {epochs} committed epochs (spark-submit)", wall, peak, summary)
+    return out, {"epochs": epochs + 1, "records_per_epoch": per_epoch, "tables": table_sizes(cfg)}
+
+
+def table_sizes(cfg: PipelineConfig) -> dict[str, dict[str, int]]:
+    """Rows, data files and log versions of the pipeline's tables (read with delta-rs)."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
+
+    sizes = {}
+    for name, path in (("counts", cfg.counts_path), ("ledger", cfg.ledger_path),
+                       ("dead_letter", cfg.dead_letter_path), ("late", cfg.late_path)):
+        table = DeltaTable(path)
+        rows = pa.table(QueryBuilder().register("t", table).execute("SELECT count(*) AS n FROM t").read_all())
+        sizes[name] = {"rows": rows.column("n")[0].as_py(), "files": len(table.file_uris()),
+                       "version": table.version()}
+    return sizes
+
+
 def measure_job(cfg: PipelineConfig, job: str, what: str, records: int, logs: Path, workdir: Path,
                 ending: dict[int, int]) -> Measurement:
     env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
@@ -158,7 +253,7 @@ def measure_job(cfg: PipelineConfig, job: str, what: str, records: int, logs: Pa
 def job_main(argv: Sequence[str] | None = None) -> int:
     """The peer and the limits as jobs (``spark_jobs/bench_job.py``); prints a JSON line."""
     p = argparse.ArgumentParser(prog="bench_job.py", description="one benchmark measurement (used by bin/benchmark)")
-    p.add_argument("job", choices=("peer", "spark_count", "kafka_python"))
+    p.add_argument("job", choices=("peer", "spark_count", "kafka_python", "idle_check"))
     p.add_argument("--bootstrap-servers", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--ending", required=True, help="JSON: partition -> end offset")
@@ -171,6 +266,13 @@ def job_main(argv: Sequence[str] | None = None) -> int:
                          allowed_lateness_seconds=args.allowed_lateness_seconds, warehouse=args.workdir)
     from ipcount import peer
 
+    if args.job == "idle_check":  # workdir is the pipeline's warehouse
+        from ipcount import idle
+
+        started = time.monotonic()
+        verdict = idle.check(cfg)
+        print(json.dumps({"run": verdict.run, "why": verdict.why, "seconds": time.monotonic() - started}), flush=True)
+        return 0
     if args.job == "kafka_python":
         started = time.monotonic()
         n = peer.drain(cfg, ending)
@@ -193,9 +295,9 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int) -> dict[int, int]:
+def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, after: int = 0) -> dict[int, int]:
     """``records`` generator records (JSON and NGINX lines, a few late and malformed) spread
-    over the partitions; the log end per partition."""
+    over the partitions, after the ``after`` records already there; the log end per partition."""
     from kafka import KafkaProducer
 
     from ipcount.generator import TrafficGenerator
@@ -204,15 +306,16 @@ def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int) -> d
     create_topic(cfg, partitions)
     producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks=1, linger_ms=50,
                              batch_size=512 * 1024, compression_type=None)
-    gen = TrafficGenerator(seed=seed, events_per_second=2000)
-    start_ms = int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000)
+    gen = TrafficGenerator(seed=seed + after, events_per_second=2000)
+    # 2000 events per second: records that follow ``after`` others follow them in time, too.
+    start_ms = int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000) + after // 2
     for i, rec in enumerate(gen.records(records, start_ms)):
-        producer.send(cfg.topic, key=rec.key, value=rec.value, partition=i % partitions)
+        producer.send(cfg.topic, key=rec.key, value=rec.value, partition=(after + i) % partitions)
     producer.flush()
     producer.close()
     _, latest = partition_offsets(cfg)
-    if sum(latest.values()) != records:
-        raise RuntimeError(f"produced {records} records but the log holds {sum(latest.values())}")
+    if sum(latest.values()) != after + records:
+        raise RuntimeError(f"produced {records} records after {after} but the log holds {sum(latest.values())}")
     return latest
 
 
@@ -231,19 +334,44 @@ def ratios(results: dict[str, Measurement]) -> dict[str, float]:
         ratio("pipeline / spark read limit", pipe, results["spark_count"])
     if pipe and "kafka_python" in results:
         ratio("pipeline / kafka-python drain", pipe, results["kafka_python"])
+    later = [m for name, m in results.items() if name.startswith("epoch_after_") and name != "epoch_after_1"]
+    if later and "epoch_after_1" in results:
+        # Time ratios: 1.0 means the later epoch costs what the early one did.
+        first, last = results["epoch_after_1"], later[0]
+        n = last.name.rsplit("_", 1)[1]
+        out[f"epoch after {n} / after 1 (work)"] = round(last.work_seconds / first.work_seconds, 3)
+        out[f"epoch after {n} / after 1 (wall)"] = round(last.wall_seconds / first.wall_seconds, 3)
+    if "empty_submit" in results and "idle_check" in results:
+        out["empty epoch: spark-submit / idle check (wall)"] = round(
+            results["empty_submit"].wall_seconds / results["idle_check"].wall_seconds, 1)
     return out
 
 
+def overhead_lines(results: dict[str, Measurement]) -> list[str]:
+    """What an empty epoch costs, and what dominates it."""
+    if not {"empty_submit", "empty_in_session", "idle_check"} <= set(results):
+        return []
+    submit, warm, idle = results["empty_submit"], results["empty_in_session"], results["idle_check"]
+    return [f"empty epoch through spark-submit: {submit.wall_seconds:.1f} s wall, of which the epoch's own checks "
+            f"{submit.work_seconds:.1f} s (in a fresh JVM) and JVM + Spark start the rest "
+            f"({submit.wall_seconds - submit.work_seconds:.1f} s)",
+            f"the same checks in a running session: {warm.work_seconds:.2f} s; the DAG's idle check, which skips "
+            f"the Spark job when nothing is new: {idle.wall_seconds:.2f} s wall ({idle.work_seconds:.2f} s checking)"]
+
+
 def table(results: dict[str, Measurement], rs: dict[str, float]) -> str:
-    lines = [f"{'measurement':<14} {'records':>9} {'wall s':>8} {'work s':>8} {'records/s (work)':>17} "
+    lines = [f"{'measurement':<17} {'records':>9} {'wall s':>8} {'work s':>8} {'records/s (work)':>17} "
              f"{'driver peak MB':>15}  stages (s)"]
     for m in results.values():
         stages = " ".join(f"{k} {v:.2f}" for k, v in m.stages.items())
         peak = "-" if m.peak_driver_mb is None else f"{m.peak_driver_mb:.0f}"
-        lines.append(f"{m.name:<14} {m.records:>9} {m.wall_seconds:>8.1f} {m.work_seconds:>8.1f} "
+        lines.append(f"{m.name:<17} {m.records:>9} {m.wall_seconds:>8.1f} {m.work_seconds:>8.1f} "
                      f"{m.records_per_second:>17,.0f} {peak:>15}  {stages}")
     lines.append("")
-    lines += [f"{k:<40} {v:>6.2f}" for k, v in rs.items()]
+    lines += [f"{k:<46} {v:>6.2f}" for k, v in rs.items()]
+    overhead = overhead_lines(results)
+    if overhead:
+        lines += ["", *overhead]
     return "\n".join(lines)
 
 
@@ -258,7 +386,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--history-epochs", type=int, default=100,
+                   help="small_epochs: committed epochs before the last one is timed (default 100)")
+    p.add_argument("--epoch-records", type=int, default=2000,
+                   help="small_epochs: records per epoch (default 2000)")
     args = p.parse_args(argv)
+    if args.history_epochs < 2:
+        p.error("--history-epochs must be at least 2")
+    if args.epoch_records < args.partitions:
+        p.error("--epoch-records must be at least --partitions")
     if args.records < 1:
         p.error("--records must be at least 1")
     if not 1 <= args.partitions <= 64:
@@ -295,15 +431,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = {"peer": "Structured Streaming, AvailableNow, foreachBatch MERGE with txnAppId/txnVersion",
                 "spark_count": "limit: Spark batch Kafka read of the range, count only",
                 "kafka_python": "limit: a plain kafka-python consumer draining the range"}
+        history = None
         for name in only:
             say(f"measuring {name} ...")
             if name == "pipeline":
-                results[name] = measure_pipeline(cfg, args.records, logs)
+                measured = {name: measure_pipeline(cfg, args.records, logs)}
+            elif name == "small_epochs":
+                measured, history = measure_small_epochs(servers, args.history_epochs, args.epoch_records,
+                                                         args.partitions, args.seed, logs, workdir)
             else:
-                results[name] = measure_job(cfg, name, what[name], args.records, logs, workdir, ending)
-            m = results[name]
-            say(f"  {name}: wall {m.wall_seconds:.1f} s, work {m.work_seconds:.1f} s, "
-                f"{m.records_per_second:,.0f} records/s, driver peak {m.peak_driver_mb} MB")
+                measured = {name: measure_job(cfg, name, what[name], args.records, logs, workdir, ending)}
+            results.update(measured)
+            for m in measured.values():
+                say(f"  {m.name}: wall {m.wall_seconds:.1f} s, work {m.work_seconds:.1f} s, "
+                    f"{m.records_per_second:,.0f} records/s, driver peak {m.peak_driver_mb} MB")
         if "pipeline" in results and "peer" in results and results["pipeline"].counted != results["peer"].counted:
             raise RuntimeError(f"the pipeline counted {results['pipeline'].counted} requests but the peer "
                                f"{results['peer'].counted}: they do not compute the same thing")
@@ -311,7 +452,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table(results, rs), flush=True)
         report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
                   "records": args.records, "partitions": args.partitions, "spark_master": cfg.spark_master,
-                  "measurements": {k: m.to_dict() for k, m in results.items()}, "ratios": rs}
+                  "measurements": {k: m.to_dict() for k, m in results.items()}, "ratios": rs,
+                  "small_epochs": history}
+        if history is not None:
+            say("tables after the small epochs: " + ", ".join(
+                f"{t} {v['rows']:,} rows in {v['files']} files (version {v['version']})"
+                for t, v in history["tables"].items()))
         out = args.json or STATE_DIR / "benchmark" / f"{datetime.now():%Y%m%d-%H%M%S}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")

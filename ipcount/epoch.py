@@ -217,6 +217,7 @@ def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int]
 
 def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -> DataFrame | None:
     from pyspark import StorageLevel
+    from pyspark.sql import functions as F
 
     if not plan.nonempty_ranges:
         return None
@@ -230,6 +231,10 @@ def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan
            .load())
     parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time)
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
+    # Only dead letters keep the raw key and value; dropping them from the rest keeps the
+    # cached rows small.
+    bad = F.col("reason").isNotNull()
+    classified = classified.withColumns({"key": F.when(bad, F.col("key")), "value": F.when(bad, F.col("value"))})
     # Read Kafka once: the sink's three writes and the metrics all use these rows.
     return classified.persist(StorageLevel.MEMORY_AND_DISK)
 

@@ -19,6 +19,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 
 from pyspark.sql import functions as F
@@ -70,6 +72,8 @@ def ensure_table(spark: SparkSession, path: str, schema: StructType,
     from delta.tables import DeltaTable
 
     properties = dict(properties or {})
+    if _up_to_date(path, schema, properties):
+        return
     if not DeltaTable.isDeltaTable(spark, path):
         builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
         for key, value in properties.items():
@@ -89,6 +93,23 @@ def ensure_table(spark: SparkSession, path: str, schema: StructType,
         columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
         retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"),
                           f"adding columns to {path}")
+
+
+def _up_to_date(path: str, schema: StructType, properties: Mapping[str, str]) -> bool:
+    """Whether the table at ``path`` exists with every column and property, looked up in its
+    log with delta-rs: an epoch makes this check for four tables, and through Spark each
+    would cost a Delta snapshot and a query (seconds in a fresh JVM). Any doubt: False."""
+    from deltalake import DeltaTable as LogReader
+
+    if not (Path(path) / "_delta_log").is_dir():
+        return False
+    try:
+        table = LogReader(path)
+        have = {f.name for f in table.schema().fields}
+        config = table.metadata().configuration
+    except Exception:  # noqa: BLE001 - Spark's path below decides (and says what is wrong)
+        return False
+    return all(f.name in have for f in schema.fields) and all(config.get(k) == v for k, v in properties.items())
 
 
 # Each epoch adds a few tiny files to the ledger (the plan, then the commit's rewrite).
@@ -162,55 +183,13 @@ class Ledger:
             "kind", F.coalesce(F.col("kind"), F.lit(SCHEDULED)))
 
     def state(self, topic: str) -> LedgerState:
-        """Three small queries: an aggregate per lane and partition, the rows of unfinished
-        epochs (if any), and the merged coverage of the topic's partitions."""
-        from pyspark.sql import Window
+        """Read with delta-rs, not Spark: the ledger is a few rows per epoch in a few files
+        (auto compaction), and three Spark queries over it cost seconds per epoch. A
+        snapshot is enough: :meth:`record_plan` re-checks overlaps against the latest."""
+        from ipcount.ledger_view import read_rows
 
-        table = self._table()
-        groups = table.groupBy("topic", "kind", "request_id", "status", "partition").agg(
-            F.max("epoch").alias("epoch"), F.max("until_offset").alias("until"),
-            F.max_by("watermark_after_ms", "epoch").alias("watermark")).collect()
-        last_epoch = max((g.epoch for g in groups), default=0)
-        mine = [g for g in groups if g.topic == topic]
-        chain = [g for g in mine if g.kind == SCHEDULED and g.status == COMMITTED]
-        committed = {g.partition: g.until for g in chain}
-        latest = max(chain, key=lambda g: g.epoch, default=None)
-        lanes: dict[str, list] = {}
-        for g in mine:
-            if g.kind == BACKFILL and g.status == COMMITTED:
-                lanes.setdefault(g.request_id, []).append(g)
-        request_watermarks = {rid: max(gs, key=lambda g: g.epoch).watermark for rid, gs in lanes.items()}
-
-        pending, backfills = None, ()
-        if any(g.status == PLANNED for g in mine):
-            plans = self._pending_plans(table.where((F.col("topic") == topic) & (F.col("status") == PLANNED)))
-            chain_plans = [p for p in plans if p.kind == SCHEDULED]
-            if len(chain_plans) > 1:
-                raise RuntimeError(f"ledger {self.path} has several unfinished scheduled epochs "
-                                   f"{[p.epoch for p in chain_plans]}; only one can be in flight")
-            pending = chain_plans[0] if chain_plans else None
-            backfills = tuple(p for p in plans if p.kind == BACKFILL)
-
-        # Gaps and islands: merge the topic's ranges per partition in Spark, collect the islands.
-        w = Window.partitionBy("partition").orderBy("from_offset", "until_offset")
-        ranges = table.where((F.col("topic") == topic) & (F.col("until_offset") > F.col("from_offset")))
-        islands = (ranges
-                   .withColumn("reach", F.max("until_offset").over(w.rowsBetween(Window.unboundedPreceding, -1)))
-                   .withColumn("island", F.sum(F.when(F.col("reach").isNull() | (F.col("from_offset") > F.col("reach")),
-                                                      1).otherwise(0)).over(w))
-                   .groupBy("partition", "island").agg(F.min("from_offset").alias("f"), F.max("until_offset").alias("u"))
-                   .collect())
-        coverage = Coverage.of(topic, (OffsetRange(topic, r.partition, r.f, r.u) for r in islands))
-        return LedgerState(last_epoch=last_epoch, committed=committed,
-                           watermark_ms=latest.watermark if latest is not None else None, pending=pending,
-                           pending_backfills=backfills, coverage=coverage, request_watermarks=request_watermarks)
-
-    @staticmethod
-    def _pending_plans(planned) -> list[EpochPlan]:
-        by_epoch: dict[int, list] = {}
-        for r in planned.collect():
-            by_epoch.setdefault(r.epoch, []).append(r)
-        return [plan_from_rows(rows) for _, rows in sorted(by_epoch.items())]
+        rows = read_rows(self.path, columns=list(_STATE_COLUMNS))
+        return state_of(topic, [SimpleNamespace(**r) for r in rows], self.path)
 
     def epochs(self, topic: str, statuses: tuple[str, ...] = (COMMITTED, LOST)) -> list[tuple[EpochPlan, int | None]]:
         """Every epoch with rows of the given statuses, as (plan, counts sink version), in the
@@ -291,6 +270,44 @@ class Ledger:
              .whenMatchedUpdate(set={c: f"s.{c}" for c in set_cols})
              .execute())
         retry_on_conflict(merge, f"committing epoch {plan.epoch} to the ledger")
+
+
+_STATE_COLUMNS = ("epoch", "topic", "partition", "from_offset", "until_offset", "status", "kind", "request_id",
+                  "watermark_before_ms", "watermark_after_ms", "chain_watermark_ms")
+
+
+def state_of(topic: str, rows: list, path: str = "ledger") -> LedgerState:
+    """:class:`LedgerState` of ``topic`` from the ledger's rows (of all topics: epoch ids
+    are unique across them). Pure."""
+    mine = [r for r in rows if r.topic == topic]
+    kind = {id(r): r.kind or SCHEDULED for r in mine}
+    chain = [r for r in mine if kind[id(r)] == SCHEDULED and r.status == COMMITTED]
+    committed: dict[int, int] = {}
+    for r in chain:
+        committed[r.partition] = max(committed.get(r.partition, r.until_offset), r.until_offset)
+    latest = max(chain, key=lambda r: r.epoch, default=None)
+    lanes: dict[str, list] = {}
+    for r in mine:
+        if kind[id(r)] == BACKFILL and r.status == COMMITTED:
+            lanes.setdefault(r.request_id, []).append(r)
+    request_watermarks = {rid: max(rs, key=lambda r: r.epoch).watermark_after_ms for rid, rs in lanes.items()}
+
+    by_epoch: dict[int, list] = {}
+    for r in mine:
+        if r.status == PLANNED:
+            by_epoch.setdefault(r.epoch, []).append(r)
+    plans = [plan_from_rows(rs) for _, rs in sorted(by_epoch.items())]
+    chain_plans = [p for p in plans if p.kind == SCHEDULED]
+    if len(chain_plans) > 1:
+        raise RuntimeError(f"ledger {path} has several unfinished scheduled epochs "
+                           f"{[p.epoch for p in chain_plans]}; only one can be in flight")
+    # Every row of the topic, planned, committed or lost and of any kind, owns its offsets.
+    coverage = Coverage.of(topic, (OffsetRange(topic, r.partition, r.from_offset, r.until_offset) for r in mine))
+    return LedgerState(last_epoch=max((r.epoch for r in rows), default=0), committed=committed,
+                       watermark_ms=latest.watermark_after_ms if latest is not None else None,
+                       pending=chain_plans[0] if chain_plans else None,
+                       pending_backfills=tuple(p for p in plans if p.kind == BACKFILL),
+                       coverage=coverage, request_watermarks=request_watermarks)
 
 
 def plan_from_rows(rows) -> EpochPlan:

@@ -164,9 +164,9 @@ class Sink:
 
     def version_of_epoch(self, path: str, epoch: int, search: int = 50) -> int | None:
         """The table version whose commit wrote ``epoch`` (None if the epoch wrote nothing,
-        e.g. a MERGE with no source rows)."""
-        from delta.tables import DeltaTable
+        e.g. a MERGE with no source rows). From the log's commit infos, read with delta-rs:
+        Spark's history() would be a query of its own in every epoch."""
+        from deltalake import DeltaTable as LogReader
 
-        row = (DeltaTable.forPath(self.spark, path).history(search)
-               .where(F.col("userMetadata") == f"epoch={epoch}").select("version").first())
-        return row.version if row is not None else None
+        return next((h["version"] for h in LogReader(path).history(search)
+                     if h.get("userMetadata") == f"epoch={epoch}"), None)

@@ -107,6 +107,16 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
                          "AND key = '_link_EpochPageLink'", (run_id,)).fetchone()
     assert json.loads(link).endswith(run_page_path("ipcount_epoch", run_id))
 
+    # Nothing new now: the next run finds that out without Spark and skips the epoch.
+    proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", cfg=cfg)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert "skipping the epoch: nothing new" in proc.stdout + proc.stderr
+    states = dict(db.execute("SELECT task_id, state FROM task_instance WHERE run_id = (SELECT run_id FROM dag_run "
+                             "WHERE dag_id = 'ipcount_epoch' AND run_id != ?)", (run_id,)).fetchall())
+    assert states == {"choose_path": "success", "run_epoch": "skipped", "backfill_interval": "skipped",
+                      "commit_offsets": "skipped", "publish_summary": "skipped"}
+    assert [e.epoch for e in committed_epochs(cfg.ledger_path)] == [1]
+
 
 def test_run_params_override_the_pipeline_config_for_one_run(airflow_home, cfg):
     gen = TrafficGenerator(seed=32, events_per_second=50)

@@ -12,29 +12,41 @@ from ipcount.benchmark import MEASUREMENTS
 
 def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "ipcount.benchmark", "--records", "3000",
-                           "--bootstrap-servers", broker.bootstrap_servers, "--json", str(out),
-                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "ipcount.benchmark", "--records", "3000", "--history-epochs", "3",
+                           "--epoch-records", "300", "--bootstrap-servers", broker.bootstrap_servers,
+                           "--json", str(out), "--workdir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     assert report["records"] == 3000 and report["partitions"] == 3 and report["machine"]["cpus"] >= 1
     measured = report["measurements"]
-    assert list(measured) == list(MEASUREMENTS)
-    for m in measured.values():
-        assert m["records"] == 3000 and m["wall_seconds"] >= m["work_seconds"] > 0 and m["records_per_second"] > 0
-    for spark_run in ("pipeline", "peer", "spark_count"):
+    assert list(measured) == [*MEASUREMENTS[:-1], "epoch_after_1", "empty_in_session", "empty_submit",
+                              "idle_check", "epoch_after_3"]
+    sizes = {**{m: 3000 for m in MEASUREMENTS[:-1]}, "epoch_after_1": 300, "epoch_after_3": 300,
+             "empty_in_session": 0, "empty_submit": 0, "idle_check": 0}
+    for name, m in measured.items():
+        assert m["records"] == sizes[name] and m["wall_seconds"] >= m["work_seconds"] > 0
+        assert (m["records_per_second"] > 0) == (sizes[name] > 0)
+    for spark_run in ("pipeline", "peer", "spark_count", "epoch_after_1", "empty_submit", "epoch_after_3"):
         assert measured[spark_run]["peak_driver_mb"] > 50  # a JVM was watched
     assert set(measured["pipeline"]["stages"]) == {"plan", "read", "aggregate", "merge", "ledger", "kafka_commit"}
+    assert set(measured["epoch_after_3"]["stages"]) == set(measured["pipeline"]["stages"])
     assert 0 < measured["pipeline"]["counted"] == measured["peer"]["counted"] < 3000  # some late/malformed
     assert set(report["ratios"]) == {f"{r} ({kind})" for r in ("pipeline / peer", "pipeline / spark read limit",
-                                                                "pipeline / kafka-python drain")
-                                     for kind in ("work", "wall")}
+                                                                "pipeline / kafka-python drain",
+                                                                "epoch after 3 / after 1")
+                                     for kind in ("work", "wall")} | {"empty epoch: spark-submit / idle check (wall)"}
+    tables = report["small_epochs"]["tables"]
+    assert report["small_epochs"]["epochs"] == 4 and tables["counts"]["rows"] > 0
+    assert 4 <= tables["ledger"]["rows"] <= 4 * 3  # a row per epoch and partition read
     assert "pipeline / peer (work)" in proc.stdout and "records/s (work)" in proc.stdout
+    assert "empty epoch through spark-submit" in proc.stdout
 
 
 def test_benchmark_refuses_bad_arguments():
     for args, message in ((["--records", "0"], "--records must be at least 1"),
-                          (["--only", "pipeline,nope"], "--only takes names from")):
+                          (["--only", "pipeline,nope"], "--only takes names from"),
+                          (["--history-epochs", "1"], "--history-epochs must be at least 2")):
         proc = subprocess.run([sys.executable, "-m", "ipcount.benchmark", *args], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -1,0 +1,38 @@
+"""The no-JVM idle check: it may only say "idle" when an epoch would certainly commit nothing."""
+from ipcount.idle import chain_state, verdict
+
+
+def row(epoch, partition, until, status="committed", kind="scheduled"):
+    return {"epoch": epoch, "partition": partition, "until_offset": until, "status": status, "kind": kind}
+
+
+def test_chain_state_takes_the_scheduled_chain_only():
+    rows = [row(1, 0, 10), row(1, 1, 7), row(2, 0, 25), row(2, 1, 9),
+            row(3, 0, 900, kind="backfill"),            # a backfill ahead of the chain is not its position
+            row(4, 1, 50, status="planned", kind="backfill"),
+            row(5, 0, 40, status="planned"), {**row(6, 1, 60), "kind": None}]  # null kind: scheduled
+    positions, unfinished = chain_state(rows)
+    assert positions == {0: 25, 1: 60}
+    assert unfinished == [5]
+
+
+def test_idle_only_at_the_log_end_with_nothing_aged_out():
+    v = verdict({0: 25, 1: 9}, [], earliest={0: 0, 1: 9}, latest={0: 25, 1: 9})
+    assert not v.run and "p0=25 p1=9" in v.why
+
+
+def test_every_doubt_means_run():
+    at_end = {0: 25, 1: 9}
+    cases = {
+        "unfinished": verdict(at_end, [7], {0: 0, 1: 0}, at_end),
+        "no ledger": verdict({}, [], {0: 0}, {0: 0}),
+        "new partition": verdict(at_end, [], {0: 0, 1: 0, 2: 0}, {**at_end, 2: 0}),
+        "vanished partition": verdict(at_end, [], {0: 0}, {0: 25}),
+        "aged out": verdict(at_end, [], {0: 30, 1: 0}, {0: 30, 1: 9}),
+        "new records": verdict(at_end, [], {0: 0, 1: 0}, {0: 26, 1: 12}),
+    }
+    assert all(v.run for v in cases.values()), {k: v for k, v in cases.items() if not v.run}
+    assert "epoch 7" in cases["unfinished"].why
+    assert "[25, 30)" in cases["aged out"].why
+    assert "4 new offset(s): p0+1 p1+3" in cases["new records"].why
+    assert "[0, 1, 2]" in cases["new partition"].why
