@@ -127,12 +127,9 @@ def _last_json(stdout: str) -> dict:
 
 
 def measure_pipeline(cfg: PipelineConfig, records: int, logs: Path) -> Measurement:
-    env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    command = spark_submit(cfg, str(REPO_ROOT / "spark_jobs" / "epoch_job.py"),
-                           ["epoch", *cfg.to_args(), "--run-id", "benchmark", "--summary-json"], "bench-pipeline")
-    wall, peak, out = run_process(command, logs / "pipeline.log", env)
-    summary = _last_json(out)
-    if summary is None or summary["records_read"] != records:
+    wall, peak, summaries = submit_epoch(cfg, logs, "pipeline")
+    summary = summaries[-1]
+    if summary["records_read"] != records:
         raise RuntimeError(f"the epoch did not read all {records} records: {summary}")
     stages = {k: round(v, 3) for k, v in summary["stage_seconds"].items()}
     return Measurement("pipeline", "this pipeline: one epoch over the whole range (spark-submit, as the DAG)",
