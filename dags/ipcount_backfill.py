@@ -12,7 +12,8 @@ skipped. Trigger it from the form, or:
 
 1. `check_request` - parse and check the request against the broker; a bad one fails here,
    before anything is written, with a message that says what to fix.
-2. `run_backfill` - spark-submit of `spark_jobs/epoch_job.py backfill`.
+2. `run_backfill` - spark-submit of `spark_jobs/epoch_job.py backfill` (or the same command in
+   the epoch server, when `epoch_server` names one that answers).
 3. `publish_summary` - log the epochs, return them to XCom (and, for the main target, put
    them in the counts Asset event).
 
@@ -28,7 +29,7 @@ from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 
 from ipcount.config import PipelineConfig
-from ipcount.monitor.links import EpochSubmitOperator
+from ipcount.operators import EpochSubmitOperator
 from ipcount.orchestration import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, backfill_params,
                                    check_backfill_request, counts_asset, epoch_summary, spark_submit_kwargs)
 

@@ -7,9 +7,10 @@ Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
 
 1. `choose_path` - skip the run when the chain is at the log end (the ledger read with
    delta-rs, the log ends asked of the broker: no JVM is started for nothing).
-2. `run_epoch` - spark-submit of `spark_jobs/epoch_job.py` (connection `spark_default`):
-   plan from the ledger (or finish an unfinished epoch with its recorded ranges), read, count,
-   merge into the counts table, commit the ledger.
+2. `run_epoch` - spark-submit of `spark_jobs/epoch_job.py` (connection `spark_default`), or
+   the same command in the epoch server when `epoch_server` names one that answers (a warm
+   Spark session: no JVM start per run): plan from the ledger (or finish an unfinished epoch
+   with its recorded ranges), read, count, merge into the counts table, commit the ledger.
    A run made by `airflow backfill create` takes `backfill_interval` instead: it counts the
    records whose Kafka timestamps fall in the run's data interval and that the ledger does
    not own yet (an interval the chain already counted is a no-op, and says so).
@@ -34,7 +35,7 @@ from airflow.timetables.interval import CronDataIntervalTimetable
 from ipcount import idle
 from ipcount.config import PipelineConfig
 from ipcount.epoch import commit_group_offsets_from_ledger
-from ipcount.monitor.links import EpochSubmitOperator
+from ipcount.operators import EpochSubmitOperator
 from ipcount.orchestration import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params,
                                    epoch_summary, run_config, spark_submit_kwargs)
 

@@ -9,9 +9,12 @@ driver is the whole of Spark). Two times per measurement:
 * **wall**: the whole process, JVM start included - what a DAG run costs;
 * **work**: from a ready Spark session to done - what the approach itself costs.
 
-``small_epochs`` adds the fixed overhead (an empty epoch through spark-submit, in a running
-session, and the DAG's JVM-free idle check) and history growth (an epoch after 1 committed
-epoch against one after ``--history-epochs``, with every table grown by the epochs between).
+``pipeline_server`` runs the same epoch in the epoch server (``epoch_job.py serve``, started
+once per benchmark and warmed up; its start is reported as ``server_start``), on tables of its
+own. ``small_epochs`` adds the fixed overhead (an empty epoch through spark-submit, through the
+epoch server, and the DAG's JVM-free idle check) and history growth (an epoch after a few
+committed epochs against one after ``--history-epochs``, with every table grown by the epochs
+between), both through spark-submit and through the server.
 
 Ratios compare work times (and wall times beside them); the figures go to a table on stdout
 and to a JSON file.
@@ -36,7 +39,7 @@ from typing import Sequence
 
 from ipcount.config import REPO_ROOT, STATE_DIR, PipelineConfig
 
-MEASUREMENTS = ("pipeline", "peer", "spark_count", "kafka_python", "small_epochs")
+MEASUREMENTS = ("pipeline", "pipeline_server", "peer", "spark_count", "kafka_python", "small_epochs")
 BENCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "bench_job.py")
 
 
@@ -126,15 +129,78 @@ def _last_json(stdout: str) -> dict:
     raise RuntimeError(f"no JSON summary in the output: {stdout[-2000:]}")
 
 
-def measure_pipeline(cfg: PipelineConfig, records: int, logs: Path) -> Measurement:
-    wall, peak, summaries = submit_epoch(cfg, logs, "pipeline")
+def measure_pipeline(cfg: PipelineConfig, records: int, logs: Path, server: EpochServerProcess | None = None
+                     ) -> Measurement:
+    """One epoch over the whole range: through spark-submit, or in the epoch server (on a
+    warehouse of its own, so both start from empty tables)."""
+    if server is None:
+        name, what = "pipeline", "this pipeline: one epoch over the whole range (spark-submit, as the DAG)"
+        wall, peak, summaries = submit_epoch(cfg, logs, name)
+    else:
+        name, what = "pipeline_server", "this pipeline: the same epoch in the warm epoch server (the DAG's fast path)"
+        cfg = cfg.replace(warehouse=str(Path(cfg.warehouse).parent / name))
+        wall, peak, summaries = server.epoch(cfg, name)
     summary = summaries[-1]
     if summary["records_read"] != records:
         raise RuntimeError(f"the epoch did not read all {records} records: {summary}")
     stages = {k: round(v, 3) for k, v in summary["stage_seconds"].items()}
-    return Measurement("pipeline", "this pipeline: one epoch over the whole range (spark-submit, as the DAG)",
-                       records, round(wall, 3), round(sum(stages.values()), 3), peak, stages,
+    return Measurement(name, what, records, round(wall, 3), round(sum(stages.values()), 3), peak, stages,
                        summary["records_counted"])
+
+
+class EpochServerProcess:
+    """``spark-submit spark_jobs/epoch_job.py serve`` for the benchmark: started (and warmed
+    up) once, then sent epochs the way the DAG's operator sends them."""
+
+    def __init__(self, cfg: PipelineConfig, logs: Path) -> None:
+        from ipcount import epoch_server
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+        command = spark_submit(cfg, str(REPO_ROOT / "spark_jobs" / "epoch_job.py"),
+                               ["serve", *cfg.to_args(), "--port", str(port)], "bench-epoch-server")
+        started = time.monotonic()
+        self.log_file = open(logs / "epoch-server.log", "w")
+        self.proc = subprocess.Popen(command, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        while (state := epoch_server.health(self.url, timeout=1.0)) is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the epoch server exited with {self.proc.returncode}; see {logs}/epoch-server.log")
+            if time.monotonic() - started > 600:
+                raise RuntimeError(f"the epoch server did not answer in 600 s; see {logs}/epoch-server.log")
+            time.sleep(0.5)
+        self.start = Measurement("server_start", "epoch server start: JVM, Spark session and the warm-up epoch "
+                                 "(once, not per epoch)", 0, round(time.monotonic() - started, 3),
+                                 round(state["warm_up_seconds"] or 0.0, 3), None)
+
+    def epoch(self, cfg: PipelineConfig, name: str, *extra: str) -> tuple[float, float | None, list[dict]]:
+        """An ``epoch`` request as the operator sends it: (wall seconds, peak JVM MB, summaries)."""
+        from ipcount import epoch_server
+
+        memory = PeakMemory(self.proc.pid)
+        started = time.monotonic()
+        with open(Path(self.log_file.name).with_name(f"{name}.log"), "w") as log:
+            result = epoch_server.submit(self.url, ["epoch", *cfg.to_args(), "--run-id", f"benchmark-{name}",
+                                                    "--summary-json", *extra],
+                                         on_log=lambda line: print(line, file=log))
+        wall = time.monotonic() - started
+        peak = memory.stop()
+        if result["exit_code"] != 0:
+            raise RuntimeError(f"epoch {name} failed in the epoch server (exit {result['exit_code']}); "
+                               f"see {self.log_file.name}")
+        summaries = [json.loads(line) for line in result["stdout"].splitlines() if line.startswith("{")]
+        if not summaries:
+            raise RuntimeError(f"no epoch summary from the epoch server for {name}: {result['stdout'][-2000:]}")
+        return wall, peak, summaries
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log_file.close()
 
 
 def submit_epoch(cfg: PipelineConfig, logs: Path, name: str, *extra: str) -> tuple[float, float | None, list[dict]]:
@@ -152,14 +218,14 @@ def submit_epoch(cfg: PipelineConfig, logs: Path, name: str, *extra: str) -> tup
 
 
 def measure_small_epochs(servers: str, epochs: int, per_epoch: int, partitions: int, seed: int, logs: Path,
-                         workdir: Path) -> tuple[dict[str, Measurement], dict]:
+                         workdir: Path, server: EpochServerProcess) -> tuple[dict[str, Measurement], dict]:
     """Fixed overhead and history growth, on a pipeline of ``per_epoch``-record epochs.
 
-    Epochs 1 and 2 are submitted one by one (epoch 2 runs after 1 committed epoch); epochs
-    3..N run in one session (``epoch --epochs``), whose last attempt finds nothing new: an
-    empty epoch in a running session. Then an empty epoch through spark-submit, the DAG's
-    idle check (no JVM), and - after ``per_epoch`` more records - epoch N+1, which runs
-    after N committed epochs with the tables grown accordingly.
+    Epochs 1 and 2 are submitted one by one (epoch 2 runs after 1 committed epoch); epoch 3
+    runs in the epoch server (after 2), and epochs 4..N there in one request. Then an empty
+    epoch in the server, one through spark-submit, and the DAG's idle check (no JVM). After
+    ``per_epoch`` more records epoch N+1 is submitted (after N committed epochs, the tables
+    grown accordingly), and after as many again epoch N+2 runs in the server.
     """
     topic = f"bench_{uuid.uuid4().hex[:8]}_small"
     cfg = PipelineConfig(bootstrap_servers=servers, topic=topic, group_id=f"g_{topic}", pipeline_id=f"p_{topic}",
@@ -169,31 +235,38 @@ def measure_small_epochs(servers: str, epochs: int, per_epoch: int, partitions: 
     generate(cfg, epochs * per_epoch, partitions, seed)
     out: dict[str, Measurement] = {}
 
-    def epoch_measurement(name: str, what: str, wall: float, peak: float | None, summary: dict) -> Measurement:
+    def epoch_measurement(name: str, what: str, run: tuple[float, float | None, list[dict]], epoch: int | None,
+                          records: int) -> Measurement:
+        wall, peak, summaries = run
+        summary = summaries[-1]
+        if summary["epoch"] != epoch or summary["records_read"] != records:
+            raise RuntimeError(f"{name}: expected epoch {epoch} of {records} records, got {summary}")
         stages = {k: round(v, 3) for k, v in summary["stage_seconds"].items()}
-        return Measurement(name, what, summary["records_read"], round(wall, 3), round(summary["seconds"], 3),
-                           peak, stages, summary.get("records_counted"))
+        return Measurement(name, what, records, round(wall, 3), round(summary["seconds"], 3), peak, stages,
+                           summary.get("records_counted"))
 
-    for n in (1, 2):
-        say(f"  epoch {n} (spark-submit)")
-        wall, peak, (summary,) = submit_epoch(cfg, logs, f"small-epoch-{n}")
-        if summary["epoch"] != n or summary["records_read"] != per_epoch:
-            raise RuntimeError(f"expected epoch {n} of {per_epoch} records, got {summary}")
+    say("  epochs 1 and 2 (spark-submit)")
+    epoch_measurement("epoch 1", "", submit_epoch(cfg, logs, "small-epoch-1"), 1, per_epoch)
     out["epoch_after_1"] = epoch_measurement("epoch_after_1", "an epoch after 1 committed epoch (spark-submit)",
-                                             wall, peak, summary)
-    say(f"  epochs 3..{epochs} in one session (epoch --epochs)")
-    started = time.monotonic()
-    _, peak, summaries = submit_epoch(cfg, logs, "small-epochs-grow", "--epochs", str(epochs - 1))
-    if [s_["epoch"] for s_ in summaries] != [*range(3, epochs + 1), None]:
-        raise RuntimeError(f"expected epochs 3..{epochs} and then nothing new: {summaries}")
-    say(f"    done in {time.monotonic() - started:.1f} s")
-    empty = summaries[-1]
-    out["empty_in_session"] = Measurement("empty_in_session", "an empty epoch in a running Spark session", 0,
-                                          round(empty["seconds"], 3), round(empty["seconds"], 3), peak)
+                                             submit_epoch(cfg, logs, "small-epoch-2"), 2, per_epoch)
+    say("  epoch 3 (epoch server)")
+    out["server_epoch_after_2"] = epoch_measurement(
+        "server_epoch_after_2", "an epoch after 2 committed epochs (epoch server)",
+        server.epoch(cfg, "small-epoch-3"), 3, per_epoch)
+    if epochs > 3:
+        say(f"  epochs 4..{epochs} (epoch server, one request)")
+        started = time.monotonic()
+        _, _, summaries = server.epoch(cfg, "small-epochs-grow", "--epochs", str(epochs - 3))
+        if [s_["epoch"] for s_ in summaries] != list(range(4, epochs + 1)):
+            raise RuntimeError(f"expected epochs 4..{epochs}: {summaries}")
+        say(f"    done in {time.monotonic() - started:.1f} s")
+    say("  an empty epoch (epoch server)")
+    out["empty_server"] = epoch_measurement("empty_server", "an empty epoch in the epoch server (request round trip)",
+                                            server.epoch(cfg, "small-epoch-empty-server"), None, 0)
     say("  an empty epoch (spark-submit)")
-    wall, peak, (summary,) = submit_epoch(cfg, logs, "small-epoch-empty")
-    out["empty_submit"] = Measurement("empty_submit", "an empty epoch through spark-submit (the DAG without "
-                                      "its idle check)", 0, round(wall, 3), round(summary["seconds"], 3), peak)
+    out["empty_submit"] = epoch_measurement("empty_submit", "an empty epoch through spark-submit (the DAG without "
+                                            "its idle check or server)", submit_epoch(cfg, logs, "small-epoch-empty"),
+                                            None, 0)
     say("  the DAG's idle check (no JVM)")
     command = [sys.executable, BENCH_APPLICATION, "idle_check", "--bootstrap-servers", servers, "--topic", topic,
                "--ending", "{}", "--workdir", cfg.warehouse]
@@ -205,12 +278,15 @@ def measure_small_epochs(servers: str, epochs: int, per_epoch: int, partitions: 
                                     0, round(wall, 3), round(result["seconds"], 3), None)
     generate(cfg, per_epoch, partitions, seed, after=epochs * per_epoch)
     say(f"  epoch {epochs + 1} (spark-submit)")
-    wall, peak, (summary,) = submit_epoch(cfg, logs, f"small-epoch-{epochs + 1}")
-    if summary["epoch"] != epochs + 1 or summary["records_read"] != per_epoch:
-        raise RuntimeError(f"expected epoch {epochs + 1} of {per_epoch} records, got {summary}")
     out[f"epoch_after_{epochs}"] = epoch_measurement(
-        f"epoch_after_{epochs}", f"an epoch after {epochs} committed epochs (spark-submit)", wall, peak, summary)
-    return out, {"epochs": epochs + 1, "records_per_epoch": per_epoch, "tables": table_sizes(cfg)}
+        f"epoch_after_{epochs}", f"an epoch after {epochs} committed epochs (spark-submit)",
+        submit_epoch(cfg, logs, f"small-epoch-{epochs + 1}"), epochs + 1, per_epoch)
+    generate(cfg, per_epoch, partitions, seed, after=(epochs + 1) * per_epoch)
+    say(f"  epoch {epochs + 2} (epoch server)")
+    out[f"server_epoch_after_{epochs + 1}"] = epoch_measurement(
+        f"server_epoch_after_{epochs + 1}", f"an epoch after {epochs + 1} committed epochs (epoch server)",
+        server.epoch(cfg, f"small-epoch-{epochs + 2}"), epochs + 2, per_epoch)
+    return out, {"epochs": epochs + 2, "records_per_epoch": per_epoch, "tables": table_sizes(cfg)}
 
 
 def table_sizes(cfg: PipelineConfig) -> dict[str, dict[str, int]]:
@@ -318,54 +394,61 @@ def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, afte
 
 def ratios(results: dict[str, Measurement]) -> dict[str, float]:
     out = {}
-    pipe = results.get("pipeline")
 
     def ratio(name: str, a: Measurement, b: Measurement) -> None:
         # Throughput ratios: > 1 means the first is faster.
         out[f"{name} (work)"] = round(b.work_seconds / a.work_seconds, 3)
         out[f"{name} (wall)"] = round(b.wall_seconds / a.wall_seconds, 3)
 
-    if pipe and "peer" in results:
-        ratio("pipeline / peer", pipe, results["peer"])
-    if pipe and "spark_count" in results:
-        ratio("pipeline / spark read limit", pipe, results["spark_count"])
-    if pipe and "kafka_python" in results:
-        ratio("pipeline / kafka-python drain", pipe, results["kafka_python"])
-    later = [m for name, m in results.items() if name.startswith("epoch_after_") and name != "epoch_after_1"]
-    if later and "epoch_after_1" in results:
+    for pipe in ("pipeline", "pipeline_server"):
+        for other, label in (("peer", "peer"), ("spark_count", "spark read limit"),
+                             ("kafka_python", "kafka-python drain")):
+            if pipe in results and other in results:
+                ratio(f"{pipe} / {label}", results[pipe], results[other])
+
+    def growth(label: str, prefix: str) -> None:
         # Time ratios: 1.0 means the later epoch costs what the early one did.
-        first, last = results["epoch_after_1"], later[0]
-        n = last.name.rsplit("_", 1)[1]
-        out[f"epoch after {n} / after 1 (work)"] = round(last.work_seconds / first.work_seconds, 3)
-        out[f"epoch after {n} / after 1 (wall)"] = round(last.wall_seconds / first.wall_seconds, 3)
-    if "empty_submit" in results and "idle_check" in results:
-        out["empty epoch: spark-submit / idle check (wall)"] = round(
-            results["empty_submit"].wall_seconds / results["idle_check"].wall_seconds, 1)
+        early, *later = sorted((m for name, m in results.items() if name.startswith(prefix)),
+                               key=lambda m: int(m.name.rsplit("_", 1)[1]))
+        if later:
+            n, k = later[-1].name.rsplit("_", 1)[1], early.name.rsplit("_", 1)[1]
+            out[f"{label}epoch after {n} / after {k} (work)"] = round(later[-1].work_seconds / early.work_seconds, 3)
+            out[f"{label}epoch after {n} / after {k} (wall)"] = round(later[-1].wall_seconds / early.wall_seconds, 3)
+
+    if any(name.startswith("epoch_after_") for name in results):
+        growth("", "epoch_after_")
+    if any(name.startswith("server_epoch_after_") for name in results):
+        growth("epoch server: ", "server_epoch_after_")
+    for fast in ("idle_check", "empty_server"):
+        if "empty_submit" in results and fast in results:
+            out[f"empty epoch: spark-submit / {fast.replace('_', ' ')} (wall)"] = round(
+                results["empty_submit"].wall_seconds / results[fast].wall_seconds, 1)
     return out
 
 
 def overhead_lines(results: dict[str, Measurement]) -> list[str]:
     """What an empty epoch costs, and what dominates it."""
-    if not {"empty_submit", "empty_in_session", "idle_check"} <= set(results):
+    if not {"empty_submit", "empty_server", "idle_check"} <= set(results):
         return []
-    submit, warm, idle = results["empty_submit"], results["empty_in_session"], results["idle_check"]
+    submit, warm, idle = results["empty_submit"], results["empty_server"], results["idle_check"]
     return [f"empty epoch through spark-submit: {submit.wall_seconds:.1f} s wall, of which the epoch's own checks "
             f"{submit.work_seconds:.1f} s (in a fresh JVM) and JVM + Spark start the rest "
             f"({submit.wall_seconds - submit.work_seconds:.1f} s)",
-            f"the same checks in a running session: {warm.work_seconds:.2f} s; the DAG's idle check, which skips "
-            f"the Spark job when nothing is new: {idle.wall_seconds:.2f} s wall ({idle.work_seconds:.2f} s checking)"]
+            f"the same in the epoch server: {warm.wall_seconds:.2f} s wall ({warm.work_seconds:.2f} s checking); "
+            f"the DAG's idle check, which skips the Spark job when nothing is new: {idle.wall_seconds:.2f} s wall "
+            f"({idle.work_seconds:.2f} s checking)"]
 
 
 def table(results: dict[str, Measurement], rs: dict[str, float]) -> str:
-    lines = [f"{'measurement':<17} {'records':>9} {'wall s':>8} {'work s':>8} {'records/s (work)':>17} "
+    lines = [f"{'measurement':<24} {'records':>9} {'wall s':>8} {'work s':>8} {'records/s (work)':>17} "
              f"{'driver peak MB':>15}  stages (s)"]
     for m in results.values():
         stages = " ".join(f"{k} {v:.2f}" for k, v in m.stages.items())
         peak = "-" if m.peak_driver_mb is None else f"{m.peak_driver_mb:.0f}"
-        lines.append(f"{m.name:<17} {m.records:>9} {m.wall_seconds:>8.1f} {m.work_seconds:>8.1f} "
+        lines.append(f"{m.name:<24} {m.records:>9} {m.wall_seconds:>8.1f} {m.work_seconds:>8.1f} "
                      f"{m.records_per_second:>17,.0f} {peak:>15}  {stages}")
     lines.append("")
-    lines += [f"{k:<46} {v:>6.2f}" for k, v in rs.items()]
+    lines += [f"{k:<56} {v:>6.2f}" for k, v in rs.items()]
     overhead = overhead_lines(results)
     if overhead:
         lines += ["", *overhead]
@@ -384,12 +467,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--history-epochs", type=int, default=100,
-                   help="small_epochs: committed epochs before the last one is timed (default 100)")
+                   help="small_epochs: committed epochs before the last spark-submit one is timed (default 100, "
+                        "at least 3)")
     p.add_argument("--epoch-records", type=int, default=2000,
                    help="small_epochs: records per epoch (default 2000)")
     args = p.parse_args(argv)
-    if args.history_epochs < 2:
-        p.error("--history-epochs must be at least 2")
+    if args.history_epochs < 3:
+        p.error("--history-epochs must be at least 3")
     if args.epoch_records < args.partitions:
         p.error("--epoch-records must be at least --partitions")
     if args.records < 1:
@@ -405,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
-    broker = None
+    broker = server = None
     if args.bootstrap_servers:
         servers = args.bootstrap_servers
     else:
@@ -429,22 +513,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "spark_count": "limit: Spark batch Kafka read of the range, count only",
                 "kafka_python": "limit: a plain kafka-python consumer draining the range"}
         history = None
+        if {"pipeline_server", "small_epochs"} & set(only):
+            say("starting the epoch server (spark-submit epoch_job.py serve; warm-up epoch on scratch tables)")
+            server = EpochServerProcess(cfg, logs)
+            results["server_start"] = server.start
+            say(f"  ready at {server.url} after {server.start.wall_seconds:.1f} s "
+                f"(warm-up {server.start.work_seconds:.1f} s)")
         for name in only:
             say(f"measuring {name} ...")
-            if name == "pipeline":
-                measured = {name: measure_pipeline(cfg, args.records, logs)}
+            if name in ("pipeline", "pipeline_server"):
+                measured = {name: measure_pipeline(cfg, args.records, logs,
+                                                   server if name == "pipeline_server" else None)}
             elif name == "small_epochs":
                 measured, history = measure_small_epochs(servers, args.history_epochs, args.epoch_records,
-                                                         args.partitions, args.seed, logs, workdir)
+                                                         args.partitions, args.seed, logs, workdir, server)
             else:
                 measured = {name: measure_job(cfg, name, what[name], args.records, logs, workdir, ending)}
             results.update(measured)
             for m in measured.values():
                 say(f"  {m.name}: wall {m.wall_seconds:.1f} s, work {m.work_seconds:.1f} s, "
                     f"{m.records_per_second:,.0f} records/s, driver peak {m.peak_driver_mb} MB")
-        if "pipeline" in results and "peer" in results and results["pipeline"].counted != results["peer"].counted:
-            raise RuntimeError(f"the pipeline counted {results['pipeline'].counted} requests but the peer "
-                               f"{results['peer'].counted}: they do not compute the same thing")
+        counted = {name: results[name].counted for name in ("pipeline", "pipeline_server", "peer") if name in results}
+        if len(set(counted.values())) > 1:
+            raise RuntimeError(f"requests counted differ: {counted}; they do not compute the same thing")
         rs = ratios(results)
         print(table(results, rs), flush=True)
         report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
@@ -461,6 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"figures written to {out}")
         return 0
     finally:
+        if server is not None:
+            server.stop()
         if broker is not None:
             broker.stop()
         if args.workdir is None:

@@ -4,6 +4,7 @@
     backfill   count an offset or time range the ledger does not own yet, in bounded epochs
     verify     recount what a table's ledger says is counted, straight from Kafka, and compare
     rebuild    replay a ledger's committed epochs into a fresh replay table set
+    serve      keep one warm Spark session and run the DAGs' epochs in it (the epoch server)
     watch      print a line per epoch as epochs commit (reads the ledger, no JVM)
     generate   produce access-log traffic to the source topic
     kafka      start / stop / status of the embedded broker; create-topic
@@ -126,6 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", help="run id recorded in the target's ledger")
     _add_config_flags(p)
 
+    p = sub.add_parser("serve", help="run the epoch server: one warm Spark session for the DAGs' epochs",
+                       description="Start a Spark session, warm it up with a scratch epoch (tables in a temp "
+                                   "directory, at most 60 of the topic's earliest records), then run epoch, "
+                                   "backfill and rebuild requests (POST /run) one at a time in that session, "
+                                   "through the same code as spark-submit. Point the DAGs at it with the "
+                                   "epoch_server setting; when it does not answer they spark-submit as usual. "
+                                   "No authentication: listen on 127.0.0.1 or a private network only.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8765, help="port to listen on (default 8765; 0: any free port)")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="skip the scratch epoch (the first request then pays the cold JVM)")
+    _add_config_flags(p)
+
     p = sub.add_parser("watch", help="print a line per epoch as epochs commit",
                        description="Follow the ledger and print one line per committed epoch.")
     _add_config_flags(p)
@@ -175,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args)
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"ipcount {args.command}: error: {e}\n")
-    command = {"epoch": _epoch, "backfill": _backfill, "verify": _verify, "rebuild": _rebuild, "watch": _watch,
+    command = {"epoch": _epoch, "backfill": _backfill, "verify": _verify, "rebuild": _rebuild, "serve": _serve,
+               "watch": _watch,
                "generate": _generate, "kafka": _kafka, "airflow": _airflow, "config": _config}[args.command]
     try:
         return command(args, cfg)
@@ -296,6 +311,19 @@ def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
         print(report.line(), flush=True)
         return EXIT_OK
     return _with_exit_codes(run)
+
+
+def _serve(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.epoch_server import EpochServerError, serve
+
+    if not 0 <= args.port <= 65535:
+        log.error("--port must be between 0 and 65535, not %d", args.port)
+        return EXIT_USAGE
+    try:
+        return _with_exit_codes(lambda: serve(cfg, args.host, args.port, warm=args.warm_up))
+    except EpochServerError as e:
+        log.error("%s", e)
+        return EXIT_USAGE
 
 
 def _watch(args: argparse.Namespace, cfg: PipelineConfig) -> int:

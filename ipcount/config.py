@@ -53,6 +53,8 @@ SETTINGS_HELP = {
     "spark_master": "Spark master for the in-process session (spark-submit passes its own)",
     "kafka_timeout_seconds": "timeout of broker requests",
     "schedule": "the DAG's schedule: cron expression or preset (read when Airflow parses the DAG)",
+    "epoch_server": "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs "
+                    "run their Spark commands in; empty, or not answering: a spark-submit per run",
 }
 
 
@@ -91,6 +93,7 @@ class PipelineConfig:
     spark_master: str = "local[*]"
     kafka_timeout_seconds: int = 30
     schedule: str = "* * * * *"
+    epoch_server: str = ""
 
     def __post_init__(self) -> None:
         for name in ("pipeline_id", "group_id"):
@@ -134,6 +137,9 @@ class PipelineConfig:
         if not self.schedule.strip():
             raise ConfigError("schedule is empty; expected a cron expression such as '* * * * *' or a "
                               "preset such as '@hourly'")
+        if self.epoch_server and not re.match(r"^https?://[^/\s:]+:\d{1,5}/?$", self.epoch_server):
+            raise ConfigError(f"epoch_server must be a URL such as http://127.0.0.1:8765 (or empty for "
+                              f"spark-submit); found {self.epoch_server!r}")
         if not self.warehouse:
             raise ConfigError("warehouse is empty; expected a directory for the Delta tables")
 

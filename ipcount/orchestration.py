@@ -114,10 +114,11 @@ def check_backfill_request(cfg: PipelineConfig, params: dict[str, Any]) -> dict[
 
 def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: tuple[str, ...] = (),
                         run_params: bool = True) -> dict[str, Any]:
-    """Arguments of SparkSubmitOperator running ``ipcount <command>``. The master comes from
-    the ``spark_default`` connection; ``{{ ... }}`` is rendered by Airflow. ``run_params``:
-    pass the epoch DAG's per-run Params on as flags."""
+    """Arguments of the epoch operator (a SparkSubmitOperator) running ``ipcount <command>``.
+    The master comes from the ``spark_default`` connection; ``{{ ... }}`` is rendered by
+    Airflow. ``run_params``: pass the epoch DAG's per-run Params on as flags."""
     return {
+        "epoch_server": cfg.epoch_server,
         "application": EPOCH_APPLICATION,
         "conn_id": "spark_default",
         "name": f"{cfg.pipeline_id}-{command}",

@@ -61,3 +61,36 @@ def cfg(broker, tmp_path) -> PipelineConfig:
                             warehouse=str(Path(tmp_path) / "warehouse"), spark_master="local[2]")
     create_topic(config, 3)
     return config
+
+
+@pytest.fixture(scope="session")
+def epoch_server(broker, tmp_path_factory):
+    """A real epoch server (``ipcount serve``) for the whole run, warmed up on a topic of its
+    own; its URL. Tests point pipelines at it with ``cfg.replace(epoch_server=url)``."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from ipcount import epoch_server as client
+    from ipcount.generator import TrafficGenerator, produce
+    from ipcount.kafka_io import create_topic
+
+    warm = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, topic="epoch_server_warm_up",
+                          spark_master="local[2]")
+    create_topic(warm, 3)
+    produce(warm.bootstrap_servers, warm.topic, TrafficGenerator(seed=5).records(90, 1_795_255_200_000),
+            partition_of=lambda i, r: i % 3)
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("epoch_server") / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ipcount.cli", "serve", "--port", str(port), *warm.to_args()],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while client.health(url, timeout=1.0) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=60)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from urllib.parse import quote
 
-from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import BaseOperatorLink
 
 URL_PREFIX = "/ipcount"
@@ -23,9 +22,3 @@ class EpochPageLink(BaseOperatorLink):
         # Absolute when the api-server's public address is configured, else relative to it.
         base = os.environ.get("AIRFLOW__API__BASE_URL", "").rstrip("/")
         return base + run_page_path(ti_key.dag_id, ti_key.run_id)
-
-
-class EpochSubmitOperator(SparkSubmitOperator):
-    """spark-submit of an epoch job, with the link to its epochs' monitoring page."""
-
-    operator_extra_links = (EpochPageLink(),)

@@ -40,8 +40,8 @@ def _wait_for(home, run_type, count, timeout=600):
     raise AssertionError(f"{run_type} runs did not finish: {_runs(home, run_type)}; see {home}/*.log and {home}/logs")
 
 
-def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path):
-    cfg = cfg.replace(schedule="@daily")
+def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path, epoch_server):
+    cfg = cfg.replace(schedule="@daily", epoch_server=epoch_server)  # the runs' Spark jobs go to the server
     home = tmp_path / "airflow"
     home.mkdir()
     env = service_env(home, cfg, free_port())

@@ -15,6 +15,7 @@ from ipcount.airflow_env import airflow_env
 from ipcount.generator import TrafficGenerator, produce
 from ipcount.ledger_view import committed_epochs
 from ipcount.monitor.links import run_page_path
+from tests.conftest import free_port
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
 
@@ -77,9 +78,13 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     gen = TrafficGenerator(seed=31, events_per_second=50, malformed_share=0.03)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(400, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
+    # An epoch server is configured but nothing answers there: the task spark-submits.
+    cfg = cfg.replace(epoch_server=f"http://127.0.0.1:{free_port()}")
 
     proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert f"no epoch server answers at {cfg.epoch_server}: running the command with spark-submit" \
+        in proc.stdout + proc.stderr
 
     epochs = committed_epochs(cfg.ledger_path)
     assert len(epochs) == 1 and epochs[0].run_id.startswith("manual__")
@@ -118,14 +123,17 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     assert [e.epoch for e in committed_epochs(cfg.ledger_path)] == [1]
 
 
-def test_run_params_override_the_pipeline_config_for_one_run(airflow_home, cfg):
+def test_run_params_override_the_pipeline_config_for_one_run(airflow_home, cfg, epoch_server):
     gen = TrafficGenerator(seed=32, events_per_second=50)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
     conf = json.dumps({"max_records_per_epoch": 90, "commit_offsets": False, "start_position": "specific",
                        "start_offsets": "1:40"})
+    # Through the epoch server: the run's Params reach it as the same flags spark-submit gets.
+    cfg = cfg.replace(epoch_server=epoch_server)
     proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", "-c", conf, cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert f"running `epoch` in the epoch server at {epoch_server}" in proc.stdout + proc.stderr
     (ranges,) = epoch_ranges(cfg)
     assert ranges[1][0] == 40 and sum(u - f for f, u in ranges.values()) == 90
     assert kafka_io.group_offsets(cfg) == {}  # commit_offsets was off for this run
@@ -144,8 +152,10 @@ def _ledger_rows(cfg):
     return ledger(cfg) if Path(cfg.ledger_path).exists() else []
 
 
-def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home, cfg):
+def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home, cfg, epoch_server):
     from tests.tables import lanes
+
+    cfg = cfg.replace(epoch_server=epoch_server)  # the backfill runs in the epoch server
 
     gen = TrafficGenerator(seed=33, events_per_second=50, malformed_share=0.03)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
@@ -153,6 +163,7 @@ def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home,
     conf = json.dumps({"offsets": "0:0-60,1:10-50", "max_records_per_epoch": 40})
     proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert "running `backfill` in the epoch server" in proc.stdout + proc.stderr
     rows = _ledger_rows(cfg)
     assert {r["kind"] for r in rows} == {"backfill"} and all(r["run_id"].startswith("manual__") for r in rows)
     assert len({r["epoch"] for r in rows}) == 3                   # 100 offsets at 40 per epoch
