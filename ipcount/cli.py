@@ -128,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
 
     p = sub.add_parser("serve", help="run the epoch server: one warm Spark session for the DAGs' epochs",
-                       description="Start a Spark session, warm it up with a scratch epoch (tables in a temp "
-                                   "directory, at most 60 of the topic's earliest records), then run epoch, "
+                       description="Start a Spark session, warm it up with a scratch epoch (at most 60 of the "
+                                   "topic's earliest records into tables under <warehouse>/_epoch_server_warm_up/, "
+                                   "deleted after), then run epoch, "
                                    "backfill and rebuild requests (POST /run) one at a time in that session, "
                                    "through the same code as spark-submit. Point the DAGs at it with the "
                                    "epoch_server setting; when it does not answer they spark-submit as usual. "

@@ -20,6 +20,13 @@ log = logging.getLogger(__name__)
 KAFKA_JARS_DIR = STATE_DIR / "jars" / "kafka"
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for local services)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class BrokerStartError(RuntimeError):
     pass
 

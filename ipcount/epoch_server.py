@@ -25,13 +25,14 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 import traceback
 import urllib.error
 import urllib.request
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from ipcount.config import PipelineConfig
@@ -122,10 +123,12 @@ def warm_up(cfg: PipelineConfig, spark: SparkSession) -> float:
     from ipcount.epoch import run_epoch
 
     started = time.monotonic()
-    scratch = tempfile.mkdtemp(prefix="ipcount-warm-up-")
+    # Under the warehouse, not /tmp: on a cluster the executors write the scratch tables, and
+    # the warehouse is the storage they share with the driver.
+    scratch = Path(cfg.warehouse) / "_epoch_server_warm_up" / uuid.uuid4().hex
     try:
         # Reads at most 60 of the earliest offsets into tables nobody else uses.
-        scratch_cfg = cfg.replace(warehouse=scratch, counts_table="", ledger_table="", dead_letter_table="",
+        scratch_cfg = cfg.replace(warehouse=str(scratch), counts_table="", ledger_table="", dead_letter_table="",
                                   late_table="", start_position="earliest", max_records_per_epoch=60,
                                   commit_offsets=False)
         run_epoch(scratch_cfg, spark, run_id="epoch-server-warm-up")
@@ -133,6 +136,8 @@ def warm_up(cfg: PipelineConfig, spark: SparkSession) -> float:
         log.warning("warm-up epoch on %s did not finish (%s); the first request pays the cold start", cfg.topic, e)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another server may be warming up beside this one
+            scratch.parent.rmdir()
     return time.monotonic() - started
 
 
@@ -159,10 +164,29 @@ def serve(cfg: PipelineConfig, host: str, port: int, warm: bool = True,
         log.info("epoch server: listening on %s (the DAGs use it with epoch_server=%s)", url, url)
         if ready is not None:
             ready(url)
+        jvm_gone = threading.Event()
+        threading.Thread(target=_watch_jvm, args=(server, httpd, jvm_gone), daemon=True).start()
         httpd.serve_forever()
     finally:
         httpd.server_close()
-    return 0
+    return 1 if jvm_gone.is_set() else 0
+
+
+def _watch_jvm(server: EpochServer, httpd: ThreadingHTTPServer, gone: threading.Event, every: float = 5.0) -> None:
+    """Stop serving when the driver's JVM is gone: under spark-submit the JVM is this
+    process's parent, and without this a killed spark-submit would leave a server that
+    answers health checks but can run nothing."""
+    while True:
+        time.sleep(every)
+        if server.lock.locked():
+            continue  # a command is running; it reports a dead JVM itself
+        try:
+            server.spark.sparkContext._jvm.java.lang.System.currentTimeMillis()
+        except Exception as e:  # noqa: BLE001 - py4j raises whatever the broken socket gives
+            log.error("epoch server: the Spark driver's JVM is gone (%s); shutting down", type(e).__name__)
+            gone.set()
+            httpd.shutdown()
+            return
 
 
 def _handler_for(server: EpochServer) -> type[BaseHTTPRequestHandler]:

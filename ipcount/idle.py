@@ -27,16 +27,11 @@ class Verdict:
 def chain_state(rows: Iterable[Mapping[str, Any]]) -> tuple[dict[int, int], list[int]]:
     """From one topic's ledger rows: the scheduled chain's next offset per partition (from
     its committed rows) and its unfinished (planned) epochs."""
-    positions: dict[int, int] = {}
-    unfinished: set[int] = set()
-    for r in rows:
-        if (r.get("kind") or "scheduled") != "scheduled":
-            continue
-        if r["status"] == "committed":
-            positions[r["partition"]] = max(positions.get(r["partition"], 0), r["until_offset"])
-        elif r["status"] == "planned":
-            unfinished.add(r["epoch"])
-    return positions, sorted(unfinished)
+    from ipcount.ledger_view import chain_positions, is_scheduled
+
+    rows = list(rows)
+    unfinished = {r["epoch"] for r in rows if r["status"] == "planned" and is_scheduled(r)}
+    return chain_positions(rows), sorted(unfinished)
 
 
 def verdict(positions: Mapping[int, int], unfinished: list[int], earliest: Mapping[int, int],

@@ -19,7 +19,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 
@@ -101,7 +100,9 @@ def _up_to_date(path: str, schema: StructType, properties: Mapping[str, str]) ->
     would cost a Delta snapshot and a query (seconds in a fresh JVM). Any doubt: False."""
     from deltalake import DeltaTable as LogReader
 
-    if not (Path(path) / "_delta_log").is_dir():
+    from ipcount.ledger_view import has_table
+
+    if not has_table(path):
         return False
     try:
         table = LogReader(path)
@@ -279,16 +280,15 @@ _STATE_COLUMNS = ("epoch", "topic", "partition", "from_offset", "until_offset", 
 def state_of(topic: str, rows: list, path: str = "ledger") -> LedgerState:
     """:class:`LedgerState` of ``topic`` from the ledger's rows (of all topics: epoch ids
     are unique across them). Pure."""
+    from ipcount.ledger_view import chain_positions
+
     mine = [r for r in rows if r.topic == topic]
-    kind = {id(r): r.kind or SCHEDULED for r in mine}
-    chain = [r for r in mine if kind[id(r)] == SCHEDULED and r.status == COMMITTED]
-    committed: dict[int, int] = {}
-    for r in chain:
-        committed[r.partition] = max(committed.get(r.partition, r.until_offset), r.until_offset)
+    chain = [r for r in mine if (r.kind or SCHEDULED) == SCHEDULED and r.status == COMMITTED]
+    committed = chain_positions(vars(r) for r in chain)
     latest = max(chain, key=lambda r: r.epoch, default=None)
     lanes: dict[str, list] = {}
     for r in mine:
-        if kind[id(r)] == BACKFILL and r.status == COMMITTED:
+        if r.kind == BACKFILL and r.status == COMMITTED:
             lanes.setdefault(r.request_id, []).append(r)
     request_watermarks = {rid: max(rs, key=lambda r: r.epoch).watermark_after_ms for rid, rs in lanes.items()}
 

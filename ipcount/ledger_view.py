@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 
 _OPERATORS = ("=", "!=", "<", "<=", ">", ">=")
@@ -26,7 +26,7 @@ def read_rows(path: str, columns: list[str] | None = None, filters: list | None 
     from deltalake import DeltaTable, QueryBuilder
     from deltalake.exceptions import TableNotFoundError
 
-    if not (Path(path) / "_delta_log").is_dir():
+    if not has_table(path):
         return []
     try:
         table = DeltaTable(path)
@@ -37,6 +37,43 @@ def read_rows(path: str, columns: list[str] | None = None, filters: list | None 
     sql = f"SELECT {select} FROM ledger_view_table" + (f" WHERE {where}" if where else "")
     reader = QueryBuilder().register("ledger_view_table", table).execute(sql)
     return pa.table(reader.read_all()).to_pylist()
+
+
+def has_table(path: str) -> bool:
+    """Whether a Delta table (its log) is at ``path``: a look at the directory, no read."""
+    return (Path(path) / "_delta_log").is_dir()
+
+
+def is_scheduled(row: Mapping[str, Any]) -> bool:
+    """A row of the scheduled chain (rows written before backfills existed have no kind)."""
+    return (row.get("kind") or "scheduled") == "scheduled"
+
+
+def chain_positions(rows: Iterable[Mapping[str, Any]]) -> dict[int, int]:
+    """partition -> next offset of the scheduled chain, from one topic's ledger rows (only
+    its committed rows count; backfills may lie behind or ahead of the chain). Pure."""
+    positions: dict[int, int] = {}
+    for r in rows:
+        if r["status"] == "committed" and is_scheduled(r):
+            positions[r["partition"]] = max(positions.get(r["partition"], 0), r["until_offset"])
+    return positions
+
+
+METRICS = ("records_read", "records_counted", "records_late", "records_malformed")
+
+
+def rows_by_epoch(rows: Iterable[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
+    """Per-partition ledger rows grouped by epoch id, in the order met."""
+    out: dict[int, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r["epoch"], []).append(r)
+    return out
+
+
+def metric_totals(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """An epoch's record counts: its partitions' rows summed (missing counts are 0)."""
+    rows = list(rows)
+    return {m: sum(r.get(m) or 0 for r in rows) for m in METRICS}
 
 
 def sql_identifier(name: str) -> str:
@@ -61,14 +98,10 @@ def sql_literal(value: Any) -> str:
 
 def committed_positions(ledger_path: str, topic: str) -> tuple[int, dict[int, int]]:
     """(last committed epoch, partition -> next offset) of the scheduled chain for ``topic``;
-    (0, {}) if none. Backfills are left out: they may count ranges behind (or ahead of) the
-    chain, and the consumer group follows the chain."""
+    (0, {}) if none. The consumer group follows the chain."""
     rows = [r for r in read_rows(ledger_path, filters=[("topic", "=", topic), ("status", "=", "committed")])
-            if (r.get("kind") or "scheduled") == "scheduled"]
-    positions: dict[int, int] = {}
-    for r in rows:
-        positions[r["partition"]] = max(positions.get(r["partition"], 0), r["until_offset"])
-    return max((r["epoch"] for r in rows), default=0), positions
+            if is_scheduled(r)]
+    return max((r["epoch"] for r in rows), default=0), chain_positions(rows)
 
 
 def epoch_line(epoch: int, ranges: dict[int, tuple[int, int]], read: int, counted: int, late: int,
@@ -121,19 +154,13 @@ def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None 
     filters = [("status", "=", "committed"), ("epoch", ">", after_epoch)]
     if run_id is not None:
         filters.append(("run_id", "=", run_id))
-    by_epoch: dict[int, list[dict[str, Any]]] = {}
-    for r in read_rows(ledger_path, filters=filters):
-        by_epoch.setdefault(r["epoch"], []).append(r)
     out = []
-    for epoch, rows in sorted(by_epoch.items()):
+    for epoch, rows in sorted(rows_by_epoch(read_rows(ledger_path, filters=filters)).items()):
         first = rows[0]
         out.append(CommittedEpoch(
             epoch=epoch,
             ranges={r["partition"]: (r["from_offset"], r["until_offset"]) for r in rows},
-            records_read=sum(r["records_read"] or 0 for r in rows),
-            records_counted=sum(r["records_counted"] or 0 for r in rows),
-            records_late=sum(r["records_late"] or 0 for r in rows),
-            records_malformed=sum(r["records_malformed"] or 0 for r in rows),
+            **metric_totals(rows),
             seconds=first["duration_seconds"] or 0.0, sink_version=first["sink_version"],
             watermark_after_ms=first["watermark_after_ms"], run_id=first["run_id"],
             lag_after=({r["partition"]: r["lag_after"] for r in rows}

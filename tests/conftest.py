@@ -1,13 +1,13 @@
 """Shared fixtures: one real Kafka broker and one Spark session for the whole run."""
 from __future__ import annotations
 
-import socket
 import uuid
 from pathlib import Path
 
 import pytest
 
 from ipcount.config import PipelineConfig
+from ipcount.embedded_kafka import free_port  # noqa: F401 - tests import it from here
 
 
 def run_until_idle(cfg: PipelineConfig, spark, limit: int = 20) -> list:
@@ -22,12 +22,6 @@ def run_until_idle(cfg: PipelineConfig, spark, limit: int = 20) -> list:
             return summaries
         summaries.append(s)
     raise AssertionError(f"still planning epochs after {limit}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

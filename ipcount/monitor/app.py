@@ -91,7 +91,8 @@ class Monitor:
         lag = None
         if positions.log_end:
             chain = tables.chain_positions()
-            lag = sum(max(0, end - chain.get(p, positions.log_start.get(p, 0))) for p, end in positions.log_end.items())
+            lag = sum(max(0, model.partition_lag(end, chain.get(p), positions.log_start.get(p)))
+                      for p, end in positions.log_end.items())
         now = datetime.now(timezone.utc)
         return model.assess_health(
             now, last[0] if last else None, last[1] if last else None, model.schedule_interval(cfg.schedule, now),
@@ -108,8 +109,7 @@ class Monitor:
             end, ledger, group = positions.log_end.get(p), chain.get(p), positions.group.get(p)
             partitions.append({"partition": p, "log_start": positions.log_start.get(p), "log_end": end,
                                "ledger_position": ledger, "group_offset": group,
-                               "lag": None if end is None else end - (ledger if ledger is not None
-                                                                      else positions.log_start.get(p, 0)),
+                               "lag": model.partition_lag(end, ledger, positions.log_start.get(p)),
                                "group_lag": None if end is None or group is None else end - group})
         history = tables.lag_history(last)
         return {"target": target, "partitions": partitions, "broker_error": positions.error,

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping
 
+from ipcount.ledger_view import metric_totals, rows_by_epoch
+
 # An epoch's status on the pages. The ledger knows "planned" and "committed"; whether a
 # planned epoch is still running or was left behind by a failed run, only Airflow knows.
 COMMITTED, RUNNING, FAILED = "committed", "running", "failed"
@@ -106,9 +108,7 @@ class EpochRow:
 def epoch_rows(rows: Iterable[Mapping[str, Any]], run_states: Mapping[str, tuple[str, str]]) -> list[EpochRow]:
     """Per-partition ledger rows -> one :class:`EpochRow` per epoch, newest first.
     ``run_states``: run_id -> (dag_id, state) of the DAG runs Airflow knows."""
-    by_epoch: dict[int, list[Mapping[str, Any]]] = {}
-    for r in rows:
-        by_epoch.setdefault(r["epoch"], []).append(r)
+    by_epoch = rows_by_epoch(rows)
     out = []
     for epoch in sorted(by_epoch, reverse=True):
         group = by_epoch[epoch]
@@ -121,10 +121,7 @@ def epoch_rows(rows: Iterable[Mapping[str, Any]], run_states: Mapping[str, tuple
             request_id=first.get("request_id"), run_id=first.get("run_id"),
             ranges={r["partition"]: (r["from_offset"], r["until_offset"]) for r in live},
             lost={r["partition"]: (r["from_offset"], r["until_offset"]) for r in group if r["status"] == "lost"},
-            records_read=sum(r.get("records_read") or 0 for r in live),
-            records_counted=sum(r.get("records_counted") or 0 for r in live),
-            records_late=sum(r.get("records_late") or 0 for r in live),
-            records_malformed=sum(r.get("records_malformed") or 0 for r in live),
+            **metric_totals(live),
             stage_seconds=_in_stage_order(first.get("stage_seconds") or {}), seconds=first.get("duration_seconds"),
             sink_version=first.get("sink_version"), planned_at=first.get("planned_at"),
             committed_at=first.get("committed_at"), dag_id=dag_id, run_state=run_state))
@@ -138,6 +135,14 @@ def _in_stage_order(stages: Mapping[str, float] | Iterable[tuple[str, float]]) -
     stages = dict(stages)  # Arrow gives a map column as (key, value) pairs
     rank = {name: i for i, name in enumerate(STAGE_ORDER)}
     return {k: stages[k] for k in sorted(stages, key=lambda k: (rank.get(k, len(rank)), k))}
+
+
+def partition_lag(log_end: int | None, position: int | None, log_start: int | None) -> int | None:
+    """Offsets of a partition the chain has not counted: from its position, or from the log
+    start while the chain has none; None when the log end is unknown."""
+    if log_end is None:
+        return None
+    return log_end - (position if position is not None else (log_start or 0))
 
 
 def schedule_interval(cron: str, now: datetime) -> timedelta | None:

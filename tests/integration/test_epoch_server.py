@@ -101,3 +101,29 @@ def test_a_server_killed_mid_epoch_leaves_an_epoch_the_next_run_finishes(broker,
     assert summary.resumed and summary.epoch == 1 and summary.records_read == 300
     expected = expected_tables(produced, epoch_ranges(cfg))
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
+
+
+def test_a_server_whose_jvm_dies_stops_instead_of_answering(broker, cfg, tmp_path):
+    """Health checks must not find a server that can run nothing: the DAG's task then
+    spark-submits instead."""
+    import psutil
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ipcount.cli", "serve", "--no-warm-up", "--port", str(port),
+                                 *cfg.to_args()], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while client.health(url, timeout=1.0) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.5)
+        (jvm,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if "java" in p.name()]
+        jvm.kill()
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert client.health(url, timeout=1.0) is None
+    assert "the Spark driver's JVM is gone" in log_path.read_text()

@@ -32,3 +32,14 @@ def test_image_fetches_jars_from_the_same_poms_as_setup():
     for pom in ("kafka-broker", "spark-extras"):
         assert (REPO_ROOT / "jars" / f"{pom}.xml").is_file()
         assert pom in dockerfile and f"jars/{pom}.xml" in setup
+
+
+def test_compose_epoch_server_is_what_the_airflow_tasks_point_at():
+    services = _compose()["services"]
+    server = services["epoch-server"]
+    assert server["command"][:4] == ["python", "-m", "ipcount.cli", "serve"]
+    port = server["command"][server["command"].index("--port") + 1]
+    url = services["airflow-scheduler"]["environment"]["IPCOUNT_EPOCH_SERVER"]
+    assert url == f"http://{server['hostname']}:{port}"
+    assert PipelineConfig.from_mapping({"epoch_server": url}).epoch_server == url
+    assert "/data/warehouse" in " ".join(server["volumes"])  # the driver reads the tables' logs

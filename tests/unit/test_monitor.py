@@ -124,3 +124,12 @@ def test_run_note():
     many = [row(e, p, e * 10, e * 10 + 5, run_id="r") for e in range(1, 60) for p in range(3)]
     long = run_note("ipcount_backfill", "r", many, target="audit")
     assert len(long) <= NOTE_LIMIT and "more epoch(s)" in long and "into target `audit`" in long
+
+
+def test_partition_lag_counts_from_the_chain_or_the_log_start():
+    from ipcount.monitor.model import partition_lag
+
+    assert partition_lag(100, 60, 10) == 40      # behind the chain's position
+    assert partition_lag(100, None, 10) == 90    # no chain yet: from the log start
+    assert partition_lag(100, None, None) == 100
+    assert partition_lag(None, 60, 10) is None   # the broker did not answer
