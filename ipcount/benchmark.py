@@ -42,6 +42,8 @@ from ipcount.embedded_kafka import free_port
 
 MEASUREMENTS = ("pipeline", "pipeline_server", "peer", "spark_count", "kafka_python", "small_epochs")
 BENCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "bench_job.py")
+# The Spark driver must run this interpreter (the pinned pyspark and this package).
+DRIVER_ENV = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
 
 
 @dataclass
@@ -158,20 +160,14 @@ class EpochServerProcess:
 
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
         command = spark_submit(cfg, str(REPO_ROOT / "spark_jobs" / "epoch_job.py"),
                                ["serve", *cfg.to_args(), "--port", str(port)], "bench-epoch-server")
         started = time.monotonic()
         self.log_file = open(logs / "epoch-server.log", "w")
         # A process group of its own: spark-submit's JVM and the Python driver it starts go together.
-        self.proc = subprocess.Popen(command, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        while (state := epoch_server.health(self.url, timeout=1.0)) is None:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the epoch server exited with {self.proc.returncode}; see {logs}/epoch-server.log")
-            if time.monotonic() - started > 600:
-                raise RuntimeError(f"the epoch server did not answer in 600 s; see {logs}/epoch-server.log")
-            time.sleep(0.5)
+        self.proc = subprocess.Popen(command, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **DRIVER_ENV}, start_new_session=True)
+        state = epoch_server.wait_until_ready(self.url, self.proc, logs / "epoch-server.log", timeout=600)
         self.start = Measurement("server_start", "epoch server start: JVM, Spark session and the warm-up epoch "
                                  "(once, not per epoch)", 0, round(time.monotonic() - started, 3),
                                  round(state["warm_up_seconds"] or 0.0, 3), None)
@@ -214,11 +210,10 @@ class EpochServerProcess:
 def submit_epoch(cfg: PipelineConfig, logs: Path, name: str, *extra: str) -> tuple[float, float | None, list[dict]]:
     """``spark-submit spark_jobs/epoch_job.py epoch`` as the DAG runs it: (wall seconds, peak
     JVM MB, the summary JSON of each epoch attempted)."""
-    env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     command = spark_submit(cfg, str(REPO_ROOT / "spark_jobs" / "epoch_job.py"),
                            ["epoch", *cfg.to_args(), "--run-id", f"benchmark-{name}", "--summary-json", *extra],
                            f"bench-{name}")
-    wall, peak, out = run_process(command, logs / f"{name}.log", env)
+    wall, peak, out = run_process(command, logs / f"{name}.log", DRIVER_ENV)
     summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     if not summaries:
         raise RuntimeError(f"no epoch summary in {logs / (name + '.log')}")
@@ -314,7 +309,6 @@ def table_sizes(cfg: PipelineConfig) -> dict[str, dict[str, int]]:
 
 def measure_job(cfg: PipelineConfig, job: str, what: str, records: int, logs: Path, workdir: Path,
                 ending: dict[int, int]) -> Measurement:
-    env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     args = [job, "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
             "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(workdir / job),
             "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds",
@@ -323,7 +317,7 @@ def measure_job(cfg: PipelineConfig, job: str, what: str, records: int, logs: Pa
         command = [sys.executable, BENCH_APPLICATION, *args]
     else:
         command = spark_submit(cfg, BENCH_APPLICATION, args, f"bench-{job}")
-    wall, peak, out = run_process(command, logs / f"{job}.log", env)
+    wall, peak, out = run_process(command, logs / f"{job}.log", DRIVER_ENV)
     result = _last_json(out)
     if job != "peer" and result["records"] != records:
         raise RuntimeError(f"{job} read {result['records']} records, not {records}")

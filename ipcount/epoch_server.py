@@ -253,6 +253,20 @@ def health(url: str, timeout: float = 3.0) -> dict | None:
         return None
 
 
+def wait_until_ready(url: str, proc, log_path, timeout: float = 300.0) -> dict:
+    """Poll a server that ``proc`` (a :class:`subprocess.Popen`) is starting until it
+    answers; its health. Raises :class:`EpochServerError` (with the end of its log) if the
+    process exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while (state := health(url, timeout=1.0)) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            why = f"exited with {proc.returncode}" if proc.poll() is not None else f"did not answer in {timeout:.0f} s"
+            tail = Path(log_path).read_text(errors="replace")[-3000:]
+            raise EpochServerError(f"the epoch server at {url} {why}; the end of {log_path}:\n{tail}")
+        time.sleep(0.5)
+    return state
+
+
 def submit(url: str, args: list[str], on_log: Callable[[str], None] = print,
            timeout: float | None = None) -> dict:
     """Run ``args`` in the server, passing its log lines to ``on_log`` as they come; the

@@ -64,7 +64,6 @@ def epoch_server(broker, tmp_path_factory):
     import os
     import subprocess
     import sys
-    import time
 
     from ipcount import epoch_server as client
     from ipcount.generator import TrafficGenerator, produce
@@ -81,10 +80,7 @@ def epoch_server(broker, tmp_path_factory):
         proc = subprocess.Popen([sys.executable, "-m", "ipcount.cli", "serve", "--port", str(port), *warm.to_args()],
                                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while client.health(url, timeout=1.0) is None:
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-        time.sleep(0.5)
+    client.wait_until_ready(url, proc, log_path)
     yield url
     proc.terminate()
     proc.wait(timeout=60)
