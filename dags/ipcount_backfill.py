@@ -28,10 +28,10 @@ import pendulum
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 
-from ipcount.config import PipelineConfig
-from ipcount.operators import EpochSubmitOperator
-from ipcount.orchestration import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, backfill_params,
-                                   check_backfill_request, counts_asset, epoch_summary, spark_submit_kwargs)
+from ipcount.orchestration.dags import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, backfill_params, check_backfill_request,
+                                        counts_asset, epoch_summary, spark_submit_kwargs)
+from ipcount.orchestration.operators import EpochSubmitOperator
+from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
 COUNTS = counts_asset(CFG)

@@ -19,7 +19,7 @@ Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
 4. `publish_summary` - log the epoch, return it to XCom and put it in the counts Asset event.
 
 Configuration: `IPCOUNT_*` environment variables or the file named by `IPCOUNT_CONFIG`
-(see the README). `max_active_runs=1`: scheduled epochs never overlap (and backfills that
+(see docs/configuration.md). `max_active_runs=1`: scheduled epochs never overlap (and backfills that
 do run beside them cannot double count: the ledger refuses overlapping plans).
 """
 from __future__ import annotations
@@ -32,12 +32,12 @@ from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 from airflow.timetables.interval import CronDataIntervalTimetable
 
-from ipcount import idle
-from ipcount.config import PipelineConfig
-from ipcount.epoch import commit_group_offsets_from_ledger
-from ipcount.operators import EpochSubmitOperator
-from ipcount.orchestration import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params,
-                                   epoch_summary, run_config, spark_submit_kwargs)
+from ipcount.jobs import idle
+from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
+from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params, epoch_summary,
+                                        run_config, spark_submit_kwargs)
+from ipcount.orchestration.operators import EpochSubmitOperator
+from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
 log = logging.getLogger(__name__)

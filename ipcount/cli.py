@@ -20,14 +20,12 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from ipcount.config import SETTINGS_HELP, STATE_DIR, ConfigError, PipelineConfig
+from ipcount.rules.config import SETTINGS_HELP, STATE_DIR, PipelineConfig, flag
+from ipcount.rules.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError, IpcountError
 
 log = logging.getLogger("ipcount")
-
-EXIT_OK, EXIT_USAGE, EXIT_DATA_LOSS, EXIT_BROKER, EXIT_FAILED = 0, 2, 3, 4, 1
-
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -35,14 +33,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         "pipeline settings (override --config file and IPCOUNT_* environment variables)")
     group.add_argument("--config", metavar="FILE", help="TOML or JSON file of settings (or $IPCOUNT_CONFIG)")
     for f in fields(PipelineConfig):
-        flag = "--" + f.name.replace("_", "-")
         default = getattr(PipelineConfig, f.name, None)
         help_text = f"{SETTINGS_HELP.get(f.name, '')} (default: {default}; env IPCOUNT_{f.name.upper()})"
         if str(f.type) == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+            group.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, metavar=f.name.upper(), default=None, help=help_text)
+            group.add_argument(flag(f.name), dest=f.name, metavar=f.name.upper(), default=None, help=help_text)
 
 
 def _positive_int(text: str) -> int:
@@ -65,7 +62,41 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, (add_arguments, _) in COMMANDS.items():
+        add_arguments(sub)
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    for noisy in ("kafka", "py4j"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args)
+    except ConfigError as e:
+        parser.exit(EXIT_USAGE, f"ipcount {args.command}: error: {e}\n")
+    _, command = COMMANDS[args.command]
+    try:
+        return command(args, cfg)
+    except IpcountError as e:  # every pipeline error carries its exit code and a message
+        log.error("%s", e)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _crash_hook():
+    from ipcount.jobs.epoch import crash_hook
+
+    return crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
+
+
+# -- epoch ---------------------------------------------------------------------------------
+
+def _epoch_arguments(sub) -> None:
     p = sub.add_parser("epoch", help="run one checkpoint epoch",
                        description="Run one exactly-once epoch: plan the next offset ranges from the ledger "
                                    "(or finish an unfinished epoch with its recorded ranges), read them from "
@@ -81,6 +112,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run up to N epochs one after another in one Spark session, stopping at the first "
                         "with nothing new to read (default 1); each is a whole epoch of its own")
 
+
+def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.jobs.epoch import run_epoch
+    from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
+    from ipcount.rules.ledger import EpochSummary
+    from ipcount.storage.spark import get_spark
+
+    crash = _crash_hook()
+    spark = get_spark(cfg)
+    # Several epochs in one session (catching up after downtime) pay the JVM and Spark
+    # start once; each is still a whole epoch, exactly as if run on its own.
+    for _ in range(args.epochs):
+        started = time.monotonic()
+        summary = run_epoch(cfg, spark, run_id=args.run_id, crash=crash)
+        if summary is None:
+            summary = EpochSummary(None, seconds=time.monotonic() - started)
+        print(summary.line(), flush=True)
+        if not args.skip_offset_commit:
+            crash("before_kafka_commit")
+            started = time.monotonic()
+            commit_group_offsets_from_ledger(cfg)
+            summary = summary.with_stages(kafka_commit=time.monotonic() - started)
+        if args.summary_json:
+            print(json.dumps(summary.to_dict()), flush=True)
+        if summary.plan is None:
+            break
+    return EXIT_OK
+
+
+# -- backfill ------------------------------------------------------------------------------
+
+def _backfill_arguments(sub) -> None:
     p = sub.add_parser("backfill", help="count an offset or time range, exactly once",
                        description="Count the records of the given offset ranges (or with timestamps in the "
                                    "given time range) that the target's ledger does not own yet, in epochs "
@@ -105,6 +168,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-json", action="store_true", help="print the backfill report as JSON")
     _add_config_flags(p)
 
+
+def _backfill_request(args: argparse.Namespace, cfg: PipelineConfig):
+    from ipcount.rules.errors import BadRequestError
+    from ipcount.rules.requests import request_from_fields
+
+    if args.request_json is not None:
+        return request_from_fields(args.request_json, cfg.topic)
+    if args.offsets is not None and args.until_time is not None:
+        raise BadRequestError("--until-time goes with --from-time, not with --offsets")
+    if args.from_time is not None and args.until_time is None:
+        raise BadRequestError("--from-time needs --until-time (the end of the range, exclusive)")
+    return request_from_fields({"target": args.target, "offsets": args.offsets, "from_time": args.from_time,
+                                "until_time": args.until_time}, cfg.topic, time_names=("--from-time", "--until-time"))
+
+
+def _backfill(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.jobs.backfill import resolve, run_backfill
+    from ipcount.storage.spark import get_spark
+
+    crash = _crash_hook()
+    request = _backfill_request(args, cfg)
+    resolved = resolve(cfg, request)  # checked, with the broker, before Spark starts
+    report = run_backfill(cfg, get_spark(cfg), request, run_id=args.run_id, crash=crash, resolved=resolved)
+    print(report.line(), flush=True)
+    if args.summary_json:
+        print(json.dumps(report.to_dict()), flush=True)
+    return EXIT_OK
+
+
+# -- verify, rebuild -----------------------------------------------------------------------
+
+def _verify_arguments(sub) -> None:
     p = sub.add_parser("verify", help="recount a table's committed offsets from Kafka and compare",
                        description="Recount every offset the target's ledger has committed, straight from "
                                    "Kafka with a plain consumer and the Python record specification, and "
@@ -116,6 +211,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-differences", type=int, default=50, help="differences to print (default 50)")
     _add_config_flags(p)
 
+
+def _verify(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.jobs.verify import verify
+    from ipcount.rules.requests import parse_time
+
+    report = verify(cfg, args.target,
+                    parse_time(args.from_time, "--from-time") if args.from_time else None,
+                    parse_time(args.until_time, "--until-time") if args.until_time else None)
+    for d in report.differences[:args.max_differences]:
+        print(d.line())
+    if len(report.differences) > args.max_differences:
+        print(f"... and {len(report.differences) - args.max_differences} more")
+    print(report.line(), flush=True)
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _rebuild_arguments(sub) -> None:
     p = sub.add_parser("rebuild", help="replay a ledger's committed epochs into a fresh replay table set",
                        description="Replay every committed epoch of the source's ledger (same ranges, "
                                    "watermarks and epoch ids, in the order their counts were committed) into "
@@ -127,6 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", help="run id recorded in the target's ledger")
     _add_config_flags(p)
 
+
+def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.jobs.rebuild import rebuild
+    from ipcount.storage.spark import get_spark
+
+    report = rebuild(cfg, get_spark(cfg), args.into, args.source, run_id=args.run_id)
+    print(report.line(), flush=True)
+    return EXIT_OK
+
+
+# -- serve, watch --------------------------------------------------------------------------
+
+def _serve_arguments(sub) -> None:
     p = sub.add_parser("serve", help="run the epoch server: one warm Spark session for the DAGs' epochs",
                        description="Start a Spark session, warm it up with a scratch epoch (at most 60 of the "
                                    "topic's earliest records into tables under <warehouse>/_epoch_server_warm_up/, "
@@ -141,6 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the scratch epoch (the first request then pays the cold JVM)")
     _add_config_flags(p)
 
+
+def _serve(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.server.server import serve
+
+    if not 0 <= args.port <= 65535:
+        log.error("--port must be between 0 and 65535, not %d", args.port)
+        return EXIT_USAGE
+    # The server runs each request through this module's main: the same code as spark-submit.
+    return serve(cfg, main, args.host, args.port, warm=args.warm_up)
+
+
+def _watch_arguments(sub) -> None:
     p = sub.add_parser("watch", help="print a line per epoch as epochs commit",
                        description="Follow the ledger and print one line per committed epoch.")
     _add_config_flags(p)
@@ -148,187 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 1)")
     p.add_argument("--from-start", action="store_true", help="also print epochs committed before now")
 
-    p = sub.add_parser("generate", help="produce access-log traffic to the source topic",
-                       description="Produce generated access-log records (JSON and NGINX lines, some "
-                                   "out of order, a few late, ~1%% malformed) to the source topic.")
-    _add_config_flags(p)
-    p.add_argument("--rate", type=float, default=200.0, help="records per second (default 200)")
-    p.add_argument("--count", type=int, default=None, help="stop after this many records (default: forever)")
-    p.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
-
-    p = sub.add_parser("kafka", help="manage the embedded Kafka broker",
-                       description="Start, stop or inspect the embedded single-node KRaft broker, or "
-                                   "create the source topic.")
-    p.add_argument("action", choices=("start", "stop", "status", "create-topic"))
-    p.add_argument("--port", type=int, default=9092, help="broker port on 127.0.0.1 (default 9092)")
-    p.add_argument("--state-dir", default=str(STATE_DIR / "kafka"), help="broker config, data and log")
-    p.add_argument("--partitions", type=int, default=3, help="partitions of a created topic (default 3)")
-    _add_config_flags(p)
-
-    p = sub.add_parser("airflow", help="run an airflow command in the embedded stack's environment",
-                       description="Run `airflow ARGS...` with the embedded stack's settings (SQLite in "
-                                   "AIRFLOW_HOME, LocalExecutor, this repo's dags/ and plugins/, the "
-                                   "spark_default connection), e.g. `bin/ipcount airflow dags list`.")
-    p.add_argument("--airflow-home", default=str(STATE_DIR / "airflow"), help="AIRFLOW_HOME (default .local/airflow)")
-    p.add_argument("--api-port", type=int, default=8080, help="api-server port (default 8080)")
-    p.add_argument("airflow_args", nargs=argparse.REMAINDER, help="arguments for airflow")
-    _add_config_flags(p)
-
-    p = sub.add_parser("config", help="print the effective configuration as JSON")
-    _add_config_flags(p)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    for noisy in ("kafka", "py4j"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args)
-    except ConfigError as e:
-        parser.exit(EXIT_USAGE, f"ipcount {args.command}: error: {e}\n")
-    command = {"epoch": _epoch, "backfill": _backfill, "verify": _verify, "rebuild": _rebuild, "serve": _serve,
-               "watch": _watch,
-               "generate": _generate, "kafka": _kafka, "airflow": _airflow, "config": _config}[args.command]
-    try:
-        return command(args, cfg)
-    except KeyboardInterrupt:
-        return 130
-
-
-def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount import epoch as epoch_mod
-    from ipcount.session import get_spark
-
-    crash = epoch_mod.crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
-
-    def run() -> int:
-        spark = get_spark(cfg)
-        # Several epochs in one session (catching up after downtime) pay the JVM and Spark
-        # start once; each is still a whole epoch, exactly as if run on its own.
-        for _ in range(args.epochs):
-            started = time.monotonic()
-            summary = epoch_mod.run_epoch(cfg, spark, run_id=args.run_id, crash=crash)
-            seconds = time.monotonic() - started
-            print(summary.line() if summary is not None else "no new records: no epoch committed", flush=True)
-            stages = dict(summary.stage_seconds) if summary is not None else {}
-            if not args.skip_offset_commit:
-                crash("before_kafka_commit")
-                started = time.monotonic()
-                epoch_mod.commit_group_offsets_from_ledger(cfg)
-                stages["kafka_commit"] = time.monotonic() - started
-            if args.summary_json:
-                print(json.dumps({"epoch": None, "records_read": 0, "seconds": seconds, "stage_seconds": stages}
-                                 if summary is None else {
-                    "epoch": summary.epoch, "records_read": summary.records_read,
-                    "records_counted": summary.records_counted, "records_late": summary.records_late,
-                    "records_malformed": summary.records_malformed, "seconds": summary.seconds,
-                    "stage_seconds": stages, "sink_version": summary.sink_version}), flush=True)
-            if summary is None:
-                break
-        return EXIT_OK
-    return _with_exit_codes(run)
-
-
-def _with_exit_codes(run: Callable[[], int]) -> int:
-    """Run a command, mapping the pipeline's errors to exit codes and messages."""
-    from ipcount.backfill_request import BadRequestError
-    from ipcount.kafka_io import BrokerUnavailableError, StartPositionError, UnknownTopicError
-    from ipcount.offsets import DataLossError
-    from ipcount.session import MissingJarsError
-
-    try:
-        return run()
-    except DataLossError as e:
-        log.error("%s", e)
-        return EXIT_DATA_LOSS
-    except (BrokerUnavailableError, UnknownTopicError) as e:
-        log.error("%s", e)
-        return EXIT_BROKER
-    except (MissingJarsError, StartPositionError, BadRequestError) as e:
-        log.error("%s", e)
-        return EXIT_USAGE
-
-
-def _backfill_request(args: argparse.Namespace, cfg: PipelineConfig):
-    from ipcount.backfill_request import BadRequestError, request_from_fields
-
-    if args.request_json is not None:
-        return request_from_fields(args.request_json, cfg.topic)
-    if args.offsets is not None and args.until_time is not None:
-        raise BadRequestError("--until-time goes with --from-time, not with --offsets")
-    if args.from_time is not None and args.until_time is None:
-        raise BadRequestError("--from-time needs --until-time (the end of the range, exclusive)")
-    return request_from_fields({"target": args.target, "offsets": args.offsets, "from_time": args.from_time,
-                                "until_time": args.until_time}, cfg.topic, time_names=("--from-time", "--until-time"))
-
-
-def _backfill(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount import epoch as epoch_mod
-    from ipcount.backfill import run_backfill
-    from ipcount.session import get_spark
-
-    crash = epoch_mod.crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
-
-    def run() -> int:
-        from ipcount.backfill import resolve
-
-        request = _backfill_request(args, cfg)
-        resolved = resolve(cfg, request)  # checked, with the broker, before Spark starts
-        report = run_backfill(cfg, get_spark(cfg), request, run_id=args.run_id, crash=crash, resolved=resolved)
-        print(report.line(), flush=True)
-        if args.summary_json:
-            print(json.dumps(report.to_dict()), flush=True)
-        return EXIT_OK
-    return _with_exit_codes(run)
-
-
-def _verify(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.backfill_request import parse_time
-    from ipcount.verify import verify
-
-    def run() -> int:
-        report = verify(cfg, args.target,
-                        parse_time(args.from_time, "--from-time") if args.from_time else None,
-                        parse_time(args.until_time, "--until-time") if args.until_time else None)
-        for d in report.differences[:args.max_differences]:
-            print(d.line())
-        if len(report.differences) > args.max_differences:
-            print(f"... and {len(report.differences) - args.max_differences} more")
-        print(report.line(), flush=True)
-        return EXIT_OK if report.ok else EXIT_FAILED
-    return _with_exit_codes(run)
-
-
-def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.backfill import rebuild
-    from ipcount.session import get_spark
-
-    def run() -> int:
-        report = rebuild(cfg, get_spark(cfg), args.into, args.source, run_id=args.run_id)
-        print(report.line(), flush=True)
-        return EXIT_OK
-    return _with_exit_codes(run)
-
-
-def _serve(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.epoch_server import EpochServerError, serve
-
-    if not 0 <= args.port <= 65535:
-        log.error("--port must be between 0 and 65535, not %d", args.port)
-        return EXIT_USAGE
-    try:
-        return _with_exit_codes(lambda: serve(cfg, args.host, args.port, warm=args.warm_up))
-    except EpochServerError as e:
-        log.error("%s", e)
-        return EXIT_USAGE
-
 
 def _watch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.ledger_view import committed_epochs
+    from ipcount.storage.ledger import committed_epochs
 
     last = 0
     if not args.from_start:
@@ -348,8 +307,20 @@ def _watch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     return EXIT_OK
 
 
+# -- the embedded stack: generate, kafka, airflow; config ----------------------------------
+
+def _generate_arguments(sub) -> None:
+    p = sub.add_parser("generate", help="produce access-log traffic to the source topic",
+                       description="Produce generated access-log records (JSON and NGINX lines, some "
+                                   "out of order, a few late, ~1%% malformed) to the source topic.")
+    _add_config_flags(p)
+    p.add_argument("--rate", type=float, default=200.0, help="records per second (default 200)")
+    p.add_argument("--count", type=int, default=None, help="stop after this many records (default: forever)")
+    p.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
+
+
 def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.generator import TrafficGenerator, stream
+    from ipcount.devtools.generator import TrafficGenerator, stream
 
     gen = TrafficGenerator(seed=args.seed, events_per_second=args.rate)
     log.info("generating %s records at %.0f/s to %s on %s", args.count or "unbounded", args.rate, cfg.topic,
@@ -359,29 +330,47 @@ def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     return EXIT_OK
 
 
+def _kafka_arguments(sub) -> None:
+    p = sub.add_parser("kafka", help="manage the embedded Kafka broker",
+                       description="Start, stop or inspect the embedded single-node KRaft broker, or "
+                                   "create the source topic.")
+    p.add_argument("action", choices=("start", "stop", "status", "create-topic"))
+    p.add_argument("--port", type=int, default=9092, help="broker port on 127.0.0.1 (default 9092)")
+    p.add_argument("--state-dir", default=str(STATE_DIR / "kafka"), help="broker config, data and log")
+    p.add_argument("--partitions", type=int, default=3, help="partitions of a created topic (default 3)")
+    _add_config_flags(p)
+
+
 def _kafka(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.embedded_kafka import BrokerStartError, EmbeddedKafka
-    from ipcount.kafka_io import BrokerUnavailableError, create_topic
+    from ipcount.devtools.embedded_kafka import EmbeddedKafka
+    from ipcount.storage.broker import create_topic
 
     broker = EmbeddedKafka(state_dir=Path(args.state_dir), port=args.port, controller_port=args.port + 1)
-    try:
-        if args.action == "start":
-            broker.start()
-        elif args.action == "stop":
-            broker.stop()
-        elif args.action == "status":
-            print(broker.status())
-            return EXIT_OK if broker.pid() else EXIT_FAILED
-        else:
-            create_topic(cfg, args.partitions)
-    except (BrokerStartError, BrokerUnavailableError) as e:
-        log.error("%s", e)
-        return EXIT_BROKER
+    if args.action == "start":
+        broker.start()
+    elif args.action == "stop":
+        broker.stop()
+    elif args.action == "status":
+        print(broker.status())
+        return EXIT_OK if broker.pid() else EXIT_FAILED
+    else:
+        create_topic(cfg, args.partitions)
     return EXIT_OK
 
 
+def _airflow_arguments(sub) -> None:
+    p = sub.add_parser("airflow", help="run an airflow command in the embedded stack's environment",
+                       description="Run `airflow ARGS...` with the embedded stack's settings (SQLite in "
+                                   "AIRFLOW_HOME, LocalExecutor, this repo's dags/ and plugins/, the "
+                                   "spark_default connection), e.g. `bin/ipcount airflow dags list`.")
+    p.add_argument("--airflow-home", default=str(STATE_DIR / "airflow"), help="AIRFLOW_HOME (default .local/airflow)")
+    p.add_argument("--api-port", type=int, default=8080, help="api-server port (default 8080)")
+    p.add_argument("airflow_args", nargs=argparse.REMAINDER, help="arguments for airflow")
+    _add_config_flags(p)
+
+
 def _airflow(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.airflow_env import airflow_env
+    from ipcount.devtools.embedded_airflow import airflow_env
 
     env = airflow_env(Path(args.airflow_home), args.api_port, spark_master=cfg.spark_master)
     # The DAG reads its settings from IPCOUNT_* variables: hand over any given as flags.
@@ -392,12 +381,33 @@ def _airflow(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     os.execve(airflow, [airflow, *args.airflow_args], env)
 
 
+def _config_arguments(sub) -> None:
+    p = sub.add_parser("config", help="print the effective configuration as JSON")
+    _add_config_flags(p)
+
+
 def _config(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     out = cfg.to_dict()
     out.update(counts_path=cfg.counts_path, ledger_path=cfg.ledger_path,
                dead_letter_path=cfg.dead_letter_path, late_path=cfg.late_path)
     print(json.dumps(out, indent=2))
     return EXIT_OK
+
+
+Command = Callable[[argparse.Namespace, PipelineConfig], int]
+# name -> (adds its sub-parser, runs it), in the order --help lists them.
+COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
+    "epoch": (_epoch_arguments, _epoch),
+    "backfill": (_backfill_arguments, _backfill),
+    "verify": (_verify_arguments, _verify),
+    "rebuild": (_rebuild_arguments, _rebuild),
+    "serve": (_serve_arguments, _serve),
+    "watch": (_watch_arguments, _watch),
+    "generate": (_generate_arguments, _generate),
+    "kafka": (_kafka_arguments, _kafka),
+    "airflow": (_airflow_arguments, _airflow),
+    "config": (_config_arguments, _config),
+}
 
 
 if __name__ == "__main__":

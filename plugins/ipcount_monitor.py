@@ -5,15 +5,15 @@
 - an "Epochs" tab on each DAG run of the pipeline's DAGs;
 - a listener that writes each run's epochs into its DAG-run note.
 
-The code lives in ``ipcount.monitor``; this file only wires it in. The app is imported on
+The code lives in ``ipcount.orchestration.monitor``; this file only wires it in. The app is imported on
 its first request, so the scheduler and workers, which load plugins too, do not pay for it.
 """
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from ipcount.monitor import notes
-from ipcount.monitor.links import URL_PREFIX
+from ipcount.orchestration.monitor import notes
+from ipcount.orchestration.monitor.links import URL_PREFIX
 
 
 class _MonitorApp:
@@ -24,7 +24,7 @@ class _MonitorApp:
 
     async def __call__(self, scope, receive, send) -> None:
         if self._app is None:
-            from ipcount.monitor.app import create_app
+            from ipcount.orchestration.monitor.app import create_app
 
             self._app = create_app()
         await self._app(scope, receive, send)

@@ -12,8 +12,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from ipcount.airflow_env import ADMIN_USER, admin_password, airflow_env
-from ipcount.config import PipelineConfig
+from ipcount.devtools.embedded_airflow import ADMIN_USER, admin_password, airflow_env
+from ipcount.rules.config import PipelineConfig
 
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from ipcount.config import PipelineConfig
-from ipcount.embedded_kafka import free_port  # noqa: F401 - tests import it from here
+from ipcount.devtools.embedded_kafka import free_port  # noqa: F401 - tests import it from here
+from ipcount.rules.config import PipelineConfig
 
 
 def run_until_idle(cfg: PipelineConfig, spark, limit: int = 20) -> list:
     """Run epochs until one finds nothing new; their summaries. Bounded, so a planning bug
     fails the test instead of hanging it."""
-    from ipcount.epoch import run_epoch
+    from ipcount.jobs.epoch import run_epoch
 
     summaries = []
     for _ in range(limit):
@@ -26,7 +26,7 @@ def run_until_idle(cfg: PipelineConfig, spark, limit: int = 20) -> list:
 
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory):
-    from ipcount.embedded_kafka import EmbeddedKafka
+    from ipcount.devtools.embedded_kafka import EmbeddedKafka
 
     port = free_port()
     kafka = EmbeddedKafka(state_dir=tmp_path_factory.mktemp("kafka"), port=port, controller_port=free_port())
@@ -37,7 +37,7 @@ def broker(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def spark(broker):
-    from ipcount.session import get_spark
+    from ipcount.storage.spark import get_spark
 
     session = get_spark(PipelineConfig(spark_master="local[2]"), app_name="ipcount-tests")
     yield session
@@ -47,7 +47,7 @@ def spark(broker):
 @pytest.fixture
 def cfg(broker, tmp_path) -> PipelineConfig:
     """A pipeline of its own: fresh topic (3 partitions), warehouse and consumer group."""
-    from ipcount.kafka_io import create_topic
+    from ipcount.storage.broker import create_topic
 
     name = f"t_{uuid.uuid4().hex[:10]}"
     config = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, topic=name, group_id=f"g_{name}",
@@ -65,9 +65,9 @@ def epoch_server(broker, tmp_path_factory):
     import subprocess
     import sys
 
-    from ipcount import epoch_server as client
-    from ipcount.generator import TrafficGenerator, produce
-    from ipcount.kafka_io import create_topic
+    from ipcount.devtools.generator import TrafficGenerator, produce
+    from ipcount.server import client
+    from ipcount.storage.broker import create_topic
 
     warm = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, topic="epoch_server_warm_up",
                           spark_master="local[2]")

@@ -5,8 +5,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from ipcount.generator import Produced
-from ipcount.records import Event, parse_value
+from ipcount.devtools.generator import Produced
+from ipcount.rules.records import Event, parse_value
 
 
 @dataclass

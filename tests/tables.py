@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ipcount.config import PipelineConfig
-from ipcount.ledger_view import read_rows
+from ipcount.rules.config import PipelineConfig
+from ipcount.storage.delta import read_rows
 
 
 def _rows(path: str) -> list[dict]:

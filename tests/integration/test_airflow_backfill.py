@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from ipcount.generator import TrafficGenerator, produce
+from ipcount.devtools.generator import TrafficGenerator, produce
 from tests.airflow_services import airflow, airflow_services, service_env
 from tests.conftest import free_port, run_until_idle
 from tests.ground_truth import expected_tables

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ipcount import kafka_io
-from ipcount.airflow_env import airflow_env
-from ipcount.generator import TrafficGenerator, produce
-from ipcount.ledger_view import committed_epochs
-from ipcount.monitor.links import run_page_path
+from ipcount.devtools.embedded_airflow import airflow_env
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.orchestration.monitor.links import run_page_path
+from ipcount.storage import broker as broker_io
+from ipcount.storage.ledger import committed_epochs
 from tests.conftest import free_port
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
@@ -60,7 +60,7 @@ def test_dag_folder_imports_without_errors(airflow_home):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
-    from ipcount.orchestration import BACKFILL_PARAMS, RUN_PARAMS
+    from ipcount.orchestration.dags import BACKFILL_PARAMS, RUN_PARAMS
 
     assert info == {
         "errors": {},
@@ -91,7 +91,7 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     expected = expected_tables(produced, epoch_ranges(cfg))
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
     assert epochs[0].records_read == len(produced)
-    assert kafka_io.group_offsets(cfg) == dict(Counter(p.partition for p in produced))
+    assert broker_io.group_offsets(cfg) == dict(Counter(p.partition for p in produced))
 
     db = sqlite3.connect(airflow_home / "airflow.db")
     (extra,) = db.execute("SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id "
@@ -136,7 +136,7 @@ def test_run_params_override_the_pipeline_config_for_one_run(airflow_home, cfg, 
     assert f"running `epoch` in the epoch server at {epoch_server}" in proc.stdout + proc.stderr
     (ranges,) = epoch_ranges(cfg)
     assert ranges[1][0] == 40 and sum(u - f for f, u in ranges.values()) == 90
-    assert kafka_io.group_offsets(cfg) == {}  # commit_offsets was off for this run
+    assert broker_io.group_offsets(cfg) == {}  # commit_offsets was off for this run
     assert counts(cfg) == expected_tables(produced, [ranges]).counts
 
 
@@ -196,8 +196,8 @@ def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home,
 
 def test_backfill_form_checks_say_what_to_fix(cfg):
     """check_request's logic in-process (the DAG test above runs it for real once)."""
-    from ipcount.backfill_request import BadRequestError
-    from ipcount.orchestration import check_backfill_request
+    from ipcount.orchestration.dags import check_backfill_request
+    from ipcount.rules.errors import BadRequestError
 
     produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=34).records(30, 1_795_255_200_000),
             partition_of=lambda i, r: i % 3)

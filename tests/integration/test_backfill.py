@@ -14,18 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from ipcount import kafka_io
-from ipcount.backfill import rebuild, run_backfill
-from ipcount.backfill_request import BackfillRequest, BadRequestError, parse_offsets
-from ipcount.config import REPO_ROOT
-from ipcount.epoch import run_epoch
-from ipcount.generator import TrafficGenerator, produce
-from ipcount.offsets import DataLossError, OffsetRange
-from ipcount.verify import verify
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.jobs.backfill import run_backfill
+from ipcount.jobs.epoch import run_epoch
+from ipcount.jobs.rebuild import rebuild
+from ipcount.jobs.verify import verify
+from ipcount.rules.config import REPO_ROOT
+from ipcount.rules.errors import BadRequestError, DataLossError
+from ipcount.rules.offsets import OffsetRange
+from ipcount.rules.requests import BackfillRequest, parse_offsets
+from ipcount.storage import broker as broker_io
 from tests.conftest import run_until_idle
 from tests.ground_truth import Expected, expected_tables
-from tests.tables import counts, dead_letters, late_records, lanes, owned_offsets, snapshot
+from tests.tables import counts, dead_letters, lanes, late_records
 from tests.tables import ledger as ledger_rows
+from tests.tables import owned_offsets, snapshot
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
 
@@ -191,7 +194,7 @@ def test_concurrent_backfill_and_scheduled_epochs_never_double_count(cfg, spark,
 
 def test_bad_requests_fail_before_any_write(cfg, spark, broker):
     produce_dataset(cfg, 30, seed=51)
-    ends = kafka_io.partition_offsets(cfg)[1]
+    ends = broker_io.partition_offsets(cfg)[1]
     cases = [
         (BackfillRequest(offsets=(OffsetRange(cfg.topic, 7, 0, 5),)), BadRequestError, "has no partition 7"),
         (BackfillRequest(offsets=(OffsetRange(cfg.topic, 0, 0, ends[0] + 5),)), BadRequestError,
@@ -202,10 +205,10 @@ def test_bad_requests_fail_before_any_write(cfg, spark, broker):
     for request, error, message in cases:
         with pytest.raises(error, match=message):
             run_backfill(cfg, spark, request)
-    with pytest.raises(kafka_io.UnknownTopicError, match="does not exist"):
+    with pytest.raises(broker_io.UnknownTopicError, match="does not exist"):
         run_backfill(cfg.replace(topic="no_such_topic_x"), spark, BackfillRequest(offsets=parse_offsets("0:0-1", "x")))
     # offsets deleted by retention
-    with kafka_io.admin_client(cfg) as admin:
+    with broker_io.admin_client(cfg) as admin:
         from kafka import TopicPartition
         admin.delete_records({TopicPartition(cfg.topic, 0): 4})
     with pytest.raises(BadRequestError, match=r"offsets \[0, 4\) of .*-0 were already deleted"):
@@ -234,7 +237,7 @@ def test_bad_requests_fail_before_any_write(cfg, spark, broker):
 def test_rebuild_refuses_when_kafka_no_longer_has_the_offsets(cfg, spark):
     produce_dataset(cfg, 30, seed=61)
     run_until_idle(cfg, spark)
-    with kafka_io.admin_client(cfg) as admin:
+    with broker_io.admin_client(cfg) as admin:
         from kafka import TopicPartition
         admin.delete_records({TopicPartition(cfg.topic, 1): 3})
     with pytest.raises(DataLossError, match=r"cannot rebuild epoch 1: .*-1\[0,10\) is no longer in Kafka"):
@@ -245,8 +248,9 @@ def test_rebuild_refuses_when_kafka_no_longer_has_the_offsets(cfg, spark):
 def test_the_ledger_refuses_overlapping_plans_even_recorded_at_the_same_moment(cfg, spark):
     import threading
 
-    from ipcount.ledger import Ledger, PlanConflict
-    from ipcount.offsets import BACKFILL, EpochPlan
+    from ipcount.rules.errors import PlanConflict
+    from ipcount.rules.ledger import BACKFILL, EpochPlan
+    from ipcount.storage.ledger import Ledger
 
     t = cfg.topic
     ledger = Ledger(spark, cfg.ledger_path)

@@ -7,9 +7,9 @@ import sys
 import pytest
 from kafka import KafkaAdminClient, TopicPartition
 
-from ipcount import epoch as epoch_mod
-from ipcount.generator import TrafficGenerator, produce
-from ipcount.offsets import DataLossError
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.jobs import epoch as epoch_mod
+from ipcount.rules.errors import DataLossError
 from tests.conftest import free_port
 from tests.tables import ledger, snapshot
 
@@ -122,7 +122,7 @@ def test_recreated_topic_fails_loudly_and_writes_nothing(cfg, spark, partitions,
 
 
 def test_every_kind_of_bad_record_lands_in_the_dead_letter_table(cfg, spark):
-    from ipcount.generator import MALFORMED_SAMPLES, Record
+    from ipcount.devtools.generator import MALFORMED_SAMPLES, Record
     from tests.tables import counts, dead_letters
 
     cfg = cfg.replace(max_value_bytes=200)

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from ipcount.benchmark import MEASUREMENTS
+from ipcount.devtools.benchmark import MEASUREMENTS
 
 
 def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):

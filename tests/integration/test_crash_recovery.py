@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from ipcount import epoch as epoch_mod
-from ipcount import kafka_io
-from ipcount.config import PipelineConfig
-from ipcount.epoch import CRASH_POINTS
-from ipcount.generator import TrafficGenerator, produce
-from ipcount.ledger_view import committed_epochs
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.jobs import epoch as epoch_mod
+from ipcount.jobs import group_commit
+from ipcount.jobs.epoch import CRASH_POINTS
+from ipcount.rules.config import PipelineConfig
+from ipcount.storage import broker as broker_io
+from ipcount.storage.ledger import committed_epochs
 from tests.conftest import run_until_idle
 from tests.tables import ledger, snapshot
 
@@ -25,7 +26,7 @@ BASE_MS = 1_795_255_200_000
 def run_to_end(cfg, spark):
     """Every epoch there is, then the group-offset commit, as the DAG would."""
     run_until_idle(cfg, spark)
-    epoch_mod.commit_group_offsets_from_ledger(cfg)
+    group_commit.commit_group_offsets_from_ledger(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def source(broker, spark, tmp_path_factory):
     base = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, topic=topic, max_records_per_epoch=250,
                           spark_master="local[2]", warehouse=str(tmp_path_factory.mktemp("clean")),
                           group_id=f"clean_{topic}")
-    kafka_io.create_topic(base, 3)
+    broker_io.create_topic(base, 3)
     gen = TrafficGenerator(seed=21, events_per_second=40, late_share=0.05, malformed_share=0.03)
     produced = produce(base.bootstrap_servers, topic, gen.records(600, BASE_MS), partition_of=lambda i, r: i % 3)
     run_to_end(base, spark)
@@ -57,18 +58,18 @@ def test_crash_then_rerun_gives_the_tables_of_a_clean_run(point, source, spark, 
     assert {r["epoch"] for r in rows} == {1}
     status = {r["status"] for r in rows}
     assert status == ({"planned"} if point in ("after_plan", "after_sink") else {"committed"})
-    assert kafka_io.group_offsets(cfg) == {}  # the crash came before any group commit
+    assert broker_io.group_offsets(cfg) == {}  # the crash came before any group commit
 
     run_to_end(cfg, spark)  # the re-run: finishes epoch 1, then the rest
     assert snapshot(cfg) == snapshot(clean)
     ends = dict(Counter(p.partition for p in produced))
-    assert kafka_io.group_offsets(cfg) == ends
+    assert broker_io.group_offsets(cfg) == ends
 
 
 @pytest.fixture(scope="module")
 def clean_backfill(source, spark, tmp_path_factory):
     """The tables a crash-free backfill of the whole topic makes (3 chunks of 250)."""
-    from ipcount.backfill import run_backfill
+    from ipcount.jobs.backfill import run_backfill
 
     base, produced = source
     clean = base.replace(warehouse=str(tmp_path_factory.mktemp("clean_backfill")))
@@ -79,13 +80,13 @@ def clean_backfill(source, spark, tmp_path_factory):
 
 
 def _request(spec, cfg):
-    from ipcount.backfill_request import BackfillRequest, parse_offsets
+    from ipcount.rules.requests import BackfillRequest, parse_offsets
     return BackfillRequest(offsets=parse_offsets(spec, cfg.topic))
 
 
 @pytest.mark.parametrize("point", ["after_sink"])  # (every crash point is covered for scheduled epochs)
 def test_a_crashed_backfill_rerun_gives_the_tables_of_a_clean_one(point, clean_backfill, spark, tmp_path):
-    from ipcount.backfill import run_backfill
+    from ipcount.jobs.backfill import run_backfill
 
     clean, spec = clean_backfill
     cfg = clean.replace(warehouse=str(Path(tmp_path) / "warehouse"))

@@ -2,7 +2,6 @@
 count exactly once (also when the server dies mid-epoch), and bad requests leave it serving."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,8 +10,9 @@ import urllib.request
 
 import pytest
 
-from ipcount import epoch_server as client
-from ipcount.generator import TrafficGenerator, produce
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.rules.ledger import summaries_in
+from ipcount.server import client
 from tests.conftest import free_port, run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, late_records, ledger
@@ -21,8 +21,7 @@ from tests.tables import counts, dead_letters, epoch_ranges, late_records, ledge
 def _epoch(url, cfg, *extra):
     lines = []
     result = client.submit(url, ["epoch", *cfg.to_args(), "--summary-json", *extra], on_log=lines.append)
-    summaries = [json.loads(line) for line in result["stdout"].splitlines() if line.startswith("{")]
-    return result, summaries, lines
+    return result, summaries_in(result["stdout"]), lines
 
 
 def test_epochs_in_the_server_chain_and_count_exactly_once(epoch_server, cfg):
@@ -34,8 +33,8 @@ def test_epochs_in_the_server_chain_and_count_exactly_once(epoch_server, cfg):
     # One request, up to five epochs: 600 records in epochs of at most 250, then nothing new.
     result, summaries, lines = _epoch(epoch_server, cfg, "--epochs", "5")
     assert result["exit_code"] == 0, lines
-    assert [s["epoch"] for s in summaries] == [1, 2, 3, None]
-    assert [s["records_read"] for s in summaries] == [250, 250, 100, 0]
+    assert [s.epoch for s in summaries] == [1, 2, 3, None]
+    assert [s.records_read for s in summaries] == [250, 250, 100, 0]
     assert any("planned epoch 2" in line for line in lines)  # the log came back with the result
 
     expected = expected_tables(produced, epoch_ranges(cfg))
@@ -46,7 +45,7 @@ def test_epochs_in_the_server_chain_and_count_exactly_once(epoch_server, cfg):
     more = produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, 1_795_255_260_000),
                    partition_of=lambda i, r: i % 3)
     result, summaries, _ = _epoch(epoch_server, cfg)
-    assert result["exit_code"] == 0 and summaries[0]["epoch"] == 4 and summaries[0]["records_read"] == 90
+    assert result["exit_code"] == 0 and summaries[0].epoch == 4 and summaries[0].records_read == 90
     ranges = epoch_ranges(cfg)
     for before, after in zip(ranges, ranges[1:]):
         assert all(after[p][0] == before[p][1] for p in after)

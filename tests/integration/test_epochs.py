@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.jobs import epoch as epoch_mod
+from ipcount.jobs import group_commit
+from ipcount.storage import broker as broker_io
+from ipcount.storage.sink import Sink
 from tests.conftest import run_until_idle
 from tests.ground_truth import expected_tables
-from ipcount import epoch as epoch_mod
-from ipcount import kafka_io
-from ipcount.generator import TrafficGenerator, produce
-from ipcount.sink import Sink
 from tests.tables import counts, dead_letters, epoch_ranges, finality, late_records, snapshot
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
@@ -62,12 +63,12 @@ def test_epochs_count_exactly_what_was_produced(cfg, spark):
 def test_group_offsets_follow_the_ledger_and_are_never_read_back(cfg, spark):
     produced = produce_dataset(cfg, n=300)
     epoch_mod.run_epoch(cfg, spark)
-    assert epoch_mod.commit_group_offsets_from_ledger(cfg)
+    assert group_commit.commit_group_offsets_from_ledger(cfg)
     ends = dict(Counter(p.partition for p in produced))
-    assert kafka_io.group_offsets(cfg) == ends
+    assert broker_io.group_offsets(cfg) == ends
 
     # A group rewound to 0 by someone else does not make the pipeline re-read anything.
-    kafka_io.commit_group_offsets(cfg, {0: 0, 1: 0, 2: 0}, epoch=0)
+    broker_io.commit_group_offsets(cfg, {0: 0, 1: 0, 2: 0}, epoch=0)
     assert epoch_mod.run_epoch(cfg, spark) is None
     more = produce_dataset(cfg, n=30, seed=12)
     s = epoch_mod.run_epoch(cfg, spark)
@@ -79,15 +80,15 @@ def test_offset_commit_off_leaves_the_group_untouched(cfg, spark):
     cfg = cfg.replace(commit_offsets=False)
     produce_dataset(cfg, n=60)
     epoch_mod.run_epoch(cfg, spark)
-    assert not epoch_mod.commit_group_offsets_from_ledger(cfg)
-    assert kafka_io.group_offsets(cfg) == {}
+    assert not group_commit.commit_group_offsets_from_ledger(cfg)
+    assert broker_io.group_offsets(cfg) == {}
 
 
 def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
     """The sink's writes and the ledger commit, repeated for a committed epoch, are no-ops."""
-    from ipcount.epoch import _read_and_classify
-    from ipcount.ledger import Ledger
-    from ipcount.transform import window_counts
+    from ipcount.jobs.epoch import _read_and_classify
+    from ipcount.jobs.transform import window_counts
+    from ipcount.storage.ledger import Ledger
 
     produce_dataset(cfg, n=200)
     first = epoch_mod.run_epoch(cfg, spark)
@@ -125,24 +126,24 @@ def test_failed_group_commit_only_warns_and_the_next_commit_catches_up(cfg, spar
     produced = produce_dataset(cfg, n=120)
     epoch_mod.run_epoch(cfg, spark)
     unreachable = cfg.replace(bootstrap_servers=f"127.0.0.1:{free_port()}", kafka_timeout_seconds=2)
-    assert epoch_mod.commit_group_offsets_from_ledger(unreachable) is False
+    assert group_commit.commit_group_offsets_from_ledger(unreachable) is False
     assert "could not commit offsets to consumer group" in caplog.text
-    assert kafka_io.group_offsets(cfg) == {}
-    assert epoch_mod.commit_group_offsets_from_ledger(cfg)  # the next epoch's commit
-    assert kafka_io.group_offsets(cfg) == dict(Counter(p.partition for p in produced))
+    assert broker_io.group_offsets(cfg) == {}
+    assert group_commit.commit_group_offsets_from_ledger(cfg)  # the next epoch's commit
+    assert broker_io.group_offsets(cfg) == dict(Counter(p.partition for p in produced))
 
 
 def test_kafka_consumer_groups_describe_shows_ledger_positions_and_true_lag(cfg, spark):
     """Kafka's own CLI sees what lag tools see: the ledger's positions and the real backlog."""
     import subprocess
 
-    from ipcount.config import REPO_ROOT
-    from ipcount.ledger_view import committed_positions
+    from ipcount.rules.config import REPO_ROOT
+    from ipcount.storage.ledger import committed_positions
 
     cfg = cfg.replace(max_records_per_epoch=60)
     produced = produce_dataset(cfg, n=150)
     epoch_mod.run_epoch(cfg, spark)
-    epoch_mod.commit_group_offsets_from_ledger(cfg)
+    group_commit.commit_group_offsets_from_ledger(cfg)
     out = subprocess.run([str(REPO_ROOT / "bin" / "kafka-consumer-groups"), "--bootstrap-server",
                           cfg.bootstrap_servers, "--describe", "--group", cfg.group_id],
                          capture_output=True, text=True, timeout=120).stdout
@@ -153,7 +154,7 @@ def test_kafka_consumer_groups_describe_shows_ledger_positions_and_true_lag(cfg,
     assert rows == {p: (positions[p], ends[p], ends[p] - positions[p]) for p in range(3)}
     assert sum(lag for _, _, lag in rows.values()) == 150 - 60
     # the ledger records the same lag, and the seconds of each stage
-    from ipcount.ledger_view import committed_epochs
+    from ipcount.storage.ledger import committed_epochs
 
     last = committed_epochs(cfg.ledger_path)[-1]
     assert last.lag_after == {p: lag for p, (_, _, lag) in rows.items()}
@@ -162,13 +163,17 @@ def test_kafka_consumer_groups_describe_shows_ledger_positions_and_true_lag(cfg,
 
 
 def test_a_ledger_from_an_older_schema_gains_the_new_columns(cfg, spark):
-    from ipcount.ledger import LEDGER_SCHEMA, ensure_table
     from pyspark.sql.types import StructType
 
+    from ipcount.storage.delta import ensure_table
+    from ipcount.storage.ledger import ledger_schema
+
+    schema = ledger_schema()
+
     added = ("lag_after", "stage_seconds", "kind", "request_id", "chain_watermark_ms")  # since the first release
-    old = StructType([f for f in LEDGER_SCHEMA.fields if f.name not in added])
+    old = StructType([f for f in schema.fields if f.name not in added])
     ensure_table(spark, cfg.ledger_path, old)
-    ensure_table(spark, cfg.ledger_path, LEDGER_SCHEMA)
-    assert spark.read.format("delta").load(cfg.ledger_path).schema.fieldNames() == LEDGER_SCHEMA.fieldNames()
+    ensure_table(spark, cfg.ledger_path, schema)
+    assert spark.read.format("delta").load(cfg.ledger_path).schema.fieldNames() == schema.fieldNames()
     produce_dataset(cfg, n=30)
     assert epoch_mod.run_epoch(cfg, spark).records_read == 30

@@ -5,9 +5,9 @@ from collections import Counter
 
 from kafka import KafkaAdminClient, KafkaProducer
 
-from ipcount import epoch as epoch_mod
-from ipcount import kafka_io
-from ipcount.generator import Produced, TrafficGenerator, produce
+from ipcount.devtools.generator import Produced, TrafficGenerator, produce
+from ipcount.jobs import epoch as epoch_mod
+from ipcount.storage import broker as broker_io
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
 
@@ -43,7 +43,7 @@ def test_aborted_transactions_are_never_counted_and_open_ones_never_read(cfg, sp
     expected = expected_tables(committed, ranges)
     assert counts(cfg) == expected.counts and dead_letters(cfg) == set()
     # the epoch ended at the last stable offset: the open transaction's records were not read
-    _, lso = kafka_io.partition_offsets(cfg)
+    _, lso = broker_io.partition_offsets(cfg)
     assert {p: u for p, (_, u) in ranges[0].items()} == lso
 
     producer.abort_transaction()
@@ -78,7 +78,7 @@ def test_event_time_from_the_kafka_record_timestamp(cfg, spark):
     without a time of their own are counted."""
     import json
 
-    from ipcount.generator import Record
+    from ipcount.devtools.generator import Record
     from tests.tables import finality, late_records
 
     cfg = cfg.replace(event_time="kafka")

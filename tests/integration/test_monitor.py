@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from ipcount import kafka_io
-from ipcount.config import STATE_DIR, PipelineConfig
-from ipcount.epoch import commit_group_offsets_from_ledger
-from ipcount.generator import TrafficGenerator, produce
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
+from ipcount.rules.config import STATE_DIR, PipelineConfig
+from ipcount.storage import broker as broker_io
 from tests.airflow_services import access_token, airflow, airflow_services, service_env
 from tests.conftest import free_port, run_until_idle
 from tests.ground_truth import expected_tables
@@ -77,7 +77,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(broker, tmp_path_factory):
-    from ipcount.kafka_io import create_topic
+    from ipcount.storage.broker import create_topic
 
     root = tmp_path_factory.mktemp("monitor")
     name = f"m_{uuid.uuid4().hex[:8]}"
@@ -179,7 +179,7 @@ def test_epochs_endpoint_matches_the_ledger(server, pipeline):
 
 def test_lag_endpoint_matches_broker_and_ledger(server, pipeline):
     _, planned, waiting = pipeline
-    earliest, latest = kafka_io.partition_offsets(server.cfg)
+    earliest, latest = broker_io.partition_offsets(server.cfg)
     chain = {}
     for r in ledger(server.cfg):
         if r["status"] == "committed":
@@ -224,7 +224,7 @@ def test_counts_endpoint_matches_a_plain_python_recount(server, pipeline):
 
 def test_thousands_of_epochs_page_quickly(server, pipeline, spark):
     """A replay target whose ledger holds 3,000 epochs (9,000 rows), appended in 30 commits."""
-    from ipcount.ledger import LEDGER_SCHEMA, Ledger
+    from ipcount.storage.ledger import Ledger, ledger_schema
 
     cfg = server.cfg.for_target("history")
     Ledger(spark, cfg.ledger_path).ensure()
@@ -233,7 +233,7 @@ def test_thousands_of_epochs_page_quickly(server, pipeline, spark):
         rows = [(e, cfg.topic, p, e * 10, e * 10 + 10, "planned" if e == 1234 else "committed", now,
                  None if e == 1234 else now, 10, 9, 0, 1, None, None, e, 1.5, f"scheduled__{e}", 0,
                  {"plan": 0.1}, "scheduled", None, None) for e in range(first, first + 100) for p in range(3)]
-        spark.createDataFrame(rows, LEDGER_SCHEMA).write.format("delta").mode("append").save(cfg.ledger_path)
+        spark.createDataFrame(rows, ledger_schema()).write.format("delta").mode("append").save(cfg.ledger_path)
 
     started = time.monotonic()
     page = server.api("/api/epochs?target=history&page=7&page_size=100")
@@ -271,7 +271,7 @@ def test_every_route_needs_an_authenticated_airflow_user(server, pipeline):
 def test_pages_in_headless_chromium_after_logging_in(server, pipeline):
     from playwright.sync_api import sync_playwright
 
-    from ipcount.airflow_env import admin_password
+    from ipcount.devtools.embedded_airflow import admin_password
 
     assert Path(CHROMIUM).exists(), "Debian's chromium is needed (bin/setup --browser installs it)"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

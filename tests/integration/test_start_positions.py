@@ -6,10 +6,10 @@ from collections import Counter
 
 import pytest
 
-from ipcount import epoch as epoch_mod
-from ipcount import kafka_io
-from ipcount.generator import TrafficGenerator, produce
-from ipcount.kafka_io import StartPositionError
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.jobs import epoch as epoch_mod
+from ipcount.rules.errors import StartPositionError
+from ipcount.storage import broker as broker_io
 from tests.ground_truth import expected_tables
 from tests.tables import counts, epoch_ranges
 
@@ -62,14 +62,14 @@ def test_specific_offsets_outside_the_log_are_refused(cfg, spark):
 @pytest.mark.parametrize("reset, partition_2", [("earliest", 0), ("latest", 30)])
 def test_group_offsets_with_reset_for_partitions_without_any(cfg, spark, reset, partition_2):
     _produce(cfg)
-    kafka_io.commit_group_offsets(cfg, {0: 5, 1: 12}, epoch=0)
+    broker_io.commit_group_offsets(cfg, {0: 5, 1: 12}, epoch=0)
     epoch_mod.run_epoch(cfg.replace(start_position="group-offsets", group_offsets_reset=reset), spark)
     assert _first_from(cfg) == {0: 5, 1: 12, 2: partition_2}
 
 
 def test_group_offsets_reset_none_fails_naming_the_partitions(cfg, spark):
     _produce(cfg, n=30)
-    kafka_io.commit_group_offsets(cfg, {0: 5}, epoch=0)
+    broker_io.commit_group_offsets(cfg, {0: 5}, epoch=0)
     with pytest.raises(StartPositionError, match=r"no committed offset for .* partition\(s\) \[1, 2\]"):
         epoch_mod.run_epoch(cfg.replace(start_position="group-offsets", group_offsets_reset="none"), spark)
 
@@ -78,7 +78,7 @@ def test_once_the_ledger_has_entries_it_wins_over_any_start_position(cfg, spark,
     _produce(cfg, n=30)
     epoch_mod.run_epoch(cfg, spark)
     _produce(cfg, n=30, seed=52)
-    kafka_io.commit_group_offsets(cfg, {0: 0, 1: 0, 2: 0}, epoch=0)
+    broker_io.commit_group_offsets(cfg, {0: 0, 1: 0, 2: 0}, epoch=0)
     caplog.set_level(logging.INFO, logger="ipcount.epoch")
     s = epoch_mod.run_epoch(cfg.replace(start_position="group-offsets"), spark)
     assert {r.partition: r.from_offset for r in s.plan.ranges} == {0: 10, 1: 10, 2: 10}

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import random
-
-import pytest
 from datetime import datetime, timezone
 
+import pytest
 from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
 
-from ipcount import transform
-from ipcount.generator import MALFORMED_SAMPLES, TrafficGenerator
-from ipcount.records import Event, parse_value
+from ipcount.devtools.generator import MALFORMED_SAMPLES, TrafficGenerator
+from ipcount.jobs import transform
+from ipcount.rules.records import Event, parse_value
 
 KAFKA_SCHEMA = StructType([
     StructField("topic", StringType()), StructField("partition", IntegerType()), StructField("offset", LongType()),

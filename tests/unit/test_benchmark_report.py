@@ -1,7 +1,7 @@
 """The benchmark's report arithmetic: throughput ratios and the printed table."""
 from __future__ import annotations
 
-from ipcount.benchmark import Measurement, ratios, table
+from ipcount.devtools.benchmark import Measurement, ratios, table
 
 
 def m(name, wall, work, records=1000, peak=512.0):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from ipcount.cli import build_parser, load_config
-from ipcount.config import ConfigError, PipelineConfig
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import ConfigError
 
 
 def test_defaults_match_the_reference_job():

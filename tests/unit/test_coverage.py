@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.backfill_request import (BackfillRequest, BadRequestError, check_against_log, check_target,
-                                      parse_offsets, parse_time)
-from ipcount.coverage import Coverage, intersect, merge, next_chunk, subtract
-from ipcount.offsets import OffsetRange, plan_ranges
+from ipcount.rules.coverage import Coverage, intersect, merge, next_chunk, subtract
+from ipcount.rules.errors import BadRequestError
+from ipcount.rules.offsets import OffsetRange, plan_ranges
+from ipcount.rules.requests import BackfillRequest, check_against_log, check_target, parse_offsets, parse_time
 
 
 def r(p, f, u, topic="t"):

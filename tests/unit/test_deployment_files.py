@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import yaml
 
-from ipcount.config import REPO_ROOT, PipelineConfig
+from ipcount.rules.config import REPO_ROOT, PipelineConfig
 
 
 def _compose() -> dict:

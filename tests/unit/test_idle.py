@@ -1,5 +1,5 @@
 """The no-JVM idle check: it may only say "idle" when an epoch would certainly commit nothing."""
-from ipcount.idle import chain_state, verdict
+from ipcount.jobs.idle import chain_state, verdict
 
 
 def row(epoch, partition, until, status="committed", kind="scheduled"):

@@ -6,9 +6,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from ipcount.monitor import model
-from ipcount.monitor.charts import bar_chart, line_chart
-from ipcount.monitor.notes import NOTE_LIMIT, run_note
+from ipcount.orchestration.monitor import model
+from ipcount.orchestration.monitor.charts import bar_chart, line_chart
+from ipcount.orchestration.monitor.notes import NOTE_LIMIT, run_note
 
 T0 = datetime(2026, 11, 21, 12, 0, tzinfo=timezone.utc)
 
@@ -117,8 +117,8 @@ def test_charts_are_valid_svg_with_one_mark_per_value():
 def test_run_note():
     rows = [row(3, 0, 0, 10, run_id="r"), row(3, 1, 5, 9, run_id="r"), row(4, 0, 10, 12, status="planned", run_id="r")]
     note = run_note("ipcount_epoch", "scheduled__x", rows)
-    assert "**epoch 3** (scheduled) committed: p0 [0, 10) p1 [5, 9); read 14, counted 10, late 2, malformed 2" in note
-    assert "**epoch 4** unfinished: p0 [10, 12)" in note
+    assert "**epoch 3** (scheduled) committed: p0[0,10) p1[5,9); read 14, counted 10, late 2, malformed 2" in note
+    assert "**epoch 4** unfinished: p0[10,12)" in note
     assert "(/ipcount/runs/ipcount_epoch/scheduled__x)" in note
     assert "No epoch" in run_note("ipcount_epoch", "r", [])
     many = [row(e, p, e * 10, e * 10 + 5, run_id="r") for e in range(1, 60) for p in range(3)]
@@ -127,7 +127,7 @@ def test_run_note():
 
 
 def test_partition_lag_counts_from_the_chain_or_the_log_start():
-    from ipcount.monitor.model import partition_lag
+    from ipcount.orchestration.monitor.model import partition_lag
 
     assert partition_lag(100, 60, 10) == 40      # behind the chain's position
     assert partition_lag(100, None, 10) == 90    # no chain yet: from the log start

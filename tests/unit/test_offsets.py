@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.offsets import DataLossError, EpochPlan, OffsetRange, plan_ranges, split_cap
+from ipcount.rules.errors import DataLossError
+from ipcount.rules.ledger import EpochPlan
+from ipcount.rules.offsets import OffsetRange, plan_ranges, split_cap
 
 T = "ip_count_source"
 
@@ -90,7 +92,7 @@ def test_spark_offsets_json_is_sorted_and_skips_empty_ranges():
 
 
 def test_skip_policy_moves_overtaken_positions_and_reports_the_gaps():
-    from ipcount.offsets import skip_deleted
+    from ipcount.rules.offsets import skip_deleted
 
     moved, lost = skip_deleted(T, {0: 5, 1: 3, 2: 9}, earliest={0: 0, 1: 8, 2: 9})
     assert moved == {0: 5, 1: 8, 2: 9}

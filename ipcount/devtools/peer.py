@@ -1,0 +1,106 @@
+"""The alternative users would compare us with: Spark Structured Streaming, Kafka source,
+``Trigger.AvailableNow``, the same parsing, the same tumbling windows with the watermark
+delayed by the allowed lateness, written to Delta by ``foreachBatch`` + MERGE with
+``txnAppId``/``txnVersion`` (Delta's documented idempotent recipe) and its own checkpoint.
+Used by the benchmark only; it is not part of the pipeline.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from pyspark.sql import functions as F
+
+from ipcount.jobs import transform
+from ipcount.rules.config import PipelineConfig
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+PEER_APP_ID = "ipcount-peer"
+
+
+def run_peer(cfg: PipelineConfig, spark: SparkSession, table_path: str, checkpoint: str,
+             ending: dict[int, int]) -> int:
+    """Count everything available now into ``table_path``; the number of micro-batches.
+    ``ending`` (partition -> offset) is only checked: AvailableNow stops at what was there
+    when it started."""
+    from delta.tables import DeltaTable
+
+    if not DeltaTable.isDeltaTable(spark, table_path):
+        (DeltaTable.createIfNotExists(spark).location(table_path)
+         .addColumn("window_start", "timestamp").addColumn("window_end", "timestamp")
+         .addColumn("ip", "string").addColumn("count", "bigint").execute())
+    raw = (spark.readStream.format("kafka")
+           .option("kafka.bootstrap.servers", cfg.bootstrap_servers)
+           .option("subscribe", cfg.topic)
+           .option("startingOffsets", "earliest")
+           .option("kafka.isolation.level", "read_committed")
+           .option("failOnDataLoss", "true")
+           .load())
+    parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time).where(F.col("reason").isNull())
+    counts = (parsed.withColumn("event_time", F.timestamp_millis("event_ms"))
+              .withWatermark("event_time", f"{cfg.allowed_lateness_seconds} seconds")
+              .groupBy(F.window("event_time", f"{cfg.window_seconds} seconds"), "ip").count()
+              .select(F.col("window.start").alias("window_start"), F.col("window.end").alias("window_end"),
+                      "ip", "count"))
+    batches = []
+
+    def merge(batch: DataFrame, batch_id: int) -> None:
+        # Update mode hands over each changed (window, ip) with its full count so far.
+        session = batch.sparkSession
+        session.conf.set("spark.databricks.delta.write.txnAppId", PEER_APP_ID)
+        session.conf.set("spark.databricks.delta.write.txnVersion", str(batch_id))
+        try:
+            (DeltaTable.forPath(session, table_path).alias("t")
+             .merge(batch.alias("s"), "t.window_start = s.window_start AND t.ip = s.ip")
+             .whenMatchedUpdate(set={"count": "s.count"}).whenNotMatchedInsertAll().execute())
+        finally:
+            session.conf.unset("spark.databricks.delta.write.txnAppId")
+            session.conf.unset("spark.databricks.delta.write.txnVersion")
+        batches.append(batch_id)
+
+    query = (counts.writeStream.outputMode("update").foreachBatch(merge)
+             .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
+    query.awaitTermination()
+    progress = query.lastProgress or {}
+    end = (progress.get("sources") or [{}])[0].get("endOffset") or {}
+    end = json.loads(end) if isinstance(end, str) else end
+    reached = {int(p): o for p, o in (end.get(cfg.topic) or {}).items()}
+    if ending and reached and reached != ending:
+        raise RuntimeError(f"the peer stopped at {reached}, not at the log end {ending}")
+    return len(batches)
+
+
+def spark_count(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]) -> int:
+    """The read-only limit in Spark: a batch Kafka read of the whole range, counted."""
+    start = json.dumps({cfg.topic: {str(p): 0 for p in ending}})
+    end = json.dumps({cfg.topic: {str(p): o for p, o in ending.items()}})
+    return (spark.read.format("kafka").option("kafka.bootstrap.servers", cfg.bootstrap_servers)
+            .option("subscribe", cfg.topic).option("startingOffsets", start).option("endingOffsets", end)
+            .option("kafka.isolation.level", "read_committed").load().count())
+
+
+def drain(cfg: PipelineConfig, ending: dict[int, int]) -> int:
+    """The read-only limit without Spark: a plain kafka-python consumer reading every record."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, enable_auto_commit=False,
+                             isolation_level="read_committed", max_partition_fetch_bytes=8 << 20,
+                             fetch_max_bytes=64 << 20)
+    try:
+        tps = [TopicPartition(cfg.topic, p) for p, end in ending.items() if end > 0]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        left = {tp: ending[tp.partition] for tp in tps}
+        seen = 0
+        while left:
+            for tp, records in consumer.poll(timeout_ms=1000, max_records=50_000).items():
+                for r in records:
+                    if tp in left and r.offset < left[tp]:
+                        seen += 1
+                if tp in left and consumer.position(tp) >= left[tp]:
+                    del left[tp]
+        return seen
+    finally:
+        consumer.close()

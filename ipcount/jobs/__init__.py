@@ -1,0 +1,10 @@
+"""What each command does, composed from the rules and the storage layer.
+
+- :mod:`.epoch`         one checkpoint epoch: plan, record, read, sink, ledger commit
+- :mod:`.group_commit`  step 7, optional: ledger positions -> the Kafka consumer group
+- :mod:`.backfill`      count an offset or time range the ledger does not own yet
+- :mod:`.rebuild`       replay a ledger's committed epochs into a fresh replay table set
+- :mod:`.verify`        recount from Kafka in plain Python and compare
+- :mod:`.idle`          does the scheduled chain have anything to do? (no JVM)
+- :mod:`.transform`     the Spark parse, classify and aggregate steps
+"""

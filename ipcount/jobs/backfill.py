@@ -1,0 +1,124 @@
+"""Backfills: epochs over ranges the scheduled chain did not count.
+
+A backfill counts only the part of its request that no ledger row owns yet, in bounded
+chunks, each its own committed epoch (kind ``backfill``). It shares the ledger - and so
+the no-overlap rule and its concurrency guard - with the scheduled chain, so running it
+while scheduled epochs continue cannot double count.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ipcount.jobs.epoch import Crash, EpochRunner, no_crash
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.coverage import next_chunk
+from ipcount.rules.ledger import BACKFILL, EpochPlan, EpochSummary, LedgerState
+from ipcount.rules.offsets import OffsetRange, describe
+from ipcount.rules.requests import BackfillRequest, check_against_log
+from ipcount.storage import broker
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BackfillReport:
+    request: BackfillRequest
+    requested: tuple[OffsetRange, ...]
+    skipped: tuple[OffsetRange, ...]            # already owned by the ledger when the request ran
+    epochs: list[EpochSummary] = field(default_factory=list)
+    resumed: list[EpochSummary] = field(default_factory=list)  # unfinished backfill epochs finished first
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def records_counted(self) -> int:
+        return sum(e.records_counted for e in self.epochs)
+
+    def line(self) -> str:
+        return (f"backfill {self.request_id} ({self.request.describe()}): requested {describe(self.requested)}; "
+                f"skipped (already counted) {describe(self.skipped)}; {len(self.epochs)} epoch(s) "
+                f"{', '.join(str(e.epoch) for e in self.epochs) or '-'} counted {self.records_counted} records")
+
+    def to_dict(self) -> dict[str, Any]:
+        def spans(ranges: tuple[OffsetRange, ...]) -> list[dict[str, int]]:
+            return [{"partition": r.partition, "from_offset": r.from_offset, "until_offset": r.until_offset}
+                    for r in ranges]
+        return {"request_id": self.request_id, "target": self.request.target, "requested": spans(self.requested),
+                "skipped": spans(self.skipped), "epochs": [e.epoch for e in self.epochs],
+                "resumed_epochs": [e.epoch for e in self.resumed], "records_counted": self.records_counted,
+                "records_read": sum(e.records_read for e in self.epochs)}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A request as offset ranges, and the log bounds it was checked against."""
+
+    ranges: tuple[OffsetRange, ...]
+    earliest: dict[int, int]
+    latest: dict[int, int]
+
+
+def resolve(cfg: PipelineConfig, request: BackfillRequest) -> Resolved:
+    """The request as (non-empty) offset ranges of ``cfg.topic``, checked against the log."""
+    earliest, latest = broker.partition_offsets(cfg)
+    if request.by_time:
+        request.check_time(int(time.time() * 1000))
+        starts = broker.offsets_for_time(cfg, request.from_ms, latest)
+        ends = broker.offsets_for_time(cfg, request.until_ms, latest)
+        ranges = tuple(OffsetRange(cfg.topic, p, starts[p], max(starts[p], ends[p])) for p in sorted(latest))
+    else:
+        ranges = tuple(OffsetRange(cfg.topic, r.partition, r.from_offset, r.until_offset) for r in request.offsets)
+    check_against_log(cfg.topic, ranges, earliest, latest)
+    return Resolved(tuple(r for r in ranges if r.size > 0), earliest, latest)
+
+
+def run_backfill(cfg: PipelineConfig, spark: SparkSession, request: BackfillRequest, run_id: str | None = None,
+                 crash: Crash = no_crash, resolved: Resolved | None = None) -> BackfillReport:
+    """Count what the request names and the target's ledger does not own yet, chunk by chunk.
+
+    Re-running the same request (same id) after a crash finishes its unfinished chunk from
+    its recorded plan and continues its watermark chain, so the result equals one clean run.
+    ``resolved``: the request already resolved (by a caller that checked it before starting
+    Spark); resolved here otherwise.
+    """
+    target_cfg = cfg.for_target(request.target)
+    resolved = resolved or resolve(cfg, request)  # every check before any write
+    requested, earliest, latest = resolved.ranges, resolved.earliest, resolved.latest
+    log.info("backfill %s: %s -> %s", request.request_id, request.describe(), describe(requested))
+    runner = EpochRunner.open(target_cfg, spark, run_id, crash)
+
+    state = runner.state()
+    resumed = []
+    for plan in state.pending_backfills:  # a crashed backfill's chunk, whichever request it was
+        log.info("finishing unfinished backfill epoch %d (%s) with its recorded ranges", plan.epoch, plan.describe())
+        resumed.append(runner.execute(plan, earliest, latest, resumed=True))
+    if resumed:
+        state = runner.state()
+    skipped = tuple(o for r in requested for o in state.coverage.overlaps(r))
+    if skipped:
+        log.info("backfill %s: skipping what the ledger already owns: %s", request.request_id, describe(skipped))
+
+    def planner(st: LedgerState) -> EpochPlan | None:
+        gaps = [g for r in requested for g in st.coverage.gaps(r)]
+        chunk = next_chunk(gaps, cfg.max_records_per_epoch)
+        if not chunk:
+            return None
+        return EpochPlan(st.last_epoch + 1, chunk, st.request_watermarks.get(request.request_id),
+                         kind=BACKFILL, request_id=request.request_id, chain_watermark_ms=st.watermark_ms)
+
+    report = BackfillReport(request, requested, skipped, resumed=resumed)
+    while True:
+        plan = runner.record_new_plan(planner)
+        if plan is None:
+            break
+        report.epochs.append(runner.execute(plan, earliest, latest))
+    log.info("%s", report.line())
+    return report

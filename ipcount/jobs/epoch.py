@@ -1,0 +1,252 @@
+"""One checkpoint epoch: plan -> record plan -> read -> parse -> sink -> ledger commit.
+
+The order is the exactly-once protocol (Flink's pre-commit/commit, Spark's offsets and
+commits logs):
+
+1. The ranges are planned from the ledger, never from Kafka's consumer group, and
+   recorded (``planned``) before anything is read. If the ledger already holds an
+   unfinished epoch, that epoch is re-run with exactly its recorded ranges and watermark.
+2. The records are read with ``read_committed`` and classified deterministically.
+3. The sink commits idempotently (Delta txnAppId/txnVersion = epoch).
+4. The ledger marks the epoch ``committed``.
+
+A crash between any two steps leaves a ``planned`` epoch that the next run finishes, and
+the result equals a run that never crashed. Committing offsets to the Kafka consumer
+group happens after all this (:mod:`ipcount.jobs.group_commit`), for monitoring.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Callable
+
+from ipcount.jobs import transform
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import PlanConflict
+from ipcount.rules.ledger import EpochPlan, EpochSummary, LedgerState, PartitionMetrics
+from ipcount.rules.offsets import check_partitions_exist, check_readable, plan_ranges, skip_deleted
+from ipcount.storage import broker
+from ipcount.storage.ledger import Ledger
+from ipcount.storage.sink import Sink
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
+
+# Step boundaries where a crash can be injected (tests SIGKILL the process there).
+CRASH_POINTS = ("after_plan", "after_sink", "after_ledger", "before_kafka_commit")
+Crash = Callable[[str], None]
+
+
+def no_crash(point: str) -> None:
+    """The crash hook of a normal run: nothing happens at any step boundary."""
+
+
+def crash_hook(crash_at: str | None) -> Crash:
+    """A hook that kills this process with SIGKILL at the named step boundary."""
+    if crash_at is not None and crash_at not in CRASH_POINTS:
+        raise ValueError(f"crash point must be one of {', '.join(CRASH_POINTS)}; found {crash_at!r}")
+
+    def hook(point: str) -> None:
+        if point == crash_at:
+            log.warning("crash injected at %s: SIGKILL", point)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+@dataclass(frozen=True)
+class EpochRunner:
+    """Records plans in one target's ledger and runs them into its sink: what scheduled
+    epochs, backfill chunks and rebuilds share. ``run_id`` is recorded in the ledger;
+    ``crash`` is called at each step boundary (tests kill the process there)."""
+
+    cfg: PipelineConfig
+    spark: SparkSession
+    ledger: Ledger
+    sink: Sink
+    run_id: str | None = None
+    crash: Crash = no_crash
+
+    @classmethod
+    def open(cls, cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,
+             crash: Crash = no_crash) -> EpochRunner:
+        """The runner of ``cfg``'s tables, created if missing."""
+        ledger, sink = Ledger(spark, cfg.ledger_path), Sink(spark, cfg)
+        ledger.ensure()
+        sink.ensure()
+        return cls(cfg, spark, ledger, sink, run_id, crash)
+
+    def state(self) -> LedgerState:
+        return self.ledger.state(self.cfg.topic)
+
+    def record_new_plan(self, planner: Callable[[LedgerState], EpochPlan | None],
+                        state: LedgerState | None = None, attempts: int = 8) -> EpochPlan | None:
+        """Plan from the ledger and record the plan; if a concurrent planner took some of the
+        offsets (or the epoch id) first, plan again from the new state."""
+        for attempt in range(1, attempts + 1):
+            state = state if state is not None else self.state()
+            plan = planner(state)
+            if plan is None:
+                return None
+            try:
+                self.ledger.record_plan(plan, self.run_id)
+            except PlanConflict as e:
+                log.info("epoch %d not recorded: %s; planning again (%d/%d)", plan.epoch, e, attempt, attempts)
+                state = None
+                time.sleep(0.2 * attempt)
+                continue
+            log.info("planned epoch %d: %s", plan.epoch, plan.describe())
+            return plan
+        raise RuntimeError(f"could not record a plan in {self.ledger.path} after {attempts} attempts: other "
+                           "planners kept taking the same offsets")
+
+    def execute(self, plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int],
+                resumed: bool = False, started: float | None = None) -> EpochSummary:
+        """Steps 2-4 of a recorded plan: read, sink, ledger commit. A re-run of the same
+        plan changes nothing."""
+        cfg = self.cfg
+        started = time.monotonic() if started is None else started
+        stages: dict[str, float] = {}
+        self.crash("after_plan")
+        # Data that aged out (or a partition that vanished) since planning fails loudly, too.
+        check_partitions_exist(cfg.topic, {r.partition: r.from_offset for r in plan.nonempty_ranges}, latest)
+        for r in plan.nonempty_ranges:
+            check_readable(cfg.topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
+        stages["plan"] = time.monotonic() - started
+
+        t = time.monotonic()
+        classified = _read_and_classify(self.spark, cfg, plan)
+        metrics_rows = transform.partition_metrics(classified).collect() if classified is not None else []
+        stages["read"] = time.monotonic() - t  # Kafka read, parse, classify, per-partition metrics
+
+        metrics = {r.partition: PartitionMetrics(r.records_read, r.records_counted, r.records_late,
+                                                 r.records_malformed) for r in metrics_rows}
+        epoch_max = max((r.max_event_ms for r in metrics_rows if r.max_event_ms is not None), default=None)
+        watermark_after = max((w for w in (plan.watermark_ms, epoch_max) if w is not None), default=None)
+        totals = PartitionMetrics(*(sum(getattr(m, f.name) for m in metrics.values())
+                                    for f in fields(PartitionMetrics)))
+
+        sink_version = None
+        if classified is not None:
+            sink_version = self._write(plan, classified, totals, watermark_after, stages)
+        self.crash("after_sink")
+
+        t = time.monotonic()
+        seconds = time.monotonic() - started
+        lag = {r.partition: max(0, latest.get(r.partition, r.until_offset) - r.until_offset) for r in plan.ranges}
+        self.ledger.commit(plan, metrics, watermark_after, sink_version, round(seconds, 3), self.run_id,
+                           lag_after=lag, stage_seconds={k: round(v, 3) for k, v in stages.items()})
+        stages["ledger"] = time.monotonic() - t  # (its own time is in the summary, not the ledger row)
+        self.crash("after_ledger")
+
+        summary = EpochSummary(
+            plan, **{f.name: getattr(totals, f.name) for f in fields(PartitionMetrics)},
+            watermark_ms=watermark_after, sink_version=sink_version, seconds=time.monotonic() - started,
+            stage_seconds=stages, lag_after=lag, run_id=self.run_id, resumed=resumed)
+        log.info("%s", summary.line())
+        return summary
+
+    def _write(self, plan: EpochPlan, classified: DataFrame, totals: PartitionMetrics,
+               watermark_after: int | None, stages: dict[str, float]) -> int | None:
+        """Aggregate and write the epoch's rows to the sink; the counts table's version."""
+        t = time.monotonic()
+        counts = transform.window_counts(classified, self.cfg.window_ms).persist()
+        counts.count()  # materialized here, so the stages below time the writes alone
+        stages["aggregate"] = time.monotonic() - t
+
+        t = time.monotonic()
+        sink_version = self.sink.write(plan, classified, counts, malformed=totals.records_malformed,
+                                       late=totals.records_late, counted=totals.records_counted,
+                                       watermark_after_ms=watermark_after)
+        stages["merge"] = time.monotonic() - t  # dead letters, late records, MERGE into counts
+        counts.unpersist()
+        classified.unpersist()
+        return sink_version
+
+
+def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,
+              crash: Crash = no_crash) -> EpochSummary | None:
+    """Run the scheduled chain's next epoch to its ledger commit (or finish its unfinished
+    one). Returns None when there was nothing to read."""
+    started = time.monotonic()
+    runner = EpochRunner.open(cfg, spark, run_id, crash)
+    earliest, latest = broker.partition_offsets(cfg)
+    state = runner.state()
+    if state.pending is not None:
+        plan = state.pending
+        log.info("resuming unfinished epoch %d with its recorded ranges %s", plan.epoch, plan.describe())
+    else:
+        plan = runner.record_new_plan(lambda st: _plan_next(cfg, st, earliest, latest), state)
+        if plan is None:
+            return None
+    return runner.execute(plan, earliest, latest, resumed=state.pending is not None, started=started)
+
+
+def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int],
+               latest: dict[int, int]) -> EpochPlan | None:
+    """The chain's next plan, or None when a pipeline with history has nothing new.
+
+    Per partition the epoch continues where the chain ended, past any offsets a backfill
+    already owns, up to the next owned offset or the end of the log; the cap is split
+    across partitions by what is left.
+    """
+    if state.committed:
+        log.info("ledger has entries: starting from its positions (start_position %r not used)", cfg.start_position)
+        initial: dict[int, int] = {}
+    else:
+        initial = broker.start_offsets(cfg, earliest, latest)
+        log.info("empty ledger: start_position %s resolves to %s", cfg.start_position,
+                 " ".join(f"p{p}={o}" for p, o in sorted(initial.items())))
+    committed, lost = state.committed, ()
+    if cfg.on_data_loss == "skip":
+        committed, lost = skip_deleted(cfg.topic, committed, earliest)
+        for r in lost:
+            log.warning("data loss on %s-%d: offsets [%d, %d) were deleted before they were counted; skipping "
+                        "them (on_data_loss=skip), recorded in the ledger as lost",
+                        r.topic, r.partition, r.from_offset, r.until_offset)
+    ranges = plan_ranges(cfg.topic, committed, earliest, latest, initial, cfg.max_records_per_epoch,
+                         coverage=state.coverage)
+    plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms, lost,
+                     chain_watermark_ms=state.watermark_ms)
+    # A pipeline with history skips empty epochs; the very first epoch is recorded even when
+    # empty, so that a "latest" start position is pinned in the ledger.
+    if plan.size == 0 and state.committed and not lost:
+        log.info("nothing new to read on %s: %s", cfg.topic, plan.describe())
+        return None
+    return plan
+
+
+def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -> DataFrame | None:
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    if not plan.nonempty_ranges:
+        return None
+    raw = (spark.read.format("kafka")
+           .option("kafka.bootstrap.servers", cfg.bootstrap_servers)
+           .option("assign", _assign_json(plan))
+           .option("startingOffsets", plan.starting_offsets_json())
+           .option("endingOffsets", plan.ending_offsets_json())
+           .option("kafka.isolation.level", "read_committed")
+           .option("failOnDataLoss", "true")
+           .load())
+    parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time)
+    classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
+    # Only dead letters keep the raw key and value; dropping them from the rest keeps the
+    # cached rows small.
+    bad = F.col("reason").isNotNull()
+    classified = classified.withColumns({"key": F.when(bad, F.col("key")), "value": F.when(bad, F.col("value"))})
+    # Read Kafka once: the sink's three writes and the metrics all use these rows.
+    return classified.persist(StorageLevel.MEMORY_AND_DISK)
+
+
+def _assign_json(plan: EpochPlan) -> str:
+    by_topic: dict[str, list[int]] = {}
+    for r in plan.nonempty_ranges:
+        by_topic.setdefault(r.topic, []).append(r.partition)
+    return json.dumps(by_topic, sort_keys=True)

@@ -1,0 +1,80 @@
+"""Rebuilds: a ledger's committed epochs replayed, as recorded, into a fresh replay target
+(same ranges, watermarks, kinds and epoch ids), so the rebuilt tables equal the source's
+row for row - the way to recover from a damaged counts table while Kafka still holds the
+offsets.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ipcount.jobs.epoch import Crash, EpochRunner, no_crash
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import BadRequestError, DataLossError
+from ipcount.rules.ledger import COMMITTED
+from ipcount.rules.offsets import check_partitions_exist, check_readable
+from ipcount.rules.requests import MAIN_TARGET, check_target
+from ipcount.storage import broker
+from ipcount.storage.delta import has_table
+from ipcount.storage.ledger import Ledger
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RebuildReport:
+    source: str
+    into: str
+    replayed: list[int] = field(default_factory=list)
+    already: list[int] = field(default_factory=list)  # committed in the target by an earlier attempt
+    unfinished_in_source: list[int] = field(default_factory=list)
+
+    def line(self) -> str:
+        text = (f"rebuild of {self.source} into {self.into}: replayed {len(self.replayed)} epoch(s), "
+                f"{len(self.already)} already there")
+        if self.unfinished_in_source:
+            text += f"; not replayed (unfinished in the source): {self.unfinished_in_source}"
+        return text
+
+
+def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = MAIN_TARGET,
+            run_id: str | None = None, crash: Crash = no_crash) -> RebuildReport:
+    """Replay every committed epoch of ``source``'s ledger into the replay target ``into``:
+    same ranges, watermarks, kinds and epoch ids, in the order their counts were committed,
+    so the rebuilt tables equal the source's row for row. Resumable: epochs the target
+    already committed are skipped, its unfinished one is finished."""
+    if check_target(into) == MAIN_TARGET or into == check_target(source):
+        raise BadRequestError(f"rebuild needs a fresh replay target to write into, not {into!r} (rebuild into a "
+                              "new name, verify it, then swap it in; see the README)")
+    src_cfg, dst_cfg = cfg.for_target(source), cfg.for_target(into)
+    if not has_table(src_cfg.ledger_path):
+        raise BadRequestError(f"target {source!r} has no ledger at {src_cfg.ledger_path}; nothing to rebuild")
+    src = Ledger(spark, src_cfg.ledger_path)
+    epochs = src.epochs(cfg.topic)
+    earliest, latest = broker.partition_offsets(cfg)
+    for plan, _ in epochs:  # everything must still be in Kafka: fail before writing anything
+        for r in plan.nonempty_ranges:
+            try:
+                check_partitions_exist(cfg.topic, {r.partition: r.from_offset}, latest)
+                check_readable(cfg.topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
+            except DataLossError as e:
+                raise DataLossError(f"cannot rebuild epoch {plan.epoch}: {r} is no longer in Kafka ({e}); a "
+                                    "rebuild needs all counted offsets within retention") from None
+    report = RebuildReport(source, into, unfinished_in_source=src.state(cfg.topic).unfinished)
+    runner = EpochRunner.open(dst_cfg, spark, run_id, crash)
+    done = {p.epoch for p, _ in runner.ledger.epochs(cfg.topic, (COMMITTED,))}
+    pending = set(runner.state().unfinished)
+    for plan, _ in epochs:
+        if plan.epoch in done:
+            report.already.append(plan.epoch)
+            continue
+        if plan.epoch not in pending:
+            runner.ledger.record_plan(plan, run_id)
+        runner.execute(plan, earliest, latest, resumed=plan.epoch in pending)
+        report.replayed.append(plan.epoch)
+    log.info("%s", report.line())
+    return report

@@ -1,0 +1,6 @@
+"""Airflow: what the DAG files wire together, kept here so they stay thin.
+
+- :mod:`.dags`       DAG ids, Params, the spark-submit arguments, the run summary
+- :mod:`.operators`  the operator of the Spark tasks (epoch server or spark-submit)
+- :mod:`.monitor`    the monitoring plugin's pages, run notes and task link
+"""

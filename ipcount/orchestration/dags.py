@@ -1,0 +1,157 @@
+"""What the Airflow DAG needs from the core package: how to submit the epoch, and what to
+publish after it. Kept here so the DAG file stays wiring only."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from ipcount.rules.config import (DATA_LOSS_POLICIES, EVENT_TIME_SOURCES, REPO_ROOT, RESET_POLICIES, SETTINGS_HELP,
+                                  START_POSITIONS, PipelineConfig, flag, negated_flag)
+from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, request_from_fields
+from ipcount.storage.ledger import committed_epochs
+from ipcount.storage.spark import spark_conf, spark_jars
+
+log = logging.getLogger(__name__)
+
+EPOCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "epoch_job.py")
+EPOCH_DAG_ID, BACKFILL_DAG_ID = "ipcount_epoch", "ipcount_backfill"
+
+
+# Settings a DAG run may override from the trigger form or `airflow dags trigger --conf`:
+# name -> (JSON schema, title). The pipeline's topic and tables are not among them: they
+# define the pipeline, and an epoch must chain with the ones before it.
+RUN_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
+    "max_records_per_epoch": ({"type": "integer", "minimum": 1}, "Max records in this epoch"),
+    "start_position": ({"type": "string", "enum": list(START_POSITIONS)},
+                       "Start position (only while the ledger is empty)"),
+    "start_timestamp_ms": ({"type": "integer", "minimum": -1}, "Start timestamp, epoch ms (start_position timestamp)"),
+    "start_offsets": ({"type": "string", "pattern": r"^\s*(\d+\s*:\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*)*)?$"},
+                      "Start offsets 'partition:offset,...' (start_position specific)"),
+    "group_offsets_reset": ({"type": "string", "enum": list(RESET_POLICIES)},
+                            "Reset for partitions without group offsets (start_position group-offsets)"),
+    "on_data_loss": ({"type": "string", "enum": list(DATA_LOSS_POLICIES)}, "On offsets deleted before counted"),
+    "commit_offsets": ({"type": "boolean"}, "Commit offsets to the consumer group"),
+    "event_time": ({"type": "string", "enum": list(EVENT_TIME_SOURCES)}, "Event time source"),
+    "window_seconds": ({"type": "integer", "minimum": 1}, "Window size (s)"),
+    "allowed_lateness_seconds": ({"type": "integer", "minimum": 0}, "Allowed lateness (s)"),
+    "max_value_bytes": ({"type": "integer", "minimum": 1}, "Max record value size (bytes)"),
+}
+
+
+def counts_asset(cfg: PipelineConfig):
+    """The Asset both DAGs update when they commit counts into the main table."""
+    from airflow.sdk import Asset
+
+    return Asset(name=f"{cfg.pipeline_id}_counts", uri=f"file://{cfg.counts_path}")
+
+
+def dag_params(cfg: PipelineConfig) -> dict[str, Any]:
+    """Airflow Params for :data:`RUN_PARAMS`, defaulting to the pipeline's configuration."""
+    from airflow.sdk import Param
+
+    return {name: Param(getattr(cfg, name), title=title, description=SETTINGS_HELP.get(name, ""), **schema)
+            for name, (schema, title) in RUN_PARAMS.items()}
+
+
+def run_config(cfg: PipelineConfig, params: dict[str, Any] | None) -> PipelineConfig:
+    """The pipeline's configuration with this run's Param values applied."""
+    overrides = {k: v for k, v in (params or {}).items() if k in RUN_PARAMS}
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def _param_args() -> list[str]:
+    """CLI flags rendered from the run's Params (they follow, and so override, the base flags)."""
+    args: list[str] = []
+    for name, (schema, _) in RUN_PARAMS.items():
+        if schema["type"] == "boolean":
+            args.append(f"{{{{ '{flag(name)}' if params.{name} else '{negated_flag(name)}' }}}}")
+        else:
+            args.append(f"{flag(name)}={{{{ params.{name} }}}}")
+    return args
+
+
+# The manual backfill DAG's trigger form: what to count and where.
+BACKFILL_PARAMS: dict[str, tuple[dict[str, Any], str, str]] = {
+    "target": ({"type": "string", "pattern": r"^[a-z][a-z0-9_]{0,62}$"}, "Target",
+               "'main' (the pipeline's counts table) or the name of a replay table set (lower-case letters, "
+               "digits, '_'), kept with its own ledger under <warehouse>/replays/<name>/"),
+    "offsets": ({"type": ["null", "string"],
+                 "pattern": r"^\s*(\d+\s*:\s*\d+\s*-\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*-\s*\d+\s*)*)?$"},
+                "Offset ranges", "per-partition half-open ranges 'partition:from-until,...', e.g. '0:0-500,2:100-200'; "
+                "leave empty to give a time range instead"),
+    "from_time": ({"type": ["null", "string"], "format": "date-time"}, "From (time)",
+                  "start of a time range (inclusive), resolved per partition to the first offset whose record "
+                  "timestamp is at or after it"),
+    "until_time": ({"type": ["null", "string"], "format": "date-time"}, "Until (time)",
+                   "end of the time range (exclusive); must not be in the future"),
+    "max_records_per_epoch": ({"type": "integer", "minimum": 1}, "Max records per epoch",
+                              "the range is counted in epochs of at most this many offsets, each committed on its own"),
+}
+
+
+def backfill_params(cfg: PipelineConfig) -> dict[str, Any]:
+    from airflow.sdk import Param
+
+    defaults = {"target": MAIN_TARGET, "offsets": None, "from_time": None, "until_time": None,
+                "max_records_per_epoch": cfg.max_records_per_epoch}
+    return {name: Param(defaults[name], title=title, description=text, **schema)
+            for name, (schema, title, text) in BACKFILL_PARAMS.items()}
+
+
+def check_backfill_request(cfg: PipelineConfig, params: dict[str, Any]) -> dict[str, Any]:
+    """The trigger form's request, checked (also against the broker) before Spark starts."""
+    from ipcount.jobs.backfill import resolve  # (imports pyspark: not at DAG parse time)
+
+    request = request_from_fields({k: params.get(k) for k in REQUEST_FIELDS}, cfg.topic)
+    ranges = resolve(cfg, request).ranges
+    log.info("backfill request %s: %s -> %d offset range(s), %d offsets", request.request_id, request.describe(),
+             len(ranges), sum(r.size for r in ranges))
+    return {"request_id": request.request_id, "target": request.target, "request": request.describe(),
+            "ranges": [str(r) for r in ranges]}
+
+
+def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: tuple[str, ...] = (),
+                        run_params: bool = True) -> dict[str, Any]:
+    """Arguments of the epoch operator (a SparkSubmitOperator) running ``ipcount <command>``.
+    The master comes from the ``spark_default`` connection; ``{{ ... }}`` is rendered by
+    Airflow. ``run_params``: pass the epoch DAG's per-run Params on as flags."""
+    return {
+        "epoch_server": cfg.epoch_server,
+        "application": EPOCH_APPLICATION,
+        "conn_id": "spark_default",
+        "name": f"{cfg.pipeline_id}-{command}",
+        "jars": ",".join(spark_jars()),
+        "conf": spark_conf(cfg),
+        "application_args": [command, *cfg.to_args(), *(_param_args() if run_params else []),
+                             "--run-id", "{{ run_id }}", *task_args],
+        # The driver must run the interpreter that has the pinned pyspark and this package.
+        "env_vars": {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable},
+    }
+
+
+# Each backfill run of the epoch DAG (`airflow backfill create`) counts the records whose
+# Kafka timestamps fall in its data interval - only what the ledger does not own yet.
+INTERVAL_BACKFILL_ARGS = ("--from-time", "{{ data_interval_start.isoformat() }}",
+                          "--until-time", "{{ data_interval_end.isoformat() }}")
+# The manual backfill DAG hands its checked form over as one JSON argument.
+REQUEST_BACKFILL_ARGS = ("--request-json", "{{ {'target': params.target, 'offsets': params.offsets, "
+                         "'from_time': params.from_time, 'until_time': params.until_time} | tojson }}",
+                         "--max-records-per-epoch", "{{ params.max_records_per_epoch }}")
+
+
+def epoch_summary(cfg: PipelineConfig, run_id: str, target: str = MAIN_TARGET) -> dict[str, Any]:
+    """The epoch(s) this DAG run committed, as logged, returned to XCom and put in the
+    counts Asset event's extra."""
+    cfg = cfg.for_target(target)
+    epochs = committed_epochs(cfg.ledger_path, run_id=run_id)
+    for e in epochs:
+        log.info("%s", e.line())
+    return {
+        "run_id": run_id,
+        "topic": cfg.topic,
+        "target": target,
+        "counts_table": cfg.counts_path,
+        "epochs": [e.to_dict() for e in epochs],
+        "records_counted": sum(e.records_counted for e in epochs),
+    }

@@ -1,0 +1,269 @@
+"""The monitoring app the Airflow api-server mounts under ``/ipcount`` (see
+``plugins/ipcount_monitor.py``): HTML pages for people and the same data as JSON under
+``/ipcount/api/`` for scripts. Every route needs an authenticated Airflow user allowed to
+read the epoch DAG, checked by Airflow's own security dependency (JWT in the
+``Authorization`` header, or the UI's session cookie)."""
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.templating import Jinja2Templates
+
+from ipcount.orchestration.dags import EPOCH_DAG_ID
+from ipcount.orchestration.monitor import model
+from ipcount.orchestration.monitor.charts import bar_chart, line_chart
+from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, replay_targets
+from ipcount.orchestration.monitor.runs import failed_since_success, run_states, run_target
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import ConfigError
+from ipcount.rules.requests import MAIN_TARGET
+from ipcount.storage.delta import DeltaReader
+
+log = logging.getLogger(__name__)
+TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+
+
+def _authorized():
+    """Airflow's check that the caller may read the epoch DAG (401 without a login)."""
+    from airflow.api_fastapi.core_api.security import requires_access_dag
+
+    return Depends(requires_access_dag(method="GET", param_dag_id=EPOCH_DAG_ID))
+
+
+class Monitor:
+    """What the routes share: the pipeline's configuration, the table reader, the broker probe."""
+
+    def __init__(self, cfg: PipelineConfig | None = None) -> None:
+        self._cfg = cfg
+        self.reader = DeltaReader()
+        self.broker = BrokerProbe()
+
+    @property
+    def cfg(self) -> PipelineConfig:
+        if self._cfg is None:  # read when first needed: a bad config is a page, not a dead plugin
+            self._cfg = PipelineConfig.load()
+        return self._cfg
+
+    def target(self, name: str) -> tuple[PipelineConfig, PipelineTables]:
+        targets = replay_targets(self.cfg)
+        if name not in targets:
+            raise model.BadQueryError(f"unknown target {name!r}; known: {', '.join(targets)}")
+        cfg = self.cfg.for_target(name)
+        return cfg, PipelineTables(cfg, self.reader)
+
+    # -- the four views, as data ----------------------------------------------------------
+    def epochs(self, target: str, status: str | None, kind: str | None, run_id: str | None,
+               page: int, page_size: int) -> dict[str, Any]:
+        _, tables = self.target(target)
+        status = model.check_choice("status", status, model.STATUSES)
+        kind = model.check_choice("kind", kind, model.KINDS)
+        refs = tables.epoch_index()
+        if run_id:
+            refs = [r for r in refs if r.run_id == run_id]
+        if kind:
+            refs = [r for r in refs if r.kind == kind]
+        # Only unfinished epochs need Airflow to tell running from failed.
+        planned_states = run_states(r.run_id for r in refs if r.planned)
+        if status:
+            refs = [r for r in refs if model.epoch_status(r.planned, planned_states.get(r.run_id or "", (None, None))[1])
+                    == status]
+        pg = model.page_of(len(refs), page, page_size)
+        shown = refs[pg.start:pg.start + pg.size]
+        rows = tables.epoch_rows([r.epoch for r in shown])
+        epochs = model.epoch_rows(rows, run_states(r.run_id for r in shown))
+        return {"target": target, "total": pg.total, "page": pg.number, "pages": pg.pages, "page_size": pg.size,
+                "epochs": epochs, "page_info": pg}
+
+    def health(self, target: str) -> model.Health:
+        cfg, tables = self.target(target)
+        refs = tables.epoch_index()
+        planned = [r for r in refs if r.planned]
+        unfinished = model.epoch_rows(tables.epoch_rows([r.epoch for r in planned]),
+                                      run_states(r.run_id for r in planned)) if planned else []
+        last = tables.last_committed()
+        positions = self.broker.positions(cfg)
+        lag = None
+        if positions.log_end:
+            chain = tables.chain_positions()
+            lag = sum(max(0, model.partition_lag(end, chain.get(p), positions.log_start.get(p)))
+                      for p, end in positions.log_end.items())
+        now = datetime.now(timezone.utc)
+        return model.assess_health(
+            now, last[0] if last else None, last[1] if last else None, model.schedule_interval(cfg.schedule, now),
+            lag, unfinished, failed_since_success() if target == MAIN_TARGET else (), positions.error)
+
+    def lag(self, target: str, last: int) -> dict[str, Any]:
+        if not 1 <= last <= 1000:
+            raise model.BadQueryError(f"epochs must be between 1 and 1000, got {last}")
+        cfg, tables = self.target(target)
+        positions = self.broker.positions(cfg)
+        chain = tables.chain_positions()
+        partitions = []
+        for p in sorted(set(positions.log_end) | set(chain)):
+            end, ledger, group = positions.log_end.get(p), chain.get(p), positions.group.get(p)
+            partitions.append({"partition": p, "log_start": positions.log_start.get(p), "log_end": end,
+                               "ledger_position": ledger, "group_offset": group,
+                               "lag": model.partition_lag(end, ledger, positions.log_start.get(p)),
+                               "group_lag": None if end is None or group is None else end - group})
+        history = tables.lag_history(last)
+        return {"target": target, "partitions": partitions, "broker_error": positions.error,
+                "group_id": cfg.group_id, "topic": cfg.topic,
+                "history": [{"epoch": e, "lag": {str(p): n for p, n in sorted(lags.items())}} for e, lags in history]}
+
+    def counts(self, target: str, start: str | None, until: str | None, top: int) -> dict[str, Any]:
+        if not 1 <= top <= 1000:
+            raise model.BadQueryError(f"top must be between 1 and 1000, got {top}")
+        _, tables = self.target(target)
+        begin, end = model.counts_range(model.parse_instant("from", start), model.parse_instant("until", until),
+                                        tables.latest_window_end())
+        return {"target": target, "from": begin.isoformat(), "until": end.isoformat(),
+                "top_ips": tables.top_ips(begin, end, top),
+                "windows": [{"window_start": w["window_start"].isoformat(), "requests": w["requests"],
+                             "ips": w["ips"], "final": w["final"]} for w in tables.requests_per_window(begin, end)]}
+
+
+def create_app(cfg: PipelineConfig | None = None) -> FastAPI:
+    monitor = Monitor(cfg)
+    # FastAPI's own docs routes skip app dependencies: these are served below, behind the login.
+    app = FastAPI(title="ipcount monitor", description=__doc__, dependencies=[_authorized()],
+                  docs_url=None, openapi_url=None, redoc_url=None)
+    _add_error_handlers(app)
+    _add_api_routes(app, monitor)
+    _add_page_routes(app, monitor)
+    app.state.monitor = monitor
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(model.BadQueryError)
+    async def bad_query(request: Request, e: model.BadQueryError):
+        return _error(request, 400, str(e))
+
+    @app.exception_handler(ConfigError)
+    async def bad_config(request: Request, e: ConfigError):
+        return _error(request, 500, f"the pipeline's configuration is invalid: {e}")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request: Request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())[1:])}: {err.get('msg')}"
+                             for err in e.errors())
+        return _error(request, 400, f"bad parameter: {problems}")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return _error(request, e.status_code, str(e.detail), getattr(e, "headers", None))
+
+
+def _add_api_routes(app: FastAPI, monitor: Monitor) -> None:
+    """The same data as the pages, as JSON under ``/api/``, and its OpenAPI docs."""
+    @app.get("/api/openapi.json", include_in_schema=False)
+    def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get("/api/docs", include_in_schema=False)
+    def docs(request: Request) -> HTMLResponse:
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/api/openapi.json",
+                                   title="ipcount monitor API")
+
+    @app.get("/api/health")
+    def api_health(target: str = "main") -> dict[str, Any]:
+        return monitor.health(target).to_dict()
+
+    @app.get("/api/epochs")
+    def api_epochs(target: str = "main", status: str | None = None, kind: str | None = None,
+                   run_id: str | None = None, page: int = 1, page_size: int = Query(50)) -> dict[str, Any]:
+        data = monitor.epochs(target, status, kind, run_id, page, page_size)
+        data.pop("page_info")
+        data["epochs"] = [e.to_dict() for e in data["epochs"]]
+        return data
+
+    @app.get("/api/lag")
+    def api_lag(target: str = "main", epochs: int = 50) -> dict[str, Any]:
+        return monitor.lag(target, epochs)
+
+    @app.get("/api/counts")
+    def api_counts(target: str = "main", start: str | None = Query(None, alias="from"),
+                   until: str | None = None, top: int = 20) -> dict[str, Any]:
+        return monitor.counts(target, start, until, top)
+
+
+def _add_page_routes(app: FastAPI, monitor: Monitor) -> None:
+    """The HTML pages: epochs (also per DAG run), lag, counts."""
+    def render(request: Request, template: str, **context: Any) -> HTMLResponse:
+        target = context.get("target", "main")
+        base = request.scope.get("root_path", "")
+        try:
+            health = monitor.health(target)
+            targets = replay_targets(monitor.cfg)
+        except model.BadQueryError:
+            health, targets = None, ["main"]
+        return TEMPLATES.TemplateResponse(request, template, {
+            "base": base, "health": health, "targets": targets, "cfg": monitor.cfg, "target": target,
+            "statuses": model.STATUSES, "kinds": model.KINDS, "committed": model.COMMITTED, **context})
+
+    @app.get("/", include_in_schema=False)
+    def root(request: Request):
+        return RedirectResponse(request.scope.get("root_path", "") + "/epochs")
+
+    @app.get("/epochs", response_class=HTMLResponse, name="epochs_page")
+    def epochs_page(request: Request, target: str = "main", status: str | None = None, kind: str | None = None,
+                    run_id: str | None = None, page: int = 1, page_size: int = 50):
+        data = monitor.epochs(target, status, kind, run_id, page, page_size)
+        return render(request, "epochs.html", status=status or "", kind=kind or "", run_id=run_id or "",
+                      chart=_epochs_chart(data["epochs"]), **data)
+
+    @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
+    def run_page(request: Request, dag_id: str, run_id: str):
+        target = run_target(dag_id, run_id)
+        if target is None:
+            raise HTTPException(404, f"no run {run_id!r} of DAG {dag_id!r}")
+        data = monitor.epochs(target, None, None, run_id, 1, 500)
+        return render(request, "epochs.html", status="", kind="", run_id=run_id, run_dag_id=dag_id,
+                      chart=_epochs_chart(data["epochs"]), **data)
+
+    @app.get("/lag", response_class=HTMLResponse)
+    def lag_page(request: Request, target: str = "main", epochs: int = 50):
+        data = monitor.lag(target, epochs)
+        xs = [h["epoch"] for h in data["history"]]
+        parts = sorted({p for h in data["history"] for p in h["lag"]}, key=int)
+        chart = line_chart("lag-chart", "Lag after each epoch, per partition", xs,
+                           {f"p{p}": [h["lag"].get(p) for h in data["history"]] for p in parts})
+        return render(request, "lag.html", chart=chart, epochs=epochs, **data)
+
+    @app.get("/counts", response_class=HTMLResponse)
+    def counts_page(request: Request, target: str = "main", start: str | None = Query(None, alias="from"),
+                    until: str | None = None, top: int = 20):
+        data = monitor.counts(target, start, until, top)
+        windows = data["windows"]
+        chart = bar_chart("window-chart", "Requests per window", [w["window_start"][11:19] for w in windows],
+                          [w["requests"] for w in windows], [not w["final"] for w in windows])
+        return render(request, "counts.html", chart=chart, top=top, this_from=data["from"], this_until=data["until"],
+                      **data)
+
+
+def _epochs_chart(epochs: list[model.EpochRow]) -> str:
+    shown = list(reversed(epochs))  # oldest on the left
+    return bar_chart("epochs-chart", "Records counted per epoch (lighter: not committed)",
+                     [f"epoch {e.epoch}" for e in shown], [e.records_counted for e in shown],
+                     [e.status != model.COMMITTED for e in shown])
+
+
+def _error(request: Request, status: int, message: str, headers: dict | None = None):
+    if _is_api(request):
+        return JSONResponse({"detail": message}, status_code=status, headers=headers)
+    return TEMPLATES.TemplateResponse(request, "error.html", {
+        "status": status, "message": message, "base": request.scope.get("root_path", ""),
+        "login": status in (401, 403)}, status_code=status, headers=headers)
+
+
+def _is_api(request: Request) -> bool:
+    root, path = request.scope.get("root_path", ""), request.url.path
+    return (path[len(root):] if root and path.startswith(root) else path).startswith("/api/")

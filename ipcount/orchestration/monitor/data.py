@@ -1,0 +1,152 @@
+"""What the monitoring pages read: the Delta tables through delta-rs (no JVM, one open
+table per path kept up to date incrementally) and the broker's offsets.
+
+Answers are cached per table version, so the pages cost one small log read between
+epochs. Every query prunes files by the Delta statistics where it can (epoch ranges,
+window times); the ledger compacts itself (see ``ipcount.storage.ledger``), so a full look at it
+stays a handful of files however many epochs it holds.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED
+from ipcount.rules.requests import MAIN_TARGET
+from ipcount.storage import broker
+from ipcount.storage.delta import DeltaReader, has_table, sql_identifier, sql_literal
+
+log = logging.getLogger(__name__)
+
+
+# The ledger's values as SQL over delta-rs (rows before backfills existed have no kind).
+KIND_SQL = f"coalesce(kind, {sql_literal(SCHEDULED)})"
+PLANNED_SQL = sql_literal(PLANNED)
+CHAIN_COMMITTED_SQL = f"status = {sql_literal(COMMITTED)} AND {KIND_SQL} = {sql_literal(SCHEDULED)}"
+
+
+@dataclass(frozen=True)
+class EpochRef:
+    epoch: int
+    planned: bool
+    kind: str
+    run_id: str | None
+
+
+class PipelineTables:
+    """The ledger and counts of one target (``main`` or a replay table set)."""
+
+    def __init__(self, cfg: PipelineConfig, reader: DeltaReader) -> None:
+        self.cfg, self.reader = cfg, reader
+
+    def epoch_index(self) -> list[EpochRef]:
+        """Every epoch of the topic, newest first: id, unfinished or not, kind, run."""
+        rows = self.reader.query(self.cfg.ledger_path, (
+            f"SELECT epoch, bool_or(status = {PLANNED_SQL}) AS planned, min({KIND_SQL}) AS kind, "
+            f"min(run_id) AS run_id FROM t WHERE topic = {sql_literal(self.cfg.topic)} "
+            "GROUP BY epoch ORDER BY epoch DESC"))
+        return [EpochRef(r["epoch"], bool(r["planned"]), r["kind"], r["run_id"]) for r in rows]
+
+    def epoch_rows(self, epochs: list[int]) -> list[dict[str, Any]]:
+        """The ledger rows of the given epochs (one range query: Delta's statistics skip the
+        files outside it)."""
+        if not epochs:
+            return []
+        wanted = set(epochs)
+        rows = self.reader.query(self.cfg.ledger_path, (
+            f"SELECT * FROM t WHERE topic = {sql_literal(self.cfg.topic)} "
+            f"AND epoch >= {min(wanted)} AND epoch <= {max(wanted)}"))
+        return [r for r in rows if r["epoch"] in wanted]
+
+    def chain_positions(self) -> dict[int, int]:
+        """partition -> next offset of the scheduled chain (what the consumer group follows)."""
+        rows = self.reader.query(self.cfg.ledger_path, (
+            "SELECT partition, max(until_offset) AS until FROM t "
+            f"WHERE topic = {sql_literal(self.cfg.topic)} AND {CHAIN_COMMITTED_SQL} GROUP BY partition"))
+        return {r["partition"]: r["until"] for r in rows}
+
+    def last_committed(self) -> tuple[int, datetime] | None:
+        rows = self.reader.query(self.cfg.ledger_path, (
+            "SELECT epoch, committed_at FROM t "
+            f"WHERE topic = {sql_literal(self.cfg.topic)} AND {CHAIN_COMMITTED_SQL} ORDER BY epoch DESC LIMIT 1"))
+        return (rows[0]["epoch"], rows[0]["committed_at"]) if rows else None
+
+    def lag_history(self, last: int) -> list[tuple[int, dict[int, int]]]:
+        """(epoch, partition -> lag after it) of the chain's last ``last`` committed epochs,
+        oldest first."""
+        chain = [e.epoch for e in self.epoch_index() if e.kind == SCHEDULED and not e.planned][:last]
+        by_epoch: dict[int, dict[int, int]] = {}
+        for r in self.epoch_rows(chain):
+            if r["status"] == COMMITTED and r.get("lag_after") is not None:
+                by_epoch.setdefault(r["epoch"], {})[r["partition"]] = r["lag_after"]
+        return sorted(by_epoch.items())
+
+    def latest_window_end(self) -> datetime | None:
+        rows = self.reader.query(self.cfg.counts_path, "SELECT max(window_end) AS m FROM t")
+        return rows[0]["m"] if rows else None
+
+    def top_ips(self, start: datetime, until: datetime, limit: int) -> list[dict[str, Any]]:
+        """IPs by requests counted in the windows inside [start, until)."""
+        return self.reader.query(self.cfg.counts_path, (
+            "SELECT ip, sum(count) AS requests, count(*) AS windows FROM t "
+            f"WHERE {_window_filter(start, until)} GROUP BY ip ORDER BY requests DESC, ip LIMIT {int(limit)}"))
+
+    def requests_per_window(self, start: datetime, until: datetime) -> list[dict[str, Any]]:
+        return self.reader.query(self.cfg.counts_path, (
+            "SELECT window_start, sum(count) AS requests, count(*) AS ips, bool_and(coalesce(is_final, false)) "
+            f"AS final FROM t WHERE {_window_filter(start, until)} GROUP BY window_start ORDER BY window_start"))
+
+
+def _window_filter(start: datetime, until: datetime) -> str:
+    def ts(t: datetime) -> str:
+        return f"arrow_cast({sql_literal(t.isoformat())}, 'Timestamp(Microsecond, Some(\"UTC\"))')"
+    return f"{sql_identifier('window_start')} >= {ts(start)} AND {sql_identifier('window_end')} <= {ts(until)}"
+
+
+def replay_targets(cfg: PipelineConfig) -> list[str]:
+    """``main`` and the replay table sets that exist under the warehouse."""
+    root = Path(cfg.warehouse) / "replays"
+    names = sorted(p.name for p in root.iterdir() if has_table(p / "ledger")) if root.is_dir() else []
+    return [MAIN_TARGET, *names]
+
+
+@dataclass(frozen=True)
+class BrokerPositions:
+    """Per partition: the log's start and end, and the consumer group's committed offset."""
+
+    log_start: dict[int, int]
+    log_end: dict[int, int]
+    group: dict[int, int]
+    error: str | None = None
+
+
+class BrokerProbe:
+    """The broker's offsets, asked at most every ``ttl_seconds`` (pages poll; the broker
+    should not feel it). An unreachable broker is an answer, not an exception."""
+
+    def __init__(self, ttl_seconds: float = 5.0) -> None:
+        self.ttl_seconds = ttl_seconds
+        self._last: tuple[float, str, BrokerPositions] | None = None
+        self._lock = threading.Lock()
+
+    def positions(self, cfg: PipelineConfig) -> BrokerPositions:
+        key = f"{cfg.bootstrap_servers}/{cfg.topic}/{cfg.group_id}"
+        with self._lock:
+            if self._last and self._last[1] == key and time.monotonic() - self._last[0] < self.ttl_seconds:
+                return self._last[2]
+            quick = cfg.replace(kafka_timeout_seconds=3)
+            try:
+                start, end = broker.partition_offsets(quick)
+                group = broker.group_offsets(quick)
+                answer = BrokerPositions(start, end, group)
+            except Exception as e:  # shown on the page; the tables are still worth seeing
+                log.warning("broker offsets unavailable: %s", e)
+                answer = BrokerPositions({}, {}, {}, error=f"{type(e).__name__}: {e}")
+            self._last = (time.monotonic(), key, answer)
+            return answer

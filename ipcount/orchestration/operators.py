@@ -1,0 +1,42 @@
+"""The Airflow operator of the tasks that run the pipeline's Spark commands."""
+from __future__ import annotations
+
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.sdk.exceptions import AirflowException
+
+from ipcount.orchestration.monitor.links import EpochPageLink
+from ipcount.server import client
+
+
+class EpochSubmitOperator(SparkSubmitOperator):
+    """``spark-submit spark_jobs/epoch_job.py <command>``, or the same command in the epoch
+    server when ``epoch_server`` names one that answers (a warm session: no JVM start, no
+    cold Delta operations). Either way the task fails when the command does, and carries the
+    link to its epochs' monitoring page."""
+
+    operator_extra_links = (EpochPageLink(),)
+
+    def __init__(self, *, epoch_server: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.epoch_server = epoch_server
+
+    def execute(self, context):
+        if self.epoch_server:
+            state = client.health(self.epoch_server)
+            if state is not None:
+                return self._run_in_server(state)
+            self.log.warning("no epoch server answers at %s: running the command with spark-submit instead",
+                             self.epoch_server)
+        return super().execute(context)
+
+    def _run_in_server(self, state: dict) -> None:
+        args = [str(a) for a in self.application_args]
+        self.log.info("running `%s` in the epoch server at %s (pid %s, %s requests so far%s)", args[0],
+                      self.epoch_server, state.get("pid"), state.get("requests"),
+                      ", busy: this request waits its turn" if state.get("busy") else "")
+        result = client.submit(self.epoch_server, args, on_log=self.log.info)
+        for line in result.get("stdout", "").splitlines():
+            self.log.info("%s", line)
+        if result["exit_code"] != 0:
+            raise AirflowException(f"`{args[0]}` failed in the epoch server with exit code {result['exit_code']}"
+                                   + (f": {result['error']}" if result.get("error") else " (see the log above)"))

@@ -1,0 +1,11 @@
+"""Pure rules, no I/O and no pyspark, kafka, delta, deltalake or airflow imports: what an
+offset range, a plan, a ledger row, a record and a setting mean. Unit-tested on literals.
+
+- :mod:`.config`    the one frozen, validated :class:`~.config.PipelineConfig`
+- :mod:`.errors`    one exception base carrying its exit code
+- :mod:`.offsets`   offset ranges and epoch planning
+- :mod:`.coverage`  which offsets a ledger already owns (interval arithmetic)
+- :mod:`.ledger`    the ledger's schema and rules: statuses, kinds, plans, chain positions, summaries
+- :mod:`.requests`  backfill requests: parsing and checks
+- :mod:`.records`   the record format: the specification the Spark parser implements
+"""

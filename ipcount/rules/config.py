@@ -1,0 +1,303 @@
+"""Pipeline configuration: one frozen, validated object passed to every component.
+
+Precedence, lowest first: built-in defaults, a TOML/JSON config file, ``IPCOUNT_*``
+environment variables, explicit overrides (CLI flags, DAG params). Nothing deeper in the
+code reads ``os.environ``; it receives a :class:`PipelineConfig`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from ipcount.rules.errors import ConfigError
+from ipcount.rules.requests import MAIN_TARGET, check_target
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STATE_DIR = REPO_ROOT / ".local"
+ENV_PREFIX = "IPCOUNT_"
+START_POSITIONS = ("earliest", "latest", "timestamp", "group-offsets", "specific")
+RESET_POLICIES = ("earliest", "latest", "none")
+DATA_LOSS_POLICIES = ("fail", "skip")
+EVENT_TIME_SOURCES = ("payload", "kafka")
+_IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
+
+
+# One line per setting: CLI --help, DAG Params and the README say the same.
+SETTINGS_HELP = {
+    "pipeline_id": "name of the pipeline; Delta txnAppId of its writes",
+    "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
+    "topic": "source topic",
+    "warehouse": "directory holding the Delta tables (counts, ledger, dead_letters, late_records)",
+    "counts_table": "location of the counts table (default <warehouse>/counts)",
+    "ledger_table": "location of the offset ledger (default <warehouse>/ledger)",
+    "dead_letter_table": "location of the dead-letter table (default <warehouse>/dead_letters)",
+    "late_table": "location of the late-records table (default <warehouse>/late_records)",
+    "window_seconds": "tumbling event-time window size",
+    "allowed_lateness_seconds": "how long after its end (by the watermark) a window still accepts records",
+    "event_time": "where event time comes from: payload (the record's ts / [time]) or kafka (record timestamp)",
+    "max_records_per_epoch": "cap on the offsets one epoch (or one backfill chunk) reads, split across "
+                             "partitions by backlog",
+    "start_position": "where a pipeline with an empty ledger starts: earliest, latest, timestamp, "
+                      "group-offsets or specific (ignored once the ledger has entries)",
+    "start_timestamp_ms": "for start_position timestamp: per partition, the first offset at or after this time",
+    "start_offsets": "for start_position specific: 'partition:offset,...' (others start at earliest)",
+    "group_offsets_reset": "for start_position group-offsets: partitions without a committed offset start "
+                           "at earliest or latest, or fail (none)",
+    "on_data_loss": "offsets deleted before they were counted: fail (default) or skip them, recording "
+                    "the gap in the ledger as status 'lost'",
+    "group_id": "Kafka consumer group that receives the committed offsets (monitoring only)",
+    "commit_offsets": "commit the ledger's offsets to the consumer group after each epoch",
+    "max_value_bytes": "larger record values go to the dead-letter table as too_large",
+    "spark_master": "Spark master for the in-process session (spark-submit passes its own)",
+    "kafka_timeout_seconds": "timeout of broker requests",
+    "schedule": "the DAG's schedule: cron expression or preset (read when Airflow parses the DAG)",
+    "epoch_server": "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs "
+                    "run their Spark commands in; empty, or not answering: a spark-submit per run",
+}
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a setting: ``window_seconds`` -> ``--window-seconds``."""
+    return "--" + name.replace("_", "-")
+
+
+def negated_flag(name: str) -> str:
+    """``--no-commit-offsets``: how a boolean setting is turned off on the command line."""
+    return "--no-" + name.replace("_", "-")
+
+
+# Settings whose value must be one of a few words.
+CHOICES = {"start_position": START_POSITIONS, "event_time": EVENT_TIME_SOURCES,
+           "on_data_loss": DATA_LOSS_POLICIES, "group_offsets_reset": RESET_POLICIES}
+# Integer settings and their least allowed value.
+MINIMUMS = {"window_seconds": 1, "max_records_per_epoch": 1, "max_value_bytes": 1,
+            "kafka_timeout_seconds": 1, "allowed_lateness_seconds": 0}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything an epoch needs to know. Validated when built.
+
+    Table locations default to ``<warehouse>/<table>``; set them one by one to place a
+    table elsewhere.
+    """
+
+    pipeline_id: str = "ipcount"
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic: str = "ip_count_source"
+    warehouse: str = str(STATE_DIR / "warehouse")
+    counts_table: str = ""
+    ledger_table: str = ""
+    dead_letter_table: str = ""
+    late_table: str = ""
+    window_seconds: int = 5
+    allowed_lateness_seconds: int = 5
+    event_time: str = "payload"          # or "kafka": the Kafka record timestamp
+    max_records_per_epoch: int = 500_000
+    start_position: str = "earliest"
+    start_timestamp_ms: int = -1         # start_position "timestamp": epoch ms
+    start_offsets: str = ""              # start_position "specific": "partition:offset,..."
+    group_offsets_reset: str = "earliest"  # start_position "group-offsets": partitions with none
+    on_data_loss: str = "fail"           # or "skip": skip deleted offsets, recording the gap
+    group_id: str = "ipcount"
+    commit_offsets: bool = True
+    max_value_bytes: int = 65_536
+    spark_master: str = "local[*]"
+    kafka_timeout_seconds: int = 30
+    schedule: str = "* * * * *"
+    epoch_server: str = ""
+
+    def __post_init__(self) -> None:
+        self._check_names()
+        self._check_numbers_and_choices()
+        self._check_start_position()
+        if not self.schedule.strip():
+            raise ConfigError("schedule is empty; expected a cron expression such as '* * * * *' or a "
+                              "preset such as '@hourly'")
+        if self.epoch_server and not re.match(r"^https?://[^/\s:]+:\d{1,5}/?$", self.epoch_server):
+            raise ConfigError(f"epoch_server must be a URL such as http://127.0.0.1:8765 (or empty for "
+                              f"spark-submit); found {self.epoch_server!r}")
+        if not self.warehouse:
+            raise ConfigError("warehouse is empty; expected a directory for the Delta tables")
+
+    def _check_names(self) -> None:
+        for name in ("pipeline_id", "group_id"):
+            value = getattr(self, name)
+            if not _IDENTIFIER.match(value):
+                raise ConfigError(
+                    f"{name} must start with a letter and hold only letters, digits, '_', '.', '-' "
+                    f"(at most 100 characters); found {value!r}")
+        if not re.match(r"^[A-Za-z0-9._-]{1,249}$", self.topic):
+            raise ConfigError(f"topic must be a legal Kafka topic name; found {self.topic!r}")
+        if not self.bootstrap_servers.strip():
+            raise ConfigError("bootstrap_servers is empty; expected host:port[,host:port...]")
+        for hostport in self.bootstrap_servers.split(","):
+            if not re.match(r"^[^:\s]+:\d{1,5}$", hostport.strip()):
+                raise ConfigError(
+                    f"bootstrap_servers entry {hostport!r} is not host:port (in {self.bootstrap_servers!r})")
+
+    def _check_numbers_and_choices(self) -> None:
+        for name, minimum in MINIMUMS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ConfigError(f"{name} must be an integer >= {minimum}; found {value!r}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}; found {getattr(self, name)!r}")
+
+    def _check_start_position(self) -> None:
+        if self.start_position == "timestamp" and self.start_timestamp_ms < 0:
+            raise ConfigError("start_position 'timestamp' needs start_timestamp_ms (epoch milliseconds, >= 0); "
+                              f"found {self.start_timestamp_ms}")
+        specific = self.specific_start_offsets  # validates the format
+        if self.start_position == "specific" and not specific:
+            raise ConfigError("start_position 'specific' needs start_offsets, e.g. '0:100,2:250' "
+                              "(partitions not named start at earliest)")
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, config_file: str | os.PathLike[str] | None = None,
+             environ: Mapping[str, str] | None = None, **overrides: Any) -> PipelineConfig:
+        """Defaults < ``config_file`` (or ``$IPCOUNT_CONFIG``) < ``IPCOUNT_*`` env < overrides."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        config_file = config_file or environ.get(f"{ENV_PREFIX}CONFIG") or None
+        if config_file:
+            values.update(read_config_file(config_file))
+        values.update(_from_env(environ))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> PipelineConfig:
+        """Build from plain values (strings are converted to each field's type)."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        converted = {name: _convert(name, known[name].type, value) for name, value in values.items()}
+        return cls(**converted)
+
+    def replace(self, **changes: Any) -> PipelineConfig:
+        """A copy with some settings changed, validated again."""
+        return PipelineConfig.from_mapping({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to_args(self) -> list[str]:
+        """The settings as CLI flags of ``ipcount epoch`` (used to hand them to spark-submit)."""
+        args: list[str] = []
+        for name, value in self.to_dict().items():
+            if isinstance(value, bool):
+                args.append(flag(name) if value else negated_flag(name))
+            else:
+                args += [flag(name), str(value)]
+        return args
+
+    @property
+    def specific_start_offsets(self) -> dict[int, int]:
+        """``start_offsets`` parsed: "0:100, 2:250" -> {0: 100, 2: 250}."""
+        out: dict[int, int] = {}
+        for item in filter(None, (x.strip() for x in self.start_offsets.split(","))):
+            m = re.match(r"^(\d+)\s*:\s*(\d+)$", item)
+            if not m:
+                raise ConfigError(f"start_offsets entry {item!r} is not partition:offset "
+                                  f"(e.g. '0:100,2:250'); found {self.start_offsets!r}")
+            if int(m.group(1)) in out:
+                raise ConfigError(f"start_offsets names partition {m.group(1)} twice: {self.start_offsets!r}")
+            out[int(m.group(1))] = int(m.group(2))
+        return out
+
+    # Table locations: an explicit setting wins, else <warehouse>/<table>.
+    def _table(self, explicit: str, name: str) -> str:
+        return explicit or str(Path(self.warehouse) / name)
+
+    @property
+    def counts_path(self) -> str:
+        return self._table(self.counts_table, "counts")
+
+    @property
+    def ledger_path(self) -> str:
+        return self._table(self.ledger_table, "ledger")
+
+    @property
+    def dead_letter_path(self) -> str:
+        return self._table(self.dead_letter_table, "dead_letters")
+
+    @property
+    def late_path(self) -> str:
+        return self._table(self.late_table, "late_records")
+
+    def for_target(self, target: str) -> PipelineConfig:
+        """The configuration writing to ``target``: ``main`` is this pipeline's own tables;
+        any other (checked) name is a replay table set with its own ledger under
+        ``<warehouse>/replays/<target>/``."""
+        if check_target(target) == MAIN_TARGET:
+            return self
+        base = Path(self.warehouse) / "replays" / target
+        return self.replace(counts_table=str(base / "counts"), ledger_table=str(base / "ledger"),
+                            dead_letter_table=str(base / "dead_letters"), late_table=str(base / "late_records"))
+
+    @property
+    def window_ms(self) -> int:
+        return self.window_seconds * 1000
+
+    @property
+    def allowed_lateness_ms(self) -> int:
+        return self.allowed_lateness_seconds * 1000
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a ``.toml`` or ``.json`` file of settings (top-level keys, or an ``[ipcount]`` table)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a table/object of settings")
+    return dict(data.get("ipcount", data))
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    names = {f.name for f in fields(PipelineConfig)}
+    out = {}
+    for key, value in environ.items():
+        if key.startswith(ENV_PREFIX) and key != f"{ENV_PREFIX}CONFIG":
+            name = key[len(ENV_PREFIX):].lower()
+            if name in names:
+                out[name] = value
+    return out
+
+
+def _convert(name: str, type_name: Any, value: Any) -> Any:
+    type_name = str(type_name)
+    if type_name == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name} must be true or false; found {value!r}")
+    if type_name == "int":
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be an integer; found {value!r}")
+        try:
+            return int(str(value).replace("_", "")) if not isinstance(value, int) else value
+        except ValueError as e:
+            raise ConfigError(f"{name} must be an integer; found {value!r}") from e
+    return str(value)
+
+

@@ -1,0 +1,312 @@
+"""The offset ledger's schema and rules, without Spark or Delta: every reader and writer of
+the ledger (the Spark writer in :mod:`ipcount.storage.ledger`, the delta-rs readers of the
+idle check, verify, the DAG summary and the monitoring pages) goes through this module.
+
+The ledger is the pipeline's only recovery state (like a Flink checkpoint, or Spark's
+offsets/commits logs). One row per (epoch, partition): ``status`` is ``planned`` from the
+write-ahead until the sink commit is done, then ``committed``. With ``on_data_loss =
+"skip"``, offsets deleted before they were counted get a row of their own with status
+``lost``, so that per partition the committed and lost ranges still chain without a gap.
+
+``kind`` is ``scheduled`` (the chain the DAG advances) or ``backfill`` (a request for a
+given range, ``request_id`` naming it; rows written before backfills existed have no kind
+and are scheduled). Whatever the kind, the rows of one ledger never overlap.
+
+Rows are plain mappings (column -> value), as delta-rs returns them and as Spark rows
+become with ``asDict()``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from ipcount.rules.coverage import Coverage
+from ipcount.rules.errors import LedgerStateError
+from ipcount.rules.offsets import OffsetRange, describe, offsets_json, span_text
+
+Row = Mapping[str, Any]
+
+PLANNED, COMMITTED, LOST = "planned", "committed", "lost"
+STATUSES = (PLANNED, COMMITTED, LOST)
+SCHEDULED, BACKFILL = "scheduled", "backfill"
+EPOCH_KINDS = (SCHEDULED, BACKFILL)
+
+# (column, Spark SQL type, nullable), in table order. Columns after the first release are
+# nullable, so that older ledgers gain them by ALTER TABLE ADD COLUMNS.
+COLUMNS: tuple[tuple[str, str, bool], ...] = (
+    ("epoch", "bigint", False),
+    ("topic", "string", False),
+    ("partition", "int", False),
+    ("from_offset", "bigint", False),
+    ("until_offset", "bigint", False),
+    ("status", "string", False),                 # planned | committed | lost
+    ("planned_at", "timestamp", False),
+    ("committed_at", "timestamp", True),
+    ("records_read", "bigint", True),
+    ("records_counted", "bigint", True),
+    ("records_late", "bigint", True),
+    ("records_malformed", "bigint", True),
+    ("watermark_before_ms", "bigint", True),
+    ("watermark_after_ms", "bigint", True),
+    ("sink_version", "bigint", True),
+    ("duration_seconds", "double", True),
+    ("run_id", "string", True),
+    ("lag_after", "bigint", True),
+    ("stage_seconds", "map<string,double>", True),
+    ("kind", "string", True),                    # scheduled | backfill (null: scheduled)
+    ("request_id", "string", True),              # the backfill request
+    ("chain_watermark_ms", "bigint", True),      # scheduled chain's watermark at planning
+)
+COLUMN_NAMES = tuple(name for name, _, _ in COLUMNS)
+# What planning reads of each row.
+STATE_COLUMNS = ("epoch", "topic", "partition", "from_offset", "until_offset", "status", "kind", "request_id",
+                 "watermark_before_ms", "watermark_after_ms", "chain_watermark_ms")
+METRICS = ("records_read", "records_counted", "records_late", "records_malformed")
+
+
+def kind_of(row: Row) -> str:
+    return row.get("kind") or SCHEDULED
+
+
+def is_scheduled(row: Row) -> bool:
+    """A row of the scheduled chain."""
+    return kind_of(row) == SCHEDULED
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """The ranges of one epoch and the watermarks in force when it was planned.
+
+    ``watermark_ms`` is the watermark left by the previous committed epoch of the same
+    lane (None before the first): records of this epoch are classified late against it,
+    so a replay of the epoch classifies exactly the same records as late. The scheduled
+    chain is one lane; each backfill request is a lane of its own, so history counted
+    later is not thrown away as late against the live watermark.
+
+    ``chain_watermark_ms`` is the scheduled chain's watermark when the epoch was planned:
+    a backfill epoch marks windows that watermark has passed as final.
+    """
+
+    epoch: int
+    ranges: tuple[OffsetRange, ...]
+    watermark_ms: int | None = None
+    lost: tuple[OffsetRange, ...] = ()  # deleted before they were counted, skipped by policy
+    kind: str = SCHEDULED
+    request_id: str | None = None       # the backfill request (None for scheduled epochs)
+    chain_watermark_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in EPOCH_KINDS:
+            raise ValueError(f"epoch kind must be one of {EPOCH_KINDS}; found {self.kind!r}")
+
+    @property
+    def size(self) -> int:
+        return sum(r.size for r in self.ranges)
+
+    @property
+    def nonempty_ranges(self) -> tuple[OffsetRange, ...]:
+        return tuple(r for r in self.ranges if r.size > 0)
+
+    def starting_offsets_json(self) -> str:
+        return offsets_json(self.nonempty_ranges, "from_offset")
+
+    def ending_offsets_json(self) -> str:
+        return offsets_json(self.nonempty_ranges, "until_offset")
+
+    def describe(self) -> str:
+        spans = describe(self.ranges, empty="")
+        return spans if self.kind == SCHEDULED else f"{spans} (backfill {self.request_id})"
+
+
+def plan_from_rows(rows: Iterable[Row]) -> EpochPlan:
+    """An epoch's plan as its ledger rows recorded it."""
+    rows = sorted(rows, key=lambda r: (r["partition"], r["from_offset"]))
+    first = rows[0]
+
+    def ranges(keep) -> tuple[OffsetRange, ...]:
+        return tuple(OffsetRange(r["topic"], r["partition"], r["from_offset"], r["until_offset"])
+                     for r in rows if keep(r["status"]))
+    return EpochPlan(epoch=first["epoch"], ranges=ranges(lambda s: s != LOST),
+                     watermark_ms=first.get("watermark_before_ms"), lost=ranges(lambda s: s == LOST),
+                     kind=kind_of(first), request_id=first.get("request_id"),
+                     chain_watermark_ms=first.get("chain_watermark_ms"))
+
+
+def rows_by_epoch(rows: Iterable[Row]) -> dict[int, list[Row]]:
+    """Per-partition ledger rows grouped by epoch id, in the order met."""
+    out: dict[int, list[Row]] = {}
+    for r in rows:
+        out.setdefault(r["epoch"], []).append(r)
+    return out
+
+
+def metric_totals(rows: Iterable[Row]) -> dict[str, int]:
+    """An epoch's record counts: its partitions' rows summed (missing counts are 0)."""
+    rows = list(rows)
+    return {m: sum(r.get(m) or 0 for r in rows) for m in METRICS}
+
+
+def chain_positions(rows: Iterable[Row]) -> dict[int, int]:
+    """partition -> next offset of the scheduled chain, from one topic's ledger rows (only
+    its committed rows count; backfills may lie behind or ahead of the chain)."""
+    positions: dict[int, int] = {}
+    for r in rows:
+        if r["status"] == COMMITTED and is_scheduled(r):
+            positions[r["partition"]] = max(positions.get(r["partition"], 0), r["until_offset"])
+    return positions
+
+
+def unfinished_chain_epochs(rows: Iterable[Row]) -> list[int]:
+    """The scheduled chain's planned (not yet committed) epochs."""
+    return sorted({r["epoch"] for r in rows if r["status"] == PLANNED and is_scheduled(r)})
+
+
+@dataclass(frozen=True)
+class PartitionMetrics:
+    records_read: int = 0
+    records_counted: int = 0
+    records_late: int = 0
+    records_malformed: int = 0
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    """What planning needs from the ledger for one topic."""
+
+    last_epoch: int = 0                       # highest epoch id of any kind, planned or committed
+    committed: Mapping[int, int] = field(default_factory=dict)  # scheduled chain: partition -> next offset
+    watermark_ms: int | None = None           # left by the chain's last committed epoch
+    pending: EpochPlan | None = None          # scheduled epoch planned but not committed: re-run it
+    pending_backfills: tuple[EpochPlan, ...] = ()  # backfill epochs planned but not committed
+    coverage: Coverage = field(default_factory=lambda: Coverage(""))  # offsets any row owns
+    request_watermarks: Mapping[str, int | None] = field(default_factory=dict)  # backfill lanes
+
+    @property
+    def unfinished(self) -> list[int]:
+        """Every planned epoch, scheduled or backfill."""
+        return sorted([p.epoch for p in self.pending_backfills] + ([self.pending.epoch] if self.pending else []))
+
+
+def state_of(topic: str, rows: Iterable[Row], path: str = "ledger") -> LedgerState:
+    """:class:`LedgerState` of ``topic`` from the ledger's rows (of all topics: epoch ids
+    are unique across them)."""
+    rows = list(rows)
+    mine = [r for r in rows if r["topic"] == topic]
+    chain = [r for r in mine if is_scheduled(r) and r["status"] == COMMITTED]
+    latest = max(chain, key=lambda r: r["epoch"], default=None)
+    lanes: dict[str, list[Row]] = {}
+    for r in mine:
+        if kind_of(r) == BACKFILL and r["status"] == COMMITTED:
+            lanes.setdefault(r["request_id"], []).append(r)
+    request_watermarks = {rid: max(rs, key=lambda r: r["epoch"])["watermark_after_ms"] for rid, rs in lanes.items()}
+
+    planned = rows_by_epoch(r for r in mine if r["status"] == PLANNED)
+    plans = [plan_from_rows(rs) for _, rs in sorted(planned.items())]
+    chain_plans = [p for p in plans if p.kind == SCHEDULED]
+    if len(chain_plans) > 1:
+        raise LedgerStateError(f"ledger {path} has several unfinished scheduled epochs "
+                               f"{[p.epoch for p in chain_plans]}; only one can be in flight")
+    # Every row of the topic, planned, committed or lost and of any kind, owns its offsets.
+    coverage = Coverage.of(topic, (OffsetRange(topic, r["partition"], r["from_offset"], r["until_offset"])
+                                   for r in mine))
+    return LedgerState(last_epoch=max((r["epoch"] for r in rows), default=0), committed=chain_positions(chain),
+                       watermark_ms=latest["watermark_after_ms"] if latest is not None else None,
+                       pending=chain_plans[0] if chain_plans else None,
+                       pending_backfills=tuple(p for p in plans if p.kind == BACKFILL),
+                       coverage=coverage, request_watermarks=request_watermarks)
+
+
+@dataclass(frozen=True)
+class EpochSummary:
+    """What one epoch did, in the one shape every reporter uses: the CLI's line and JSON,
+    the epoch server's output, the DAG's XCom and Asset event, the benchmark. ``plan`` is
+    None for a run that found nothing new to read (no epoch)."""
+
+    plan: EpochPlan | None
+    records_read: int = 0
+    records_counted: int = 0
+    records_late: int = 0
+    records_malformed: int = 0
+    watermark_ms: int | None = None         # after the epoch
+    sink_version: int | None = None         # the counts table version holding the epoch
+    seconds: float = 0.0
+    stage_seconds: Mapping[str, float] = field(default_factory=dict)
+    lag_after: Mapping[int, int] | None = None
+    run_id: str | None = None
+    resumed: bool = False
+
+    @property
+    def epoch(self) -> int | None:
+        return self.plan.epoch if self.plan is not None else None
+
+    @property
+    def ranges(self) -> dict[int, tuple[int, int]]:
+        return {r.partition: (r.from_offset, r.until_offset) for r in self.plan.ranges} if self.plan else {}
+
+    def with_stages(self, **extra: float) -> EpochSummary:
+        return replace(self, stage_seconds={**self.stage_seconds, **extra})
+
+    def line(self) -> str:
+        """The one-line summary printed by the CLI, the watcher and the DAG."""
+        if self.plan is None:
+            return "no new records: no epoch committed"
+        spans = " ".join(span_text(p, f, u) for p, (f, u) in sorted(self.ranges.items()))
+        lag = "" if self.lag_after is None else f" lag {sum(self.lag_after.values())}"
+        return (f"epoch {self.epoch} committed: {spans} | read {self.records_read} counted {self.records_counted} "
+                f"late {self.records_late} malformed {self.records_malformed}{lag} | {self.seconds:.1f}s"
+                + (" (resumed)" if self.resumed else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = self.plan
+        return {"epoch": self.epoch,
+                "ranges": {str(p): {"from_offset": f, "until_offset": u} for p, (f, u) in sorted(self.ranges.items())},
+                "records_read": self.records_read, "records_counted": self.records_counted,
+                "records_late": self.records_late, "records_malformed": self.records_malformed,
+                "seconds": self.seconds, "sink_version": self.sink_version,
+                "watermark_after_ms": self.watermark_ms, "run_id": self.run_id,
+                "lag_after": None if self.lag_after is None else {str(p): n for p, n in sorted(self.lag_after.items())},
+                "stage_seconds": dict(self.stage_seconds),
+                "kind": plan.kind if plan else None, "request_id": plan.request_id if plan else None,
+                "resumed": self.resumed}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], topic: str = "") -> EpochSummary:
+        """The summary :meth:`to_dict` made (e.g. a line of ``ipcount epoch --summary-json``)."""
+        plan = None
+        if data.get("epoch") is not None:
+            ranges = tuple(OffsetRange(topic, int(p), r["from_offset"], r["until_offset"])
+                           for p, r in sorted(data.get("ranges", {}).items(), key=lambda kv: int(kv[0])))
+            plan = EpochPlan(data["epoch"], ranges, kind=data.get("kind") or SCHEDULED,
+                             request_id=data.get("request_id"))
+        lag = data.get("lag_after")
+        return cls(plan, **{m: data.get(m) or 0 for m in METRICS}, watermark_ms=data.get("watermark_after_ms"),
+                   sink_version=data.get("sink_version"), seconds=data.get("seconds") or 0.0,
+                   stage_seconds=dict(data.get("stage_seconds") or {}),
+                   lag_after=None if lag is None else {int(p): n for p, n in lag.items()},
+                   run_id=data.get("run_id"), resumed=bool(data.get("resumed")))
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Row]) -> EpochSummary:
+        """A committed epoch, assembled from its per-partition ledger rows."""
+        rows = list(rows)
+        first = rows[0]
+        live = [r for r in rows if r["status"] != LOST]
+        return cls(plan_from_rows(rows), **metric_totals(live), watermark_ms=first.get("watermark_after_ms"),
+                   sink_version=first.get("sink_version"), seconds=first.get("duration_seconds") or 0.0,
+                   stage_seconds=dict(first.get("stage_seconds") or {}),
+                   lag_after=({r["partition"]: r["lag_after"] for r in live}
+                              if all(r.get("lag_after") is not None for r in live) else None),
+                   run_id=first.get("run_id"))
+
+
+def committed_summaries(rows: Iterable[Row]) -> list[EpochSummary]:
+    """One summary per committed epoch among ``rows``, oldest first."""
+    committed = rows_by_epoch(r for r in rows if r["status"] == COMMITTED)
+    return [EpochSummary.from_rows(rs) for _, rs in sorted(committed.items())]
+
+
+def summaries_in(output: str) -> list[EpochSummary]:
+    """The summaries in the output of ``ipcount epoch --summary-json`` (one JSON line per
+    epoch attempted, among the human-readable lines)."""
+    return [EpochSummary.from_dict(json.loads(line)) for line in output.splitlines() if line.startswith("{")]

@@ -1,0 +1,218 @@
+"""The record format, in plain Python: the specification the Spark job implements.
+
+A Kafka record value is one access-log event, either
+
+* a JSON object ``{"ip": "203.0.113.9", "ts": "2026-11-21T10:00:03.120Z"}`` where ``ts``
+  is an ISO-8601 instant (``Z`` or ``+hh:mm`` offset, up to 9 fraction digits) or epoch
+  milliseconds, or
+* an NGINX ``combined``/``common`` log line
+  ``203.0.113.9 - - [21/Nov/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512 "-" "curl/8"``.
+
+Anything else is malformed and gets exactly one reason code (first match in the order of
+:data:`REASONS`). :mod:`ipcount.jobs.transform` does the same with Spark built-in functions; the
+tests hold the two to each other. Event times are epoch milliseconds (sub-ms is truncated).
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+# Reason codes of the dead-letter table, in the order they are checked.
+NULL_VALUE = "null_value"            # a tombstone: the record has no value
+EMPTY_VALUE = "empty_value"          # zero bytes
+TOO_LARGE = "too_large"              # more bytes than max_value_bytes
+NOT_UTF8 = "not_utf8"                # bytes that are not valid UTF-8
+BAD_JSON = "bad_json"                # starts with '{' but is not one valid JSON object
+BAD_SHAPE = "bad_shape"              # JSON without a string "ip" and a string/integer "ts"
+UNRECOGNIZED = "unrecognized_format"  # neither JSON nor an NGINX access-log line
+INVALID_IP = "invalid_ip"            # not an IPv4 or IPv6 address
+INVALID_TIMESTAMP = "invalid_timestamp"  # unparseable, or outside [MIN_EVENT_MS, MAX_EVENT_MS)
+REASONS = (NULL_VALUE, EMPTY_VALUE, TOO_LARGE, NOT_UTF8, BAD_JSON, BAD_SHAPE, UNRECOGNIZED,
+           INVALID_IP, INVALID_TIMESTAMP)
+
+MIN_EVENT_MS = 946_684_800_000    # 2000-01-01T00:00:00Z
+MAX_EVENT_MS = 4_102_444_800_000  # 2100-01-01T00:00:00Z
+WHITESPACE = " \t\r\n"
+
+# One pattern per grammar so Python's re and Java's regex read them alike: no \s, \S, \d
+# (Python's are Unicode-aware, Java's ASCII-only); explicit ASCII classes only.
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4 = rf"{_OCTET}(\.{_OCTET}){{3}}"
+
+
+def _ipv6_pattern() -> str:
+    h = "[0-9A-Fa-f]{1,4}"
+
+    def groups(n: int) -> str:
+        return "" if n == 0 else h + f"(:{h}){{{n - 1}}}" if n > 1 else h
+
+    alternatives = [f"{groups(8)}", f"{groups(6)}:{_IPV4}"]
+    # "::" stands for one or more zero groups; left + right explicit groups < 8
+    # (the embedded IPv4 tail counts as two groups).
+    for tail_v4 in (False, True):
+        room = 6 if tail_v4 else 8
+        for left in range(0, room):
+            for right in range(0, room - left):
+                if left + right > room - 1:
+                    continue
+                right_part = groups(right)
+                if tail_v4:
+                    right_part = f"{right_part}:{_IPV4}" if right else _IPV4
+                alternatives.append(f"{groups(left)}::{right_part}")
+    return "(" + "|".join(f"({a})" for a in alternatives) + ")"
+
+
+IP_PATTERN = rf"^(({_IPV4})|{_ipv6_pattern()})$"
+ISO_PATTERN = (r"^([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})"
+               r"(\.([0-9]{1,9}))?(Z|[+-][0-9]{2}:[0-9]{2})$")
+# remote_addr - remote_user [time_local] "request" status body_bytes_sent ["referer" "agent"]
+NGINX_PATTERN = (r'^([^ ]+) [^ ]+ [^ ]+ \[([^\]]+)\] "[^"]*" [0-9]{3} ([0-9]+|-)'
+                 r'( "[^"]*" "[^"]*")?$')
+NGINX_TIME_PATTERN = r"^[0-9]{2}/[A-Z][a-z]{2}/[0-9]{4}:[0-9]{2}:[0-9]{2}:[0-9]{2} [+-][0-9]{4}$"
+
+_iso = re.compile(ISO_PATTERN)
+_nginx = re.compile(NGINX_PATTERN)
+_nginx_time = re.compile(NGINX_TIME_PATTERN)
+
+
+@dataclass(frozen=True)
+class Event:
+    ip: str
+    event_ms: int
+
+
+@dataclass(frozen=True)
+class Malformed:
+    reason: str
+
+
+def parse_value(value: bytes | None, max_value_bytes: int = 65_536,
+                kafka_timestamp_ms: int | None = None) -> Event | Malformed:
+    """Parse one Kafka record value into an :class:`Event`, or say why it is malformed.
+
+    With ``kafka_timestamp_ms`` (the ``event_time = "kafka"`` setting) the event time is the
+    Kafka record's timestamp: the payload's own time (JSON ``ts``, NGINX ``[time]``) is then
+    neither required nor checked.
+    """
+    if value is None:
+        return Malformed(NULL_VALUE)
+    if len(value) == 0:
+        return Malformed(EMPTY_VALUE)
+    if len(value) > max_value_bytes:
+        return Malformed(TOO_LARGE)
+    try:
+        text = value.decode("utf-8").strip(WHITESPACE)
+    except UnicodeDecodeError:
+        return Malformed(NOT_UTF8)
+    if text.startswith("{"):
+        return _parse_json(text, kafka_timestamp_ms)
+    m = _nginx.match(text)
+    if not m:
+        return Malformed(UNRECOGNIZED)
+    ip, when = m.group(1), m.group(2)
+    if not is_valid_ip(ip):
+        return Malformed(INVALID_IP)
+    event_ms = parse_nginx_time(when) if kafka_timestamp_ms is None else _in_range(kafka_timestamp_ms)
+    return Malformed(INVALID_TIMESTAMP) if event_ms is None else Event(ip.lower(), event_ms)
+
+
+def _in_range(event_ms: int) -> int | None:
+    return event_ms if MIN_EVENT_MS <= event_ms < MAX_EVENT_MS else None
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise ValueError("duplicate key")
+    return dict(pairs)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _parse_json(text: str, kafka_timestamp_ms: int | None) -> Event | Malformed:
+    try:
+        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    except ValueError:
+        return Malformed(BAD_JSON)
+    if not isinstance(obj, dict):
+        return Malformed(BAD_JSON)
+    ip, ts = obj.get("ip"), obj.get("ts")
+    ts_is_int = isinstance(ts, int) and not isinstance(ts, bool) and -2**63 <= ts < 2**63
+    ts_ok = kafka_timestamp_ms is not None or isinstance(ts, str) or ts_is_int
+    if not isinstance(ip, str) or not ts_ok:
+        return Malformed(BAD_SHAPE)
+    if not is_valid_ip(ip):
+        return Malformed(INVALID_IP)
+    if kafka_timestamp_ms is not None:
+        event_ms = _in_range(kafka_timestamp_ms)
+    else:
+        event_ms = ts if isinstance(ts, int) else parse_iso_time(ts)
+        event_ms = None if event_ms is None else _in_range(event_ms)
+    return Malformed(INVALID_TIMESTAMP) if event_ms is None else Event(ip.lower(), event_ms)
+
+
+def is_valid_ip(text: str) -> bool:
+    """IPv4 (dotted quad, no leading zeros) or IPv6 (any standard form, no zone id)."""
+    if "%" in text or not text.isascii():
+        return False
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_iso_time(text: str) -> int | None:
+    m = _iso.match(text)
+    if not m:
+        return None
+    year, month, day, hour, minute, second = (int(m.group(i)) for i in range(1, 7))
+    fraction, zone = m.group(8) or "", m.group(9)
+    try:
+        tz = timezone.utc if zone == "Z" else timezone(
+            (1 if zone[0] == "+" else -1) * timedelta(hours=int(zone[1:3]), minutes=int(zone[4:6])))
+        instant = datetime(year, month, day, hour, minute, second, tzinfo=tz)
+    except ValueError:
+        return None
+    return _epoch_ms(instant) + int((fraction + "000")[:3])
+
+
+def parse_nginx_time(text: str) -> int | None:
+    if not _nginx_time.match(text):
+        return None
+    try:
+        instant = datetime.strptime(text, "%d/%b/%Y:%H:%M:%S %z")
+    except ValueError:
+        return None
+    return _in_range(_epoch_ms(instant))
+
+
+def _epoch_ms(instant: datetime) -> int:
+    delta = instant - datetime(1970, 1, 1, tzinfo=timezone.utc)
+    return (delta.days * 86_400 + delta.seconds) * 1000 + delta.microseconds // 1000
+
+
+# -- event-time windows ----------------------------------------------------------------
+
+def window_start(event_ms: int, window_ms: int) -> int:
+    """Start of the tumbling window holding ``event_ms`` (windows are aligned to the epoch)."""
+    return event_ms - event_ms % window_ms
+
+
+def is_late(event_ms: int, window_ms: int, allowed_lateness_ms: int, watermark_ms: int | None) -> bool:
+    """The watermark rule: a record is late when its window closed more than the allowed
+    lateness before the watermark, i.e. ``window_end + allowed_lateness <= watermark``.
+
+    The watermark an epoch uses is the one the previous committed epoch left: the maximum
+    event time of all well-formed records of all earlier epochs (None before any). Records
+    within one epoch never make each other late, so the result depends only on the
+    epoch's offset ranges and is the same on every replay.
+    """
+    if watermark_ms is None:
+        return False
+    return window_start(event_ms, window_ms) + window_ms + allowed_lateness_ms <= watermark_ms

@@ -1,0 +1,9 @@
+"""I/O: everything that talks to Kafka, Delta tables or the Spark session, and nothing that
+decides what an epoch is (that is :mod:`ipcount.rules`).
+
+- :mod:`.broker`  the broker outside Spark (kafka-python): log offsets, start positions, group commits
+- :mod:`.delta`   Delta table helpers: delta-rs reads, table creation, conflict retries
+- :mod:`.ledger`  the offset ledger: write-ahead and commit MERGEs, reads
+- :mod:`.sink`    the counts, dead-letter and late-record tables, written idempotently per epoch
+- :mod:`.spark`   the Spark session and the settings spark-submit needs for the same
+"""

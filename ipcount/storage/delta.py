@@ -1,0 +1,229 @@
+"""Delta table helpers shared by every reader and writer: a look for a table, reads with
+delta-rs (no JVM: cheap enough for an Airflow task, a watcher or a page), and the Spark
+side's table creation and conflict retries.
+
+Spark writes the tables; delta-rs only reads them. pyspark and delta-spark are imported
+inside the functions that need them, so the readers work where no JVM is wanted.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.types import StructType
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_OPERATORS = ("=", "!=", "<", "<=", ">", ">=")
+
+
+def has_table(path: str | Path) -> bool:
+    """Whether a Delta table (its log) is at ``path``: a look at the directory, no read
+    (a missing table is not an empty one)."""
+    return (Path(path) / "_delta_log").is_dir()
+
+
+# -- SQL text for delta-rs queries ---------------------------------------------------------
+
+def sql_identifier(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"not a column name: {name!r}")
+    return f'"{name}"'
+
+
+def sql_operator(op: str) -> str:
+    if op not in _OPERATORS:
+        raise ValueError(f"unsupported filter operator {op!r}")
+    return op
+
+
+def sql_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+# -- reads with delta-rs -------------------------------------------------------------------
+
+def _open(path: str):
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    if not has_table(path):
+        return None
+    try:
+        return DeltaTable(path)
+    except TableNotFoundError:
+        return None
+
+
+def _run(table, sql: str) -> list[dict[str, Any]]:
+    """``sql`` over ``table`` (named ``t``), through delta-rs's own query engine rather
+    than ``to_pyarrow_table``: the pyarrow dataset path aborts the interpreter at exit
+    ("terminate called without an active exception", delta-rs issue 2184) in short-lived
+    processes such as CLI commands."""
+    import pyarrow as pa
+    from deltalake import QueryBuilder
+
+    return pa.table(QueryBuilder().register("t", table).execute(sql).read_all()).to_pylist()
+
+
+def read_rows(path: str, columns: Iterable[str] | None = None,
+              filters: Iterable[tuple[str, str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Rows of the Delta table at ``path`` ([] if there is none), optionally only some
+    columns and only rows matching every ``(column, op, value)`` filter."""
+    table = _open(path)
+    if table is None:
+        return []
+    columns = list(columns or [])
+    select = ", ".join(sql_identifier(c) for c in columns) if columns else "*"
+    where = " AND ".join(f"{sql_identifier(c)} {sql_operator(op)} {sql_literal(v)}" for c, op, v in (filters or []))
+    return _run(table, f"SELECT {select} FROM t" + (f" WHERE {where}" if where else ""))
+
+
+class DeltaReader:
+    """Delta tables by path for a long-lived reader (the monitoring pages): each table
+    opened once and refreshed at most every ``refresh_seconds``, SQL answers cached per
+    (path, version, query), so polling costs one small log read between commits."""
+
+    def __init__(self, refresh_seconds: float = 1.0, cache_entries: int = 512) -> None:
+        self.refresh_seconds, self.cache_entries = refresh_seconds, cache_entries
+        self._tables: dict[str, tuple[Any, float]] = {}
+        self._answers: OrderedDict[tuple[str, int, str], list[dict[str, Any]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _table(self, path: str):
+        now = time.monotonic()
+        held = self._tables.get(path)
+        if held is not None:
+            table, checked = held
+            if now - checked >= self.refresh_seconds:
+                table.update_incremental()
+                self._tables[path] = (table, now)
+            return table
+        table = _open(path)
+        if table is not None:
+            self._tables[path] = (table, now)
+        return table
+
+    def query(self, path: str, sql: str) -> list[dict[str, Any]]:
+        """Rows of ``sql`` over the table at ``path``, named ``t`` in the query ([] if there
+        is no table yet)."""
+        with self._lock:
+            table = self._table(path)
+            if table is None:
+                return []
+            key = (path, table.version(), sql)
+            if key in self._answers:
+                self._answers.move_to_end(key)
+                return self._answers[key]
+            rows = _run(table, sql)
+            self._answers[key] = rows
+            while len(self._answers) > self.cache_entries:
+                self._answers.popitem(last=False)
+            return rows
+
+
+def version_with_metadata(path: str, user_metadata: str, search: int = 50) -> int | None:
+    """The table version whose commit carries ``user_metadata`` (None if none of the last
+    ``search`` commits does). From the log's commit infos, read with delta-rs: Spark's
+    history() would be a query of its own."""
+    from deltalake import DeltaTable as LogReader
+
+    return next((h["version"] for h in LogReader(path).history(search)
+                 if h.get("userMetadata") == user_metadata), None)
+
+
+# -- the Spark side: creating tables, retrying conflicts -----------------------------------
+
+def spark_schema(columns: Iterable[tuple[str, str, bool]]) -> StructType:
+    """A Spark schema from ``(name, Spark SQL type, nullable)`` columns (as
+    :data:`ipcount.rules.ledger.COLUMNS` declares the ledger without Spark)."""
+    from pyspark.sql import types as st
+
+    simple = {"bigint": st.LongType(), "int": st.IntegerType(), "string": st.StringType(),
+              "double": st.DoubleType(), "timestamp": st.TimestampType(), "boolean": st.BooleanType(),
+              "binary": st.BinaryType(), "map<string,double>": st.MapType(st.StringType(), st.DoubleType())}
+    return st.StructType([st.StructField(name, simple[kind], nullable) for name, kind, nullable in columns])
+
+
+def ensure_table(spark: SparkSession, path: str, schema: StructType,
+                 properties: Mapping[str, str] | None = None) -> None:
+    """Create an empty Delta table at ``path`` unless one is there (checked first: creating
+    is a commit, checking is a cheap look at the log). A table made by an older version
+    gets the nullable columns and the table properties it lacks."""
+    from delta.tables import DeltaTable
+
+    properties = dict(properties or {})
+    if _up_to_date(path, schema, properties):
+        return
+    if not DeltaTable.isDeltaTable(spark, path):
+        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
+        for key, value in properties.items():
+            builder = builder.property(key, value)
+        builder.execute()
+        return
+    detail = DeltaTable.forPath(spark, path).detail().select("properties").first()
+    have_props = dict(detail.properties or {})
+    stale = {k: v for k, v in properties.items() if have_props.get(k) != v}
+    if stale:
+        assignments = ", ".join(f"'{k}' = '{v}'" for k, v in stale.items())
+        retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})"),
+                          f"setting table properties of {path}")
+    have = set(spark.read.format("delta").load(path).schema.fieldNames())
+    missing = [f for f in schema.fields if f.name not in have]
+    if missing:
+        columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
+        retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"),
+                          f"adding columns to {path}")
+
+
+def _up_to_date(path: str, schema: StructType, properties: Mapping[str, str]) -> bool:
+    """Whether the table at ``path`` exists with every column and property, looked up in its
+    log with delta-rs: an epoch makes this check for four tables, and through Spark each
+    would cost a Delta snapshot and a query (seconds in a fresh JVM). Any doubt: False."""
+    from deltalake import DeltaTable as LogReader
+
+    if not has_table(path):
+        return False
+    try:
+        table = LogReader(path)
+        have = {f.name for f in table.schema().fields}
+        config = table.metadata().configuration
+    except Exception:  # noqa: BLE001 - Spark's path below decides (and says what is wrong)
+        return False
+    return all(f.name in have for f in schema.fields) and all(config.get(k) == v for k, v in properties.items())
+
+
+def concurrent_errors() -> tuple[type[BaseException], ...]:
+    """Delta's optimistic-concurrency conflicts (a concurrent commit won)."""
+    from delta.exceptions import base
+
+    return (base.DeltaConcurrentModificationException, base.ConcurrentWriteException,
+            base.MetadataChangedException, base.ProtocolChangedException, base.ConcurrentAppendException,
+            base.ConcurrentDeleteReadException, base.ConcurrentDeleteDeleteException,
+            base.ConcurrentTransactionException)
+
+
+def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:
+    """Run a Delta write, again if a concurrent writer's commit conflicted with it. Only for
+    writes that are idempotent (txnAppId/txnVersion, or MERGEs matching planned rows)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return action()
+        except concurrent_errors() as e:
+            if attempt == attempts:
+                raise
+            log.info("%s: concurrent commit (%s); retrying (%d/%d)", what, type(e).__name__, attempt, attempts)
+            time.sleep(0.2 * attempt)
+    raise AssertionError("unreachable")
