@@ -27,9 +27,10 @@ EVENT_TIME_SOURCES = ("payload", "kafka")
 _IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
 
-# One line per setting: CLI --help, DAG Params and the README say the same.
+# What each setting means: the CLI's --help, the DAG's Params and the settings table of
+# docs/configuration.md say exactly this (tests/unit/test_docs.py checks the table).
 SETTINGS_HELP = {
-    "pipeline_id": "name of the pipeline; Delta txnAppId of its writes",
+    "pipeline_id": "name of the pipeline; the Delta txnAppId prefix of its writes",
     "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
     "topic": "source topic",
     "warehouse": "directory holding the Delta tables (counts, ledger, dead_letters, late_records)",
@@ -38,26 +39,33 @@ SETTINGS_HELP = {
     "dead_letter_table": "location of the dead-letter table (default <warehouse>/dead_letters)",
     "late_table": "location of the late-records table (default <warehouse>/late_records)",
     "window_seconds": "tumbling event-time window size",
-    "allowed_lateness_seconds": "how long after its end (by the watermark) a window still accepts records",
-    "event_time": "where event time comes from: payload (the record's ts / [time]) or kafka (record timestamp)",
+    "allowed_lateness_seconds": "a window accepts records until the watermark passes its end plus this",
+    "event_time": "where event time comes from: payload (the record's JSON ts or NGINX [time]) or kafka (the "
+                  "Kafka record timestamp; the payload's time is then neither required nor checked)",
     "max_records_per_epoch": "cap on the offsets one epoch (or one backfill chunk) reads, split across "
-                             "partitions by backlog",
+                             "partitions by backlog (no partition with a backlog is starved)",
     "start_position": "where a pipeline with an empty ledger starts: earliest, latest, timestamp, "
-                      "group-offsets or specific (ignored once the ledger has entries)",
-    "start_timestamp_ms": "for start_position timestamp: per partition, the first offset at or after this time",
-    "start_offsets": "for start_position specific: 'partition:offset,...' (others start at earliest)",
-    "group_offsets_reset": "for start_position group-offsets: partitions without a committed offset start "
-                           "at earliest or latest, or fail (none)",
-    "on_data_loss": "offsets deleted before they were counted: fail (default) or skip them, recording "
-                    "the gap in the ledger as status 'lost'",
+                      "group-offsets or specific; ignored (and logged) once the ledger has entries",
+    "start_timestamp_ms": "for start_position timestamp: per partition, the first offset whose record timestamp "
+                          "is at or after this epoch-ms time (the end if none)",
+    "start_offsets": "for start_position specific: 'partition:offset,...'; partitions not named start at "
+                     "earliest; offsets outside the log are refused",
+    "group_offsets_reset": "for start_position group-offsets: partitions where the group has no committed offset "
+                           "start at earliest or latest, or the epoch fails (none)",
+    "on_data_loss": "offsets deleted before they were counted: fail the epoch (naming partition and offsets), or "
+                    "skip them and record the gap in the ledger as status 'lost'",
     "group_id": "Kafka consumer group that receives the committed offsets (monitoring only)",
-    "commit_offsets": "commit the ledger's offsets to the consumer group after each epoch",
+    "commit_offsets": "commit the ledger's positions to the consumer group after each epoch",
     "max_value_bytes": "larger record values go to the dead-letter table as too_large",
-    "spark_master": "Spark master for the in-process session (spark-submit passes its own)",
+    "spark_master": "master of the in-process Spark session (bin/ipcount epoch); the DAGs' spark-submit uses "
+                    "Airflow's spark_default connection",
     "kafka_timeout_seconds": "timeout of broker requests",
-    "schedule": "the DAG's schedule: cron expression or preset (read when Airflow parses the DAG)",
-    "epoch_server": "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs "
-                    "run their Spark commands in; empty, or not answering: a spark-submit per run",
+    "schedule": "the epoch DAG's schedule (cron expression or preset, read when Airflow parses the DAG), as data "
+                "intervals [previous tick, tick): a run made by airflow backfill create counts the records whose "
+                "Kafka timestamps fall in its interval",
+    "epoch_server": "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs' "
+                    "Spark tasks send their command to; empty, or no answer within 3 s: a spark-submit per run "
+                    "(bin/run starts one and sets this)",
 }
 
 
