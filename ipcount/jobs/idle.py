@@ -17,7 +17,6 @@ from typing import Any, Iterable, Mapping
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger import chain_positions, unfinished_chain_epochs
-from ipcount.storage import broker
 from ipcount.storage.delta import read_rows
 
 
@@ -58,6 +57,8 @@ def check(cfg: PipelineConfig) -> Verdict:
     """The verdict for ``cfg``'s scheduled chain, from the ledger and the broker. A failure
     to look is a reason to run: the job then reports it properly."""
     try:
+        from ipcount.storage import broker
+
         rows = read_rows(cfg.ledger_path, columns=["epoch", "partition", "until_offset", "status", "kind"],
                          filters=[("topic", "=", cfg.topic)])
         positions, unfinished = chain_state(rows)

@@ -267,8 +267,7 @@ class EpochSummary:
                 "watermark_after_ms": self.watermark_ms, "run_id": self.run_id,
                 "lag_after": None if self.lag_after is None else {str(p): n for p, n in sorted(self.lag_after.items())},
                 "stage_seconds": dict(self.stage_seconds),
-                "kind": plan.kind if plan else None, "request_id": plan.request_id if plan else None,
-                "resumed": self.resumed}
+                "kind": plan.kind if plan else None, "request_id": plan.request_id if plan else None}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], topic: str = "") -> EpochSummary:
@@ -284,7 +283,7 @@ class EpochSummary:
                    sink_version=data.get("sink_version"), seconds=data.get("seconds") or 0.0,
                    stage_seconds=dict(data.get("stage_seconds") or {}),
                    lag_after=None if lag is None else {int(p): n for p, n in lag.items()},
-                   run_id=data.get("run_id"), resumed=bool(data.get("resumed")))
+                   run_id=data.get("run_id"))
 
     @classmethod
     def from_rows(cls, rows: Iterable[Row]) -> EpochSummary:

@@ -12,7 +12,7 @@ from ipcount.devtools.benchmark import MEASUREMENTS
 
 def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "ipcount.benchmark", "--records", "3000", "--history-epochs", "3",
+    proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", "--records", "3000", "--history-epochs", "3",
                            "--epoch-records", "300", "--bootstrap-servers", broker.bootstrap_servers,
                            "--json", str(out), "--workdir", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=900)
@@ -53,6 +53,6 @@ def test_benchmark_refuses_bad_arguments():
     for args, message in ((["--records", "0"], "--records must be at least 1"),
                           (["--only", "pipeline,nope"], "--only takes names from"),
                           (["--history-epochs", "2"], "--history-epochs must be at least 3")):
-        proc = subprocess.run([sys.executable, "-m", "ipcount.benchmark", *args], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", *args], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

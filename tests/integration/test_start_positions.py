@@ -79,7 +79,7 @@ def test_once_the_ledger_has_entries_it_wins_over_any_start_position(cfg, spark,
     epoch_mod.run_epoch(cfg, spark)
     _produce(cfg, n=30, seed=52)
     broker_io.commit_group_offsets(cfg, {0: 0, 1: 0, 2: 0}, epoch=0)
-    caplog.set_level(logging.INFO, logger="ipcount.epoch")
+    caplog.set_level(logging.INFO, logger="ipcount.jobs.epoch")
     s = epoch_mod.run_epoch(cfg.replace(start_position="group-offsets"), spark)
     assert {r.partition: r.from_offset for r in s.plan.ranges} == {0: 10, 1: 10, 2: 10}
     assert "ledger has entries: starting from its positions (start_position 'group-offsets' not used)" in caplog.text

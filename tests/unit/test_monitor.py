@@ -117,8 +117,8 @@ def test_charts_are_valid_svg_with_one_mark_per_value():
 def test_run_note():
     rows = [row(3, 0, 0, 10, run_id="r"), row(3, 1, 5, 9, run_id="r"), row(4, 0, 10, 12, status="planned", run_id="r")]
     note = run_note("ipcount_epoch", "scheduled__x", rows)
-    assert "**epoch 3** (scheduled) committed: p0[0,10) p1[5,9); read 14, counted 10, late 2, malformed 2" in note
-    assert "**epoch 4** unfinished: p0[10,12)" in note
+    assert "**epoch 3** (scheduled) committed: p0 [0, 10) p1 [5, 9); read 14, counted 10, late 2, malformed 2" in note
+    assert "**epoch 4** unfinished: p0 [10, 12)" in note
     assert "(/ipcount/runs/ipcount_epoch/scheduled__x)" in note
     assert "No epoch" in run_note("ipcount_epoch", "r", [])
     many = [row(e, p, e * 10, e * 10 + 5, run_id="r") for e in range(1, 60) for p in range(3)]

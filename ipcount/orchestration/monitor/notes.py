@@ -17,7 +17,6 @@ from ipcount.orchestration.monitor.model import epoch_rows
 from ipcount.orchestration.monitor.runs import PIPELINE_DAGS, target_of
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger import COMMITTED
-from ipcount.rules.offsets import span_text
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage.delta import read_rows
 
@@ -32,7 +31,7 @@ def run_note(dag_id: str, run_id: str, rows: Iterable[Mapping[str, Any]], target
     header = f"Epochs of this run{where} ([epoch page]({run_page_path(dag_id, run_id)})):\n"
     lines = []
     for e in epochs:
-        spans = " ".join(span_text(p, f, u) for p, (f, u) in sorted(e.ranges.items()))
+        spans = " ".join(f"p{p} [{f}, {u})" for p, (f, u) in sorted(e.ranges.items()))  # as the epochs page
         if e.status == COMMITTED:
             lines.append(f"- **epoch {e.epoch}** ({e.kind}) committed: {spans}; read {e.records_read}, counted "
                          f"{e.records_counted}, late {e.records_late}, malformed {e.records_malformed}"
