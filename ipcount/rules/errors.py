@@ -11,57 +11,47 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DATA_LOSS, EXIT_BROKER = 0, 1, 2, 3, 4
 
 
 class IpcountError(Exception):
-    """Base of the pipeline's errors; the message says what went wrong and what to fix."""
+    """Base of the pipeline's errors; the message says what went wrong and what to fix.
+    A subclass names its exit code in its class statement (``exit_code=...``)."""
 
     exit_code = EXIT_FAILED
 
+    def __init_subclass__(cls, exit_code: int | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if exit_code is not None:
+            cls.exit_code = exit_code
 
-class ConfigError(IpcountError, ValueError):
+
+class ConfigError(IpcountError, ValueError, exit_code=EXIT_USAGE):
     """A setting has a value the pipeline cannot run with; the message says which and why."""
 
-    exit_code = EXIT_USAGE
 
-
-class BadRequestError(IpcountError, ValueError):
+class BadRequestError(IpcountError, ValueError, exit_code=EXIT_USAGE):
     """A backfill (or rebuild) request that cannot be run as given."""
 
-    exit_code = EXIT_USAGE
 
-
-class StartPositionError(IpcountError, ValueError):
+class StartPositionError(IpcountError, ValueError, exit_code=EXIT_USAGE):
     """The configured start position cannot be resolved on this topic."""
 
-    exit_code = EXIT_USAGE
 
-
-class MissingJarsError(IpcountError):
+class MissingJarsError(IpcountError, exit_code=EXIT_USAGE):
     """Spark's Kafka source or Delta jars are not where bin/setup puts them."""
 
-    exit_code = EXIT_USAGE
 
-
-class DataLossError(IpcountError, RuntimeError):
+class DataLossError(IpcountError, RuntimeError, exit_code=EXIT_DATA_LOSS):
     """Offsets the pipeline still has to count are gone from the broker (or never existed)."""
 
-    exit_code = EXIT_DATA_LOSS
 
-
-class BrokerUnavailableError(IpcountError, RuntimeError):
+class BrokerUnavailableError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
     """The configured bootstrap servers did not answer (or a read stalled)."""
 
-    exit_code = EXIT_BROKER
 
-
-class UnknownTopicError(IpcountError, RuntimeError):
+class UnknownTopicError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
     """The source topic does not exist on the broker."""
 
-    exit_code = EXIT_BROKER
 
-
-class BrokerStartError(IpcountError, RuntimeError):
+class BrokerStartError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
     """The embedded broker did not start."""
-
-    exit_code = EXIT_BROKER
 
 
 class PlanConflict(IpcountError, RuntimeError):
@@ -72,7 +62,5 @@ class LedgerStateError(IpcountError, RuntimeError):
     """The ledger holds a state no planner leaves behind (e.g. two unfinished scheduled epochs)."""
 
 
-class EpochServerError(IpcountError, RuntimeError):
+class EpochServerError(IpcountError, RuntimeError, exit_code=EXIT_USAGE):
     """The epoch server could not be reached, refused the request, or broke off while running it."""
-
-    exit_code = EXIT_USAGE

@@ -1,0 +1,20 @@
+"""One exception base carries each error's exit code, and the CLI answers with it."""
+from __future__ import annotations
+
+from ipcount.cli import main
+from ipcount.rules import errors
+
+
+def test_each_error_carries_the_exit_code_the_docs_promise():
+    codes = {cls.__name__: cls.exit_code for cls in errors.IpcountError.__subclasses__()}
+    assert codes == {"ConfigError": 2, "BadRequestError": 2, "StartPositionError": 2, "MissingJarsError": 2,
+                     "DataLossError": 3, "BrokerUnavailableError": 4, "UnknownTopicError": 4,
+                     "BrokerStartError": 4, "PlanConflict": 1, "LedgerStateError": 1, "EpochServerError": 2}
+    assert issubclass(errors.ConfigError, ValueError) and issubclass(errors.DataLossError, RuntimeError)
+
+
+def test_the_cli_exits_with_the_errors_code_and_says_why(caplog):
+    # The request is checked before anything reaches the broker (nothing listens on port 1).
+    code = main(["backfill", "--offsets", "0:5-1", "--bootstrap-servers", "127.0.0.1:1"])
+    assert code == errors.EXIT_USAGE
+    assert "offsets entry '0:5-1': until (1) must be greater than from (5)" in caplog.text
