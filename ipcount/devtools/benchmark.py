@@ -41,11 +41,10 @@ from ipcount.devtools.embedded_kafka import free_port
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig
 from ipcount.rules.ledger import EpochSummary, summaries_in
 from ipcount.server import client
+from ipcount.storage.spark import DRIVER_ENV
 
 MEASUREMENTS = ("pipeline", "pipeline_server", "peer", "spark_count", "kafka_python", "small_epochs")
 BENCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "bench_job.py")
-# The Spark driver must run this interpreter (the pinned pyspark and this package).
-DRIVER_ENV = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
 
 
 @dataclass
@@ -178,8 +177,8 @@ class EpochServerProcess:
         started = time.monotonic()
         with open(Path(self.log_file.name).with_name(f"{name}.log"), "w") as log:
             result = client.submit(self.url, ["epoch", *cfg.to_args(), "--run-id", f"benchmark-{name}",
-                                                    "--summary-json", *extra],
-                                         on_log=lambda line: print(line, file=log))
+                                              "--summary-json", *extra],
+                                   on_log=lambda line: print(line, file=log))
         wall = time.monotonic() - started
         peak = memory.stop()
         if result["exit_code"] != 0:

@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Callable
 
 from ipcount.jobs import transform
@@ -145,7 +145,7 @@ class EpochRunner:
         self.crash("after_ledger")
 
         summary = EpochSummary(
-            plan, **{f.name: getattr(totals, f.name) for f in fields(PartitionMetrics)},
+            plan, **asdict(totals),
             watermark_ms=watermark_after, sink_version=sink_version, seconds=time.monotonic() - started,
             stage_seconds=stages, lag_after=lag, run_id=self.run_id, resumed=resumed)
         log.info("%s", summary.line())

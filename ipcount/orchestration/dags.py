@@ -3,14 +3,13 @@ publish after it. Kept here so the DAG file stays wiring only."""
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 from ipcount.rules.config import (DATA_LOSS_POLICIES, EVENT_TIME_SOURCES, REPO_ROOT, RESET_POLICIES, SETTINGS_HELP,
                                   START_POSITIONS, PipelineConfig, flag, negated_flag)
 from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, request_from_fields
 from ipcount.storage.ledger import committed_epochs
-from ipcount.storage.spark import spark_conf, spark_jars
+from ipcount.storage.spark import DRIVER_ENV, spark_conf, spark_jars
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +124,7 @@ def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: 
         "conf": spark_conf(cfg),
         "application_args": [command, *cfg.to_args(), *(_param_args() if run_params else []),
                              "--run-id", "{{ run_id }}", *task_args],
-        # The driver must run the interpreter that has the pinned pyspark and this package.
-        "env_vars": {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable},
+        "env_vars": dict(DRIVER_ENV),
     }
 
 

@@ -28,7 +28,6 @@ from ipcount.rules.offsets import OffsetRange, describe, offsets_json, span_text
 Row = Mapping[str, Any]
 
 PLANNED, COMMITTED, LOST = "planned", "committed", "lost"
-STATUSES = (PLANNED, COMMITTED, LOST)
 SCHEDULED, BACKFILL = "scheduled", "backfill"
 EPOCH_KINDS = (SCHEDULED, BACKFILL)
 
@@ -58,7 +57,6 @@ COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("request_id", "string", True),              # the backfill request
     ("chain_watermark_ms", "bigint", True),      # scheduled chain's watermark at planning
 )
-COLUMN_NAMES = tuple(name for name, _, _ in COLUMNS)
 # What planning reads of each row.
 STATE_COLUMNS = ("epoch", "topic", "partition", "from_offset", "until_offset", "status", "kind", "request_id",
                  "watermark_before_ms", "watermark_after_ms", "chain_watermark_ms")

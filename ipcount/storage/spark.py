@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,9 @@ if TYPE_CHECKING:
 
 # Resolved once from Maven Central by bin/setup (see jars/spark-extras.xml).
 SPARK_JARS_DIR = STATE_DIR / "jars" / "spark"
+# A spark-submitted driver must run this interpreter: the one with the pinned pyspark and
+# this package (the DAGs' operator and the benchmark pass it to spark-submit).
+DRIVER_ENV = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
 
 
 def spark_jars(jars_dir: Path = SPARK_JARS_DIR) -> list[str]:
