@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Callable
 
 from ipcount.jobs import transform
@@ -93,6 +93,8 @@ class EpochRunner:
             plan = planner(state)
             if plan is None:
                 return None
+            if plan.planned_at_ms is None:
+                plan = replace(plan, planned_at_ms=int(time.time() * 1000))
             try:
                 self.ledger.record_plan(plan, self.run_id)
             except PlanConflict as e:
@@ -235,7 +237,7 @@ def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan
            .option("kafka.isolation.level", "read_committed")
            .option("failOnDataLoss", "true")
            .load())
-    parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time)
+    parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, plan.planned_at_ms)
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
     # Only dead letters keep the raw key and value; dropping them from the rest keeps the
     # cached rows small.

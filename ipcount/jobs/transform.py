@@ -21,11 +21,15 @@ def _variant_kind(variant: Column, path: str) -> Column:
     return F.schema_of_variant(F.try_variant_get(variant, path, "variant"))
 
 
-def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload") -> DataFrame:
-    """Kafka rows -> rows with ``ip``, ``event_ms`` and ``reason`` (NULL when well formed).
+def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max_ahead_ms: int | None = None,
+          planned_at_ms: int | None = None) -> DataFrame:
+    """Kafka rows -> rows with ``ip`` (canonical), ``event_ms`` and ``reason`` (NULL when well
+    formed).
 
     ``event_time`` is "payload" (the record's own time) or "kafka" (the Kafka record
-    timestamp; the payload's time is then neither required nor checked). Keeps topic,
+    timestamp; the payload's time is then neither required nor checked). With
+    ``max_ahead_ms``, event times further than that past the record's Kafka timestamp or
+    ``planned_at_ms`` are malformed (:func:`ipcount.rules.records.is_ahead`). Keeps topic,
     partition, offset, timestamp, key and value so that malformed records can be written to
     the dead-letter table as they arrived.
 
@@ -76,6 +80,12 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload") -> 
     event_ms = F.when((any_ms >= R.MIN_EVENT_MS) & (any_ms < R.MAX_EVENT_MS), any_ms.cast("long"))
 
     ip, ip_kind = F.col("_ip"), F.col("_ip_kind")
+    kafka_ms = F.unix_millis(F.col("timestamp"))
+    # least() skips NULLs: a missing (negative) Kafka timestamp leaves the planning time.
+    reference = F.least(F.when(kafka_ms >= 0, kafka_ms),
+                        F.lit(planned_at_ms if planned_at_ms is not None and planned_at_ms >= 0 else None).cast("long"))
+    ahead = F.lit(False) if max_ahead_ms is None else F.coalesce(
+        F.col("_event_ms") > reference + F.lit(max_ahead_ms), F.lit(False))
     reason = (
         F.when(value.isNull(), R.NULL_VALUE)
         .when(F.length(value) == 0, R.EMPTY_VALUE)
@@ -87,12 +97,65 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload") -> 
         .when(~is_json & (F.col("_nginx_ip") == ""), R.UNRECOGNIZED)
         .when(~ip.rlike(R.IP_PATTERN), R.INVALID_IP)
         .when(F.col("_event_ms").isNull(), R.INVALID_TIMESTAMP)
+        .when(ahead, R.EVENT_TIME_AHEAD)
     )
+    well_formed = F.col("reason").isNull()
+    # The canonical IPv6 text in stages (tail, groups, framed groups), each a column of its
+    # own for the reason given above; IPv4 addresses are canonical as they are.
     return (timed.select("*", event_ms.alias("_event_ms"))
             .select(*kafka, ip, "_event_ms", reason.alias("reason"))
+            .select(*kafka, "reason", "_event_ms", F.when(well_formed & ~ip.contains(":"), ip).alias("_ipv4"),
+                    F.when(well_formed & ip.contains(":"), _without_ipv4_tail(F.lower(ip))).alias("_ipv6"))
+            .select(*kafka, "reason", "_event_ms", "_ipv4", _ipv6_groups(F.col("_ipv6")).alias("_groups"))
+            .select("*", F.concat(F.lit(":"), F.array_join("_groups", ":"), F.lit(":")).alias("_framed"))
             .select(*kafka, "reason",
-                    F.when(F.col("reason").isNull(), F.lower(ip)).alias("ip"),
+                    F.coalesce("_ipv4", _canonical_ipv6(F.col("_groups"), F.col("_framed"))).alias("ip"),
                     F.when(F.col("reason").isNull(), F.col("_event_ms")).alias("event_ms")))
+
+
+def _without_ipv4_tail(ip: Column) -> Column:
+    """``::ffff:1.2.3.4`` -> ``::ffff:102:304``: an IPv4 tail as the two groups it stands for."""
+    v4 = r"([0-9]+)\.([0-9]+)\.([0-9]+)\.([0-9]+)$"
+
+    def group(i: int) -> Column:
+        value = F.regexp_extract(ip, v4, i).cast("int") * 256 + F.regexp_extract(ip, v4, i + 1).cast("int")
+        return F.lower(F.hex(value))
+    return F.when(ip.contains("."), F.regexp_replace(ip, F.lit(v4), F.concat(group(1), F.lit(":"), group(3)))
+                  ).otherwise(ip)
+
+
+def _ipv6_groups(ip: Column) -> Column:
+    """IPv6 text without an IPv4 tail -> its eight groups in hex without leading zeros
+    ("::" expanded to the zero groups it stands for)."""
+    halves = F.split(ip, "::", -1)
+
+    def groups_of(part: Column) -> Column:
+        return F.when(part == "", F.array().cast("array<string>")).otherwise(F.split(part, ":", -1))
+    left, right = groups_of(F.get(halves, 0)), groups_of(F.get(halves, 1))
+    expanded = F.when(F.size(halves) == 2, F.concat(
+        left, F.array_repeat(F.lit("0"), F.lit(8) - F.size(left) - F.size(right)), right)).otherwise(
+        F.split(ip, ":", -1))
+    return F.transform(expanded, lambda g: F.lower(F.conv(g, 16, 16)))
+
+
+def _canonical_ipv6(groups: Column, framed: Column) -> Column:
+    """Eight groups (and the same joined as ``:g1:...:g8:``) -> RFC 5952 text: the longest
+    run of two or more zero groups, the first of equals, becomes "::"; an IPv4-mapped
+    address (``::ffff:a.b.c.d``) becomes its IPv4 address. The rule is
+    :func:`ipcount.rules.records.canonical_ip`."""
+    mapped = F.array_join(F.slice(groups, 1, 6), ":") == "0:0:0:0:0:ffff"
+
+    def octet_pair(i: int) -> Column:
+        g = F.conv(F.get(groups, i), 16, 10).cast("int")
+        return F.concat_ws(".", F.shiftright(g, 8).cast("string"), (g % 256).cast("string"))
+    text = F.array_join(groups, ":")
+    for run in range(2, 9):  # each longer run wraps the shorter ones, so it is tested first
+        zeros = ":" + "0:" * run
+        at = F.locate(zeros, framed)
+        before = F.regexp_replace(F.substring(framed, F.lit(1), at - 1), "^:", "")
+        after = F.regexp_replace(F.substring(framed, at + len(zeros), F.lit(64)), ":$", "")
+        text = F.when(at > 0, F.concat(before, F.lit("::"), after)).otherwise(text)
+    return F.when(mapped, F.concat_ws(".", octet_pair(6), octet_pair(7))).otherwise(text)
 
 
 def _iso_to_ms(ts: Column) -> Column:

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.ledger import COMMITTED
+from ipcount.rules.ledger import COMMITTED, timestamp_ms
 from ipcount.rules.records import Event, is_late, parse_value, window_start
 from ipcount.rules.requests import format_ms
 from ipcount.storage import broker
@@ -60,7 +60,7 @@ def verify(cfg: PipelineConfig, target: str = "main", from_ms: int | None = None
     t = cfg.for_target(target)
     report = VerifyReport(target, t.counts_path)
     rows = [r for r in read_rows(t.ledger_path, ["epoch", "topic", "partition", "from_offset", "until_offset",
-                                                 "status", "watermark_before_ms"])
+                                                 "status", "watermark_before_ms", "planned_at"])
             if r["status"] == COMMITTED and r["topic"] == cfg.topic]
     in_range = (lambda w: (from_ms is None or w >= from_ms) and (until_ms is None or w < until_ms))
     expected: Counter = Counter()
@@ -68,7 +68,9 @@ def verify(cfg: PipelineConfig, target: str = "main", from_ms: int | None = None
         report.offsets += r["until_offset"] - r["from_offset"]
         for rec in broker.read_range(cfg, r["partition"], r["from_offset"], r["until_offset"]):
             report.records += 1
-            parsed = parse_value(rec.value, t.max_value_bytes, rec.timestamp if t.event_time == "kafka" else None)
+            parsed = parse_value(rec.value, t.max_value_bytes, event_time=t.event_time,
+                                 kafka_timestamp_ms=rec.timestamp, planned_at_ms=timestamp_ms(r["planned_at"]),
+                                 max_ahead_ms=t.max_event_time_ahead_ms)
             if not isinstance(parsed, Event):
                 continue
             if is_late(parsed.event_ms, t.window_ms, t.allowed_lateness_ms, r["watermark_before_ms"]):

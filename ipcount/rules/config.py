@@ -57,6 +57,10 @@ SETTINGS_HELP = {
     "group_id": "Kafka consumer group that receives the committed offsets (monitoring only)",
     "commit_offsets": "commit the ledger's positions to the consumer group after each epoch",
     "max_value_bytes": "larger record values go to the dead-letter table as too_large",
+    "max_event_time_ahead_seconds": "records whose event time is further than this past their Kafka timestamp "
+                                    "(or the time their epoch was planned) go to the dead-letter table as "
+                                    "event_time_ahead, so that one bad clock cannot move the watermark into the "
+                                    "future (Kafka 4's message.timestamp.after.max.ms defaults to an hour too)",
     "spark_master": "master of the in-process Spark session (bin/ipcount epoch); the DAGs' spark-submit uses "
                     "Airflow's spark_default connection",
     "kafka_timeout_seconds": "timeout of broker requests",
@@ -84,7 +88,8 @@ CHOICES = {"start_position": START_POSITIONS, "event_time": EVENT_TIME_SOURCES,
            "on_data_loss": DATA_LOSS_POLICIES, "group_offsets_reset": RESET_POLICIES}
 # Integer settings and their least allowed value.
 MINIMUMS = {"window_seconds": 1, "max_records_per_epoch": 1, "max_value_bytes": 1,
-            "kafka_timeout_seconds": 1, "allowed_lateness_seconds": 0}
+            "kafka_timeout_seconds": 1, "allowed_lateness_seconds": 0,
+            "max_event_time_ahead_seconds": 0}
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,7 @@ class PipelineConfig:
     group_id: str = "ipcount"
     commit_offsets: bool = True
     max_value_bytes: int = 65_536
+    max_event_time_ahead_seconds: int = 3_600
     spark_master: str = "local[*]"
     kafka_timeout_seconds: int = 30
     schedule: str = "* * * * *"
@@ -260,6 +266,10 @@ class PipelineConfig:
     @property
     def allowed_lateness_ms(self) -> int:
         return self.allowed_lateness_seconds * 1000
+
+    @property
+    def max_event_time_ahead_ms(self) -> int:
+        return self.max_event_time_ahead_seconds * 1000
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any, Iterable, Mapping
 
 from ipcount.rules.coverage import Coverage
@@ -59,7 +60,7 @@ COLUMNS: tuple[tuple[str, str, bool], ...] = (
 )
 # What planning reads of each row.
 STATE_COLUMNS = ("epoch", "topic", "partition", "from_offset", "until_offset", "status", "kind", "request_id",
-                 "watermark_before_ms", "watermark_after_ms", "chain_watermark_ms")
+                 "watermark_before_ms", "watermark_after_ms", "chain_watermark_ms", "planned_at")
 METRICS = ("records_read", "records_counted", "records_late", "records_malformed")
 
 
@@ -84,6 +85,10 @@ class EpochPlan:
 
     ``chain_watermark_ms`` is the scheduled chain's watermark when the epoch was planned:
     a backfill epoch marks windows that watermark has passed as final.
+
+    ``planned_at_ms`` is when the plan was made (the ledger's ``planned_at``): every record
+    of its ranges was in Kafka by then, so event times far past it are a bad clock's
+    (:func:`ipcount.rules.records.is_ahead`). Recorded, so that a replay bounds the same.
     """
 
     epoch: int
@@ -93,6 +98,7 @@ class EpochPlan:
     kind: str = SCHEDULED
     request_id: str | None = None       # the backfill request (None for scheduled epochs)
     chain_watermark_ms: int | None = None
+    planned_at_ms: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in EPOCH_KINDS:
@@ -128,7 +134,13 @@ def plan_from_rows(rows: Iterable[Row]) -> EpochPlan:
     return EpochPlan(epoch=first["epoch"], ranges=ranges(lambda s: s != LOST),
                      watermark_ms=first.get("watermark_before_ms"), lost=ranges(lambda s: s == LOST),
                      kind=kind_of(first), request_id=first.get("request_id"),
-                     chain_watermark_ms=first.get("chain_watermark_ms"))
+                     chain_watermark_ms=first.get("chain_watermark_ms"),
+                     planned_at_ms=timestamp_ms(first.get("planned_at")))
+
+
+def timestamp_ms(value: datetime | None) -> int | None:
+    """Epoch ms of a timestamp as delta-rs (aware) or Spark (naive, local time) returns it."""
+    return None if value is None else round(value.timestamp() * 1_000_000) // 1000
 
 
 def rows_by_epoch(rows: Iterable[Row]) -> dict[int, list[Row]]:

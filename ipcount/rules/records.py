@@ -30,11 +30,15 @@ BAD_SHAPE = "bad_shape"              # JSON without a string "ip" and a string/i
 UNRECOGNIZED = "unrecognized_format"  # neither JSON nor an NGINX access-log line
 INVALID_IP = "invalid_ip"            # not an IPv4 or IPv6 address
 INVALID_TIMESTAMP = "invalid_timestamp"  # unparseable, or outside [MIN_EVENT_MS, MAX_EVENT_MS)
+EVENT_TIME_AHEAD = "event_time_ahead"    # later than the record's Kafka timestamp (or the epoch's
+                                         # planning time) plus max_event_time_ahead_seconds
 REASONS = (NULL_VALUE, EMPTY_VALUE, TOO_LARGE, NOT_UTF8, BAD_JSON, BAD_SHAPE, UNRECOGNIZED,
-           INVALID_IP, INVALID_TIMESTAMP)
+           INVALID_IP, INVALID_TIMESTAMP, EVENT_TIME_AHEAD)
 
 MIN_EVENT_MS = 946_684_800_000    # 2000-01-01T00:00:00Z
 MAX_EVENT_MS = 4_102_444_800_000  # 2100-01-01T00:00:00Z
+# Time-zone offsets as java.time accepts them (ZoneOffset): at most 18:00 either way.
+MAX_OFFSET_MINUTES = 18 * 60
 WHITESPACE = " \t\r\n"
 
 # One pattern per grammar so Python's re and Java's regex read them alike: no \s, \S, \d
@@ -89,13 +93,19 @@ class Malformed:
     reason: str
 
 
-def parse_value(value: bytes | None, max_value_bytes: int = 65_536,
-                kafka_timestamp_ms: int | None = None) -> Event | Malformed:
+def parse_value(value: bytes | None, max_value_bytes: int = 65_536, *, event_time: str = "payload",
+                kafka_timestamp_ms: int | None = None, planned_at_ms: int | None = None,
+                max_ahead_ms: int | None = None) -> Event | Malformed:
     """Parse one Kafka record value into an :class:`Event`, or say why it is malformed.
 
-    With ``kafka_timestamp_ms`` (the ``event_time = "kafka"`` setting) the event time is the
-    Kafka record's timestamp: the payload's own time (JSON ``ts``, NGINX ``[time]``) is then
+    With ``event_time = "kafka"`` the event time is the Kafka record's timestamp
+    (``kafka_timestamp_ms``): the payload's own time (JSON ``ts``, NGINX ``[time]``) is then
     neither required nor checked.
+
+    With ``max_ahead_ms``, an event time later than the record's Kafka timestamp, or than
+    ``planned_at_ms`` (when the epoch was planned: every record it reads was in Kafka by
+    then), by more than that is :data:`EVENT_TIME_AHEAD`: one record from a bad clock
+    would otherwise move the watermark into the future and make every later record late.
     """
     if value is None:
         return Malformed(NULL_VALUE)
@@ -107,16 +117,38 @@ def parse_value(value: bytes | None, max_value_bytes: int = 65_536,
         text = value.decode("utf-8").strip(WHITESPACE)
     except UnicodeDecodeError:
         return Malformed(NOT_UTF8)
+    from_kafka = event_time == "kafka"
     if text.startswith("{"):
-        return _parse_json(text, kafka_timestamp_ms)
-    m = _nginx.match(text)
-    if not m:
-        return Malformed(UNRECOGNIZED)
-    ip, when = m.group(1), m.group(2)
+        parsed = _parse_json(text, from_kafka)
+        if isinstance(parsed, Malformed):
+            return parsed
+        ip, ts = parsed
+    else:
+        m = _nginx.match(text)
+        if not m:
+            return Malformed(UNRECOGNIZED)
+        ip, ts = m.group(1), m.group(2)
     if not is_valid_ip(ip):
         return Malformed(INVALID_IP)
-    event_ms = parse_nginx_time(when) if kafka_timestamp_ms is None else _in_range(kafka_timestamp_ms)
-    return Malformed(INVALID_TIMESTAMP) if event_ms is None else Event(ip.lower(), event_ms)
+    if from_kafka:
+        event_ms = None if kafka_timestamp_ms is None else _in_range(kafka_timestamp_ms)
+    elif isinstance(ts, int):
+        event_ms = _in_range(ts)
+    else:
+        event_ms = parse_iso_time(ts) if text.startswith("{") else parse_nginx_time(ts)
+        event_ms = None if event_ms is None else _in_range(event_ms)
+    if event_ms is None:
+        return Malformed(INVALID_TIMESTAMP)
+    if max_ahead_ms is not None and is_ahead(event_ms, max_ahead_ms, kafka_timestamp_ms, planned_at_ms):
+        return Malformed(EVENT_TIME_AHEAD)
+    return Event(canonical_ip(ip), event_ms)
+
+
+def is_ahead(event_ms: int, max_ahead_ms: int, kafka_timestamp_ms: int | None, planned_at_ms: int | None) -> bool:
+    """Whether ``event_ms`` is more than ``max_ahead_ms`` after the earlier of the Kafka
+    timestamp and the planning time (a negative Kafka timestamp means none)."""
+    known = [t for t in (kafka_timestamp_ms, planned_at_ms) if t is not None and t >= 0]
+    return bool(known) and event_ms > min(known) + max_ahead_ms
 
 
 def _in_range(event_ms: int) -> int | None:
@@ -134,7 +166,8 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def _parse_json(text: str, kafka_timestamp_ms: int | None) -> Event | Malformed:
+def _parse_json(text: str, from_kafka: bool) -> tuple[str, str | int | None] | Malformed:
+    """(ip, ts) of a JSON record whose shape is right; ts is None when not needed."""
     try:
         obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
     except ValueError:
@@ -143,17 +176,9 @@ def _parse_json(text: str, kafka_timestamp_ms: int | None) -> Event | Malformed:
         return Malformed(BAD_JSON)
     ip, ts = obj.get("ip"), obj.get("ts")
     ts_is_int = isinstance(ts, int) and not isinstance(ts, bool) and -2**63 <= ts < 2**63
-    ts_ok = kafka_timestamp_ms is not None or isinstance(ts, str) or ts_is_int
-    if not isinstance(ip, str) or not ts_ok:
+    if not isinstance(ip, str) or not (from_kafka or isinstance(ts, str) or ts_is_int):
         return Malformed(BAD_SHAPE)
-    if not is_valid_ip(ip):
-        return Malformed(INVALID_IP)
-    if kafka_timestamp_ms is not None:
-        event_ms = _in_range(kafka_timestamp_ms)
-    else:
-        event_ms = ts if isinstance(ts, int) else parse_iso_time(ts)
-        event_ms = None if event_ms is None else _in_range(event_ms)
-    return Malformed(INVALID_TIMESTAMP) if event_ms is None else Event(ip.lower(), event_ms)
+    return ip, (None if from_kafka else ts)
 
 
 def is_valid_ip(text: str) -> bool:
@@ -167,23 +192,43 @@ def is_valid_ip(text: str) -> bool:
     return True
 
 
+def canonical_ip(text: str) -> str:
+    """One spelling per address, so that one client is one row: IPv4 as is (the pattern
+    allows no leading zeros), IPv6 compressed and lower case (RFC 5952), and an
+    IPv4-mapped IPv6 address (``::ffff:1.2.3.4``) as its IPv4 address."""
+    address = ipaddress.ip_address(text)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return address.compressed
+
+
+def offset_minutes(sign: str, hours: int, minutes: int) -> int | None:
+    """A time-zone offset in minutes, None unless java.time would accept it (minutes < 60,
+    at most 18:00 either way): Spark's parser reads offsets with java.time."""
+    total = hours * 60 + minutes
+    if minutes > 59 or total > MAX_OFFSET_MINUTES:
+        return None
+    return total if sign == "+" else -total
+
+
 def parse_iso_time(text: str) -> int | None:
     m = _iso.match(text)
     if not m:
         return None
     year, month, day, hour, minute, second = (int(m.group(i)) for i in range(1, 7))
     fraction, zone = m.group(8) or "", m.group(9)
+    offset = 0 if zone == "Z" else offset_minutes(zone[0], int(zone[1:3]), int(zone[4:6]))
+    if offset is None:
+        return None
     try:
-        tz = timezone.utc if zone == "Z" else timezone(
-            (1 if zone[0] == "+" else -1) * timedelta(hours=int(zone[1:3]), minutes=int(zone[4:6])))
-        instant = datetime(year, month, day, hour, minute, second, tzinfo=tz)
+        instant = datetime(year, month, day, hour, minute, second, tzinfo=timezone(timedelta(minutes=offset)))
     except ValueError:
         return None
     return _epoch_ms(instant) + int((fraction + "000")[:3])
 
 
 def parse_nginx_time(text: str) -> int | None:
-    if not _nginx_time.match(text):
+    if not _nginx_time.match(text) or offset_minutes(text[-5], int(text[-4:-2]), int(text[-2:])) is None:
         return None
     try:
         instant = datetime.strptime(text, "%d/%b/%Y:%H:%M:%S %z")

@@ -87,8 +87,9 @@ class Ledger:
         from delta.tables import DeltaTable
         from pyspark.sql import functions as F
 
-        now = datetime.now(timezone.utc)
-        rows = [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, status, now,
+        planned_at = (datetime.now(timezone.utc) if plan.planned_at_ms is None
+                      else datetime.fromtimestamp(plan.planned_at_ms / 1000, timezone.utc))
+        rows = [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, status, planned_at,
                  None, None, None, None, None, plan.watermark_ms, None, None, None, run_id, None, None,
                  plan.kind, plan.request_id, plan.chain_watermark_ms)
                 for status, ranges in ((LOST, plan.lost), (PLANNED, plan.ranges)) for r in ranges]

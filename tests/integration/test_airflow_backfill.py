@@ -49,7 +49,7 @@ def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path,
     day = lambda n: int((today - timedelta(days=n)).timestamp() * 1000)  # noqa: E731
     gen = TrafficGenerator(seed=71, events_per_second=50, malformed_share=0.03)
     # Records stamped (Kafka timestamps) three days ago; the scheduled chain counts them.
-    first = produce(cfg.bootstrap_servers, cfg.topic, gen.records(120, 1_795_255_200_000),
+    first = produce(cfg.bootstrap_servers, cfg.topic, gen.records(120, day(3) + 3_600_000),
                     partition_of=lambda i, r: i % 3, timestamp_of=lambda i, r: day(3) + 3_600_000 + i * 1000)
     run_until_idle(cfg, spark)
 
@@ -64,7 +64,7 @@ def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path,
     # racing a busy scheduler can fail with "database is locked" (a snapshot conflict that no
     # lock timeout waits out), and Airflow's clean-up after it can crash the scheduler.
     second = produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=72, events_per_second=50)
-                     .records(90, 1_795_255_800_000), partition_of=lambda i, r: i % 3,
+                     .records(90, day(2) + 3_600_000), partition_of=lambda i, r: i % 3,
                      timestamp_of=lambda i, r: day(2) + 3_600_000 + i * 1000)
     start, end = today - timedelta(days=3), today - timedelta(days=2)
     airflow(env, "backfill", "create", "--dag-id", "ipcount_epoch", "--from-date", start.isoformat(),

@@ -144,8 +144,9 @@ def test_backfill_history_after_starting_at_latest_then_rebuild_and_verify(cfg, 
 def test_backfill_by_time_into_a_replay_table(cfg, spark):
     hour = 3_600_000
     t0 = BASE_MS - 24 * hour                            # yesterday, as Kafka record timestamps
-    first = produce_dataset(cfg, 150, seed=31, kafka_ts=lambda i, r: t0 + i * 1000)          # [t0, t0+150s)
-    second = produce_dataset(cfg, 150, seed=32, kafka_ts=lambda i, r: t0 + hour + i * 1000)  # an hour later
+    # [t0, t0+150s), then an hour later; event times a little before their Kafka timestamps
+    first = produce_dataset(cfg, 150, seed=31, base_ms=t0, kafka_ts=lambda i, r: t0 + i * 1000)
+    second = produce_dataset(cfg, 150, seed=32, base_ms=t0 + hour, kafka_ts=lambda i, r: t0 + hour + i * 1000)
     request = BackfillRequest(target="audit", from_ms=t0, until_ms=t0 + hour)
     report = run_backfill(cfg.replace(max_records_per_epoch=60), spark, request)
     assert sum(e.records_read for e in report.epochs) == 150

@@ -177,3 +177,26 @@ def test_a_ledger_from_an_older_schema_gains_the_new_columns(cfg, spark):
     assert spark.read.format("delta").load(cfg.ledger_path).schema.fieldNames() == schema.fieldNames()
     produce_dataset(cfg, n=30)
     assert epoch_mod.run_epoch(cfg, spark).records_read == 30
+
+
+def test_one_record_from_a_bad_clock_does_not_stop_the_counting(cfg, spark):
+    """A year-2099 record used to move the watermark to 2099: every later record was late."""
+    from ipcount.devtools.generator import Record
+
+    gen = TrafficGenerator(seed=61, events_per_second=50, late_share=0, malformed_share=0)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, BASE_MS), partition_of=lambda i, r: i % 3)
+    run_until_idle(cfg, spark)
+    (bad,) = produce(cfg.bootstrap_servers, cfg.topic, [Record(b"k", b'{"ip": "1.2.3.4", "ts": 4102444700000}')],
+                     partition_of=lambda i, r: 0)
+    produced += [bad]
+    produced += produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, BASE_MS + 60_000),
+                        partition_of=lambda i, r: i % 3)
+    later = run_until_idle(cfg, spark)
+
+    assert sum(s.records_counted for s in later) == 300
+    assert sum(s.records_late for s in later) == 0
+    assert (0, bad.offset, "event_time_ahead") in dead_letters(cfg)
+    assert max(s.watermark_ms for s in later) < BASE_MS + 120_000
+    expected = expected_tables(produced, epoch_ranges(cfg))
+    assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
+

@@ -9,7 +9,7 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, Str
 
 from ipcount.devtools.generator import MALFORMED_SAMPLES, TrafficGenerator
 from ipcount.jobs import transform
-from ipcount.rules.records import Event, parse_value
+from ipcount.rules.records import REASONS, Event, parse_value
 
 KAFKA_SCHEMA = StructType([
     StructField("topic", StringType()), StructField("partition", IntegerType()), StructField("offset", LongType()),
@@ -37,6 +37,25 @@ HAND_PICKED = [
     b'fe80::1%eth0 - - [21/Nov/2026:10:00:03 +0000] "G" 200 1', b"GET / 200", b"   ", b"\t\r\n", b"",
     b"\xff\xfe\xfd", b"\xc3\x28", b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03Z", "x": "\xe2\x82\xac"}',
     b"x" * 70_000, None,
+    # time-zone offsets: java.time's limits (minutes < 60, at most 18:00 either way) hold in both
+    b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03+18:00"}', b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03-18:00"}',
+    b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03+18:01"}', b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03+19:00"}',
+    b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03+05:99"}', b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03-05:60"}',
+    b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03+23:59"}', b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03+05:45"}',
+    b'1.2.3.4 - - [21/Nov/2026:10:00:03 +1800] "GET / HTTP/1.1" 200 512',
+    b'1.2.3.4 - - [21/Nov/2026:10:00:03 -1801] "GET / HTTP/1.1" 200 512',
+    b'1.2.3.4 - - [21/Nov/2026:10:00:03 +1900] "GET / HTTP/1.1" 200 512',
+    b'1.2.3.4 - - [21/Nov/2026:10:00:03 +0599] "GET / HTTP/1.1" 200 512',
+    b'1.2.3.4 - - [21/Nov/2026:10:00:03 +0560] "GET / HTTP/1.1" 200 512',
+    b'1.2.3.4 - - [21/Nov/2026:10:00:03 +0545] "GET / HTTP/1.1" 200 512',
+    # one address, many spellings: all counted as its canonical form
+    b'{"ip": "2001:0db8:0000::1", "ts": 1795255203000}', b'{"ip": "2001:DB8:0:0:0:0:0:1", "ts": 1795255203000}',
+    b'{"ip": "::ffff:1.2.3.4", "ts": 1795255203000}', b'{"ip": "::FFFF:0102:0304", "ts": 1795255203000}',
+    b'{"ip": "::1.2.3.4", "ts": 1795255203000}', b'{"ip": "1:0:0:1:0:0:0:1", "ts": 1795255203000}',
+    b'{"ip": "0:0:1:0:0:1:0:0", "ts": 1795255203000}', b'{"ip": "1:0:3:4:5:6:7:8", "ts": 1795255203000}',
+    b'::ffff:10.0.0.1 - - [21/Nov/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512',
+    # a record from a bad clock, far ahead of its Kafka timestamp
+    b'{"ip": "1.2.3.4", "ts": 4102444700000}',
 ]
 
 
@@ -66,21 +85,26 @@ def test_spark_parser_matches_python_spec_on_every_record(spark, event_time):
     generated = [r.value for r in TrafficGenerator(seed=5, malformed_share=0.05).records(3000, start)]
     values = HAND_PICKED + NO_TS + [v for _, v in MALFORMED_SAMPLES] + generated
     values += _mutations(random.Random(9), [v for v in generated[:400] if v])
-    # Kafka timestamps: mostly plausible, some outside the valid event-time range.
+    # Kafka timestamps: mostly plausible, some outside the valid event-time range, some
+    # hours before the payload's time or after the planning time (event_time_ahead).
     rng = random.Random(4)
-    kafka_ms = [rng.choice((start + rng.randrange(-10**6, 10**6), 631_152_000_000, 4_200_000_000_000))
+    hour, planned_at = 3_600_000, start + 2 * 3_600_000
+    kafka_ms = [rng.choice((start + rng.randrange(-10**6, 10**6), start + rng.randrange(-10**6, 10**6),
+                            631_152_000_000, 4_200_000_000_000, start - 3 * hour, planned_at + hour + 1))
                 for _ in values]
     rows = [("t", 0, i, datetime.fromtimestamp(ms / 1000, tz=timezone.utc), None, v)
             for i, (ms, v) in enumerate(zip(kafka_ms, values))]
     df = spark.createDataFrame(rows, KAFKA_SCHEMA)
-    got = {r.offset: (r.reason, r.ip, r.event_ms) for r in transform.parse(df, 65_536, event_time).collect()}
+    parsed = transform.parse(df, 65_536, event_time, max_ahead_ms=hour, planned_at_ms=planned_at)
+    got = {r.offset: (r.reason, r.ip, r.event_ms) for r in parsed.collect()}
 
     mismatches = []
     for i, v in enumerate(values):
-        p = parse_value(v, 65_536, kafka_ms[i] if event_time == "kafka" else None)
+        p = parse_value(v, 65_536, event_time=event_time, kafka_timestamp_ms=kafka_ms[i], planned_at_ms=planned_at,
+                        max_ahead_ms=hour)
         want = (None, p.ip, p.event_ms) if isinstance(p, Event) else (p.reason, None, None)
         if got[i] != want:
             mismatches.append((v[:120] if v else v, want, got[i]))
     assert not mismatches, mismatches[:10]
     reasons = {g[0] for g in got.values()}
-    assert len(reasons) == 10  # every malformed class plus well-formed (None) occurred
+    assert reasons == {None, *REASONS}  # every malformed class and well-formed records occurred

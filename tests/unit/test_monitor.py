@@ -90,6 +90,14 @@ def test_health_states():
     assert model.assess_health(T0, 7, T0, minute, None, [], [], broker_error="down").state == "failing"
 
 
+def test_health_flags_a_watermark_ahead_of_the_wall_clock():
+    now_ms = int(T0.timestamp() * 1000)
+    assert model.assess_health(T0, 7, T0, timedelta(minutes=1), 0, [], [], watermark_ms=now_ms + 30_000).state == "ok"
+    ahead = model.assess_health(T0, 7, T0, timedelta(minutes=1), 0, [], [], watermark_ms=now_ms + 2 * 3_600_000)
+    assert ahead.state == "failing"
+    assert "120 min ahead of the wall clock" in ahead.problems[0] and "event_time_ahead" in ahead.problems[0]
+
+
 def test_time_ranges():
     assert model.parse_instant("from", "2026-11-21T10:00") == datetime(2026, 11, 21, 10, tzinfo=timezone.utc)
     assert model.parse_instant("from", "2026-11-21T10:00:00Z") == datetime(2026, 11, 21, 10, tzinfo=timezone.utc)

@@ -39,6 +39,53 @@ def test_ipv6_is_lowercased():
     assert parse_value(b'{"ip": "2001:DB8::A", "ts": 1795255203000}').ip == "2001:db8::a"
 
 
+@pytest.mark.parametrize("spellings, canonical", [
+    (["2001:0db8:0000::1", "2001:db8::1", "2001:DB8:0:0:0:0:0:1"], "2001:db8::1"),
+    (["::ffff:1.2.3.4", "::FFFF:102:304", "0:0:0:0:0:ffff:0102:0304", "1.2.3.4"], "1.2.3.4"),
+    (["1:0:0:1:0:0:0:1"], "1:0:0:1::1"),        # the longest run of zero groups
+    (["0:0:1:0:0:1:0:0"], "::1:0:0:1:0:0"),     # the first of equally long runs
+    (["1:0:3:4:5:6:7:8", "1::3:4:5:6:7:8"], "1:0:3:4:5:6:7:8"),  # one zero group stays
+    (["::1.2.3.4"], "::102:304"),               # IPv4-compatible (not mapped) stays IPv6
+])
+def test_one_address_is_one_client_however_it_is_spelled(spellings, canonical):
+    for ip in spellings:
+        assert parse_value(b'{"ip": "%s", "ts": 1795255203000}' % ip.encode()).ip == canonical, ip
+
+
+@pytest.mark.parametrize("ts, ok", [
+    ("2026-11-21T10:00:03+18:00", True), ("2026-11-21T10:00:03-18:00", True), ("2026-11-21T10:00:03+05:45", True),
+    ("2026-11-21T10:00:03+18:01", False), ("2026-11-21T10:00:03+19:00", False),
+    ("2026-11-21T10:00:03+05:99", False), ("2026-11-21T10:00:03-05:60", False),
+    ("21/Nov/2026:10:00:03 +1800", True), ("21/Nov/2026:10:00:03 -1801", False),
+    ("21/Nov/2026:10:00:03 +1900", False), ("21/Nov/2026:10:00:03 +0599", False),
+])
+def test_time_zone_offsets_within_what_java_time_accepts(ts, ok):
+    """Spark reads offsets with java.time: at most 18:00 either way, minutes below 60."""
+    value = (b'{"ip": "1.2.3.4", "ts": "%s"}' % ts.encode() if "T" in ts
+             else b'1.2.3.4 - - [%s] "GET / HTTP/1.1" 200 1' % ts.encode())
+    assert isinstance(parse_value(value), Event) == ok
+    if not ok:
+        assert parse_value(value) == Malformed(R.INVALID_TIMESTAMP)
+
+
+def test_event_time_far_ahead_of_its_kafka_timestamp_is_dead_lettered():
+    hour, kafka_ms = 3_600_000, MS_2026_11_21_10_00_03
+    year_2099 = b'{"ip": "1.2.3.4", "ts": 4102444700000}'
+    assert parse_value(year_2099, max_ahead_ms=hour, kafka_timestamp_ms=kafka_ms) == Malformed(R.EVENT_TIME_AHEAD)
+    assert parse_value(year_2099) == Event("1.2.3.4", 4_102_444_700_000)  # no bound, no check
+    at = b'{"ip": "1.2.3.4", "ts": %d}'
+    assert isinstance(parse_value(at % (kafka_ms + hour), max_ahead_ms=hour, kafka_timestamp_ms=kafka_ms), Event)
+    assert parse_value(at % (kafka_ms + hour + 1), max_ahead_ms=hour, kafka_timestamp_ms=kafka_ms) == \
+        Malformed(R.EVENT_TIME_AHEAD)
+    # the planning time bounds it too, and alone bounds Kafka timestamps (event_time = kafka)
+    assert parse_value(at % kafka_ms, max_ahead_ms=0, kafka_timestamp_ms=kafka_ms + 5,
+                       planned_at_ms=kafka_ms - 1) == Malformed(R.EVENT_TIME_AHEAD)
+    assert parse_value(b'{"ip": "1.2.3.4"}', event_time="kafka", max_ahead_ms=hour, kafka_timestamp_ms=kafka_ms,
+                       planned_at_ms=kafka_ms - 2 * hour) == Malformed(R.EVENT_TIME_AHEAD)
+    # a negative Kafka timestamp (none) bounds nothing
+    assert isinstance(parse_value(at % kafka_ms, max_ahead_ms=hour, kafka_timestamp_ms=-1), Event)
+
+
 @pytest.mark.parametrize("value, reason", [
     (None, R.NULL_VALUE),
     (b"", R.EMPTY_VALUE),

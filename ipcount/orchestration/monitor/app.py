@@ -96,7 +96,8 @@ class Monitor:
         now = datetime.now(timezone.utc)
         return model.assess_health(
             now, last[0] if last else None, last[1] if last else None, model.schedule_interval(cfg.schedule, now),
-            lag, unfinished, failed_since_success() if target == MAIN_TARGET else (), positions.error)
+            lag, unfinished, failed_since_success() if target == MAIN_TARGET else (), positions.error,
+            watermark_ms=last[2] if last else None)
 
     def lag(self, target: str, last: int) -> dict[str, Any]:
         if not 1 <= last <= 1000:

@@ -71,11 +71,12 @@ class PipelineTables:
             f"WHERE topic = {sql_literal(self.cfg.topic)} AND {CHAIN_COMMITTED_SQL} GROUP BY partition"))
         return {r["partition"]: r["until"] for r in rows}
 
-    def last_committed(self) -> tuple[int, datetime] | None:
+    def last_committed(self) -> tuple[int, datetime, int | None] | None:
+        """(epoch, committed at, watermark after it) of the chain's last committed epoch."""
         rows = self.reader.query(self.cfg.ledger_path, (
-            "SELECT epoch, committed_at FROM t "
+            "SELECT epoch, committed_at, watermark_after_ms FROM t "
             f"WHERE topic = {sql_literal(self.cfg.topic)} AND {CHAIN_COMMITTED_SQL} ORDER BY epoch DESC LIMIT 1"))
-        return (rows[0]["epoch"], rows[0]["committed_at"]) if rows else None
+        return (rows[0]["epoch"], rows[0]["committed_at"], rows[0]["watermark_after_ms"]) if rows else None
 
     def lag_history(self, last: int) -> list[tuple[int, dict[int, int]]]:
         """(epoch, partition -> lag after it) of the chain's last ``last`` committed epochs,

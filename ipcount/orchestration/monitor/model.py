@@ -159,6 +159,10 @@ def schedule_interval(cron: str, now: datetime) -> timedelta | None:
     return second - first
 
 
+# Clocks differ a little; a watermark further ahead than this is a problem.
+WATERMARK_TOLERANCE = timedelta(minutes=1)
+
+
 @dataclass(frozen=True)
 class Health:
     """The health line: is the chain keeping up with the schedule and the log?"""
@@ -183,11 +187,14 @@ class Health:
 
 def assess_health(now: datetime, last_epoch: int | None, last_committed_at: datetime | None,
                   interval: timedelta | None, total_lag: int | None, unfinished: Iterable[EpochRow],
-                  failed_runs: Iterable[str], broker_error: str | None = None) -> Health:
+                  failed_runs: Iterable[str], broker_error: str | None = None,
+                  watermark_ms: int | None = None) -> Health:
     """``late`` when records are waiting and the last commit is older than two schedule
     intervals plus a minute (an epoch with nothing to read commits nothing, so age alone is
     no problem); ``failing`` when a failed run left an epoch unfinished, runs failed since
-    the last successful one, or the broker does not answer."""
+    the last successful one, the broker does not answer, or the chain's watermark is ahead
+    of the wall clock (by more than :data:`WATERMARK_TOLERANCE`: every record of the
+    windows it has passed is then late)."""
     unfinished = list(unfinished)
     failed_runs = tuple(failed_runs)
     age = (now - last_committed_at).total_seconds() if last_committed_at else None
@@ -200,12 +207,20 @@ def assess_health(now: datetime, last_epoch: int | None, last_committed_at: date
         problems.append(f"{len(failed_runs)} failed run(s) since the last successful one: {', '.join(failed_runs[:3])}")
     if broker_error:
         problems.append(f"broker: {broker_error}")
+    lead = (None if watermark_ms is None
+            else datetime.fromtimestamp(watermark_ms / 1000, timezone.utc) - now)  # how far ahead of now
+    ahead = lead is not None and lead > WATERMARK_TOLERANCE
+    if ahead:
+        problems.append(f"watermark {_iso(now + lead)} is {lead.total_seconds() / 60:.0f} min ahead of the wall "
+                        "clock: records "
+                        "of the windows it passed are counted late (a producer's clock ahead? see the dead letters "
+                        "with reason event_time_ahead and the max_event_time_ahead_seconds setting)")
     late = (age is not None and interval is not None and total_lag
             and age > 2 * interval.total_seconds() + 60)
     if late:
         problems.append(f"last commit {age:.0f} s ago with {total_lag} records waiting "
                         f"(schedule: every {interval.total_seconds():.0f} s)")
-    if stuck or failed_runs or broker_error:
+    if stuck or failed_runs or broker_error or ahead:
         state = "failing"
     elif late:
         state = "late"
