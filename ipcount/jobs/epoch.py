@@ -30,6 +30,7 @@ from ipcount.rules.errors import PlanConflict
 from ipcount.rules.ledger import EpochPlan, EpochSummary, LedgerState, PartitionMetrics
 from ipcount.rules.offsets import check_partitions_exist, check_readable, plan_ranges, skip_deleted
 from ipcount.storage import broker
+from ipcount.storage import tableset as tableset_io
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.sink import Sink
 
@@ -75,10 +76,12 @@ class EpochRunner:
     @classmethod
     def open(cls, cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,
              crash: Crash = no_crash) -> EpochRunner:
-        """The runner of ``cfg``'s tables, created if missing."""
+        """The runner of ``cfg``'s tables, created if missing; refused unless ``cfg`` means
+        what the tables were created to mean (:mod:`ipcount.rules.tableset`)."""
         ledger, sink = Ledger(spark, cfg.ledger_path), Sink(spark, cfg)
         ledger.ensure()
         sink.ensure()
+        tableset_io.claim(spark, cfg)
         return cls(cfg, spark, ledger, sink, run_id, crash)
 
     def state(self) -> LedgerState:

@@ -15,7 +15,9 @@ from ipcount.rules.errors import BadRequestError, DataLossError
 from ipcount.rules.ledger import COMMITTED
 from ipcount.rules.offsets import check_partitions_exist, check_readable
 from ipcount.rules.requests import MAIN_TARGET, check_target
+from ipcount.rules.tableset import recorded_settings
 from ipcount.storage import broker
+from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import has_table
 from ipcount.storage.ledger import Ledger
 
@@ -50,9 +52,11 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
     if check_target(into) == MAIN_TARGET or into == check_target(source):
         raise BadRequestError(f"rebuild needs a fresh replay target to write into, not {into!r} (rebuild into a "
                               "new name, verify it, then swap it in; see the README)")
-    src_cfg, dst_cfg = cfg.for_target(source), cfg.for_target(into)
+    src_cfg = cfg.for_target(source)
     if not has_table(src_cfg.ledger_path):
         raise BadRequestError(f"target {source!r} has no ledger at {src_cfg.ledger_path}; nothing to rebuild")
+    # The rebuilt tables mean what the source's mean, whatever today's settings say.
+    dst_cfg = cfg.for_target(into).replace(**recorded_settings(tableset_io.recorded(src_cfg)))
     src = Ledger(spark, src_cfg.ledger_path)
     epochs = src.epochs(cfg.topic)
     earliest, latest = broker.partition_offsets(cfg)

@@ -16,7 +16,9 @@ from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger import COMMITTED, timestamp_ms
 from ipcount.rules.records import Event, is_late, parse_value, window_start
 from ipcount.rules.requests import format_ms
+from ipcount.rules.tableset import recorded_settings
 from ipcount.storage import broker
+from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import read_rows
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ def verify(cfg: PipelineConfig, target: str = "main", from_ms: int | None = None
     """Compare the target's counts with a recount; only windows starting in
     ``[from_ms, until_ms)`` when given."""
     t = cfg.for_target(target)
+    t = t.replace(**recorded_settings(tableset_io.recorded(t)))  # what the tables mean, not today's settings
     report = VerifyReport(target, t.counts_path)
     rows = [r for r in read_rows(t.ledger_path, ["epoch", "topic", "partition", "from_offset", "until_offset",
                                                  "status", "watermark_before_ms", "planned_at"])

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ipcount.rules.config import (DATA_LOSS_POLICIES, EVENT_TIME_SOURCES, REPO_ROOT, RESET_POLICIES, SETTINGS_HELP,
-                                  START_POSITIONS, PipelineConfig, flag, negated_flag)
+from ipcount.rules.config import (DATA_LOSS_POLICIES, REPO_ROOT, RESET_POLICIES, SETTINGS_HELP, START_POSITIONS,
+                                  PipelineConfig, flag, negated_flag)
+from ipcount.rules.errors import ConfigError
 from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, request_from_fields
+from ipcount.rules.tableset import MEANING
 from ipcount.storage.ledger import committed_epochs
 from ipcount.storage.spark import DRIVER_ENV, spark_conf, spark_jars
 
@@ -31,11 +33,8 @@ RUN_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
                             "Reset for partitions without group offsets (start_position group-offsets)"),
     "on_data_loss": ({"type": "string", "enum": list(DATA_LOSS_POLICIES)}, "On offsets deleted before counted"),
     "commit_offsets": ({"type": "boolean"}, "Commit offsets to the consumer group"),
-    "event_time": ({"type": "string", "enum": list(EVENT_TIME_SOURCES)}, "Event time source"),
-    "window_seconds": ({"type": "integer", "minimum": 1}, "Window size (s)"),
-    "allowed_lateness_seconds": ({"type": "integer", "minimum": 0}, "Allowed lateness (s)"),
-    "max_value_bytes": ({"type": "integer", "minimum": 1}, "Max record value size (bytes)"),
 }
+# What the tables mean is fixed with them (ipcount.rules.tableset), never a per-run choice.
 
 
 def counts_asset(cfg: PipelineConfig):
@@ -55,6 +54,10 @@ def dag_params(cfg: PipelineConfig) -> dict[str, Any]:
 
 def run_config(cfg: PipelineConfig, params: dict[str, Any] | None) -> PipelineConfig:
     """The pipeline's configuration with this run's Param values applied."""
+    fixed = sorted(set(params or {}) & {*MEANING, "pipeline_id"})
+    if fixed:
+        raise ConfigError(f"{', '.join(fixed)} cannot be set per run: what a table set counts is fixed when it is "
+                          "created (set it in the pipeline's configuration for a new table set)")
     overrides = {k: v for k, v in (params or {}).items() if k in RUN_PARAMS}
     return cfg.replace(**overrides) if overrides else cfg
 

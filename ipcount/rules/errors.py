@@ -62,5 +62,9 @@ class LedgerStateError(IpcountError, RuntimeError):
     """The ledger holds a state no planner leaves behind (e.g. two unfinished scheduled epochs)."""
 
 
+class TableSetMismatch(IpcountError, exit_code=EXIT_USAGE):
+    """A run's settings, or one of its tables, do not belong to the table set it would write."""
+
+
 class EpochServerError(IpcountError, RuntimeError, exit_code=EXIT_USAGE):
     """The epoch server could not be reached, refused the request, or broke off while running it."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -134,6 +135,14 @@ class DeltaReader:
             return rows
 
 
+def table_metadata(path: str) -> tuple[str, dict[str, str]]:
+    """(Delta table id, table properties) of the table at ``path``, from its log."""
+    from deltalake import DeltaTable as LogReader
+
+    metadata = LogReader(path).metadata()
+    return metadata.id, dict(metadata.configuration)
+
+
 def version_with_metadata(path: str, user_metadata: str, search: int = 50) -> int | None:
     """The table version whose commit carries ``user_metadata`` (None if none of the last
     ``search`` commits does). From the log's commit infos, read with delta-rs: Spark's
@@ -168,10 +177,7 @@ def ensure_table(spark: SparkSession, path: str, schema: StructType,
     if _up_to_date(path, schema, properties):
         return
     if not DeltaTable.isDeltaTable(spark, path):
-        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
-        for key, value in properties.items():
-            builder = builder.property(key, value)
-        builder.execute()
+        _create(spark, path, schema, properties)
         return
     detail = DeltaTable.forPath(spark, path).detail().select("properties").first()
     have_props = dict(detail.properties or {})
@@ -186,6 +192,60 @@ def ensure_table(spark: SparkSession, path: str, schema: StructType,
         columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
         retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"),
                           f"adding columns to {path}")
+
+
+def _create(spark: SparkSession, path: str, schema: StructType, properties: Mapping[str, str],
+            attempts: int = 5) -> None:
+    """Create the table; a concurrent creator that wins the race (Delta refuses the loser's
+    version 0 with DELTA_PROTOCOL_CHANGED or a concurrent-commit error) is success too, and
+    what a creator killed mid-way left behind (a log directory with no commit, which Delta
+    answers with DELTA_TABLE_NOT_FOUND or NON_EMPTY_LOCATION for good) is cleared."""
+    from delta.tables import DeltaTable
+
+    for attempt in range(1, attempts + 1):
+        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
+        for key, value in properties.items():
+            builder = builder.property(key, value)
+        try:
+            builder.execute()
+            return
+        except Exception as e:  # noqa: BLE001 - Delta's errors come back as JVM errors; sorted below
+            if DeltaTable.isDeltaTable(spark, path):
+                log.info("%s was created by a concurrent run (%s)", path, type(e).__name__)
+                return
+            if attempt == attempts:
+                raise
+            age = _unborn_table_age(path)
+            if age is not None and age >= UNBORN_AFTER_SECONDS:
+                log.warning("%s holds the log directory of a table whose creation never committed (its creator "
+                            "was killed %.0f s ago or more); clearing it", path, age)
+                shutil.rmtree(Path(path) / "_delta_log")
+                continue
+            wait = UNBORN_AFTER_SECONDS - age if age is not None else 0.2 * attempt  # a creation in flight?
+            log.info("creating %s: %s; trying again in %.1f s (%d/%d)", path, str(e).splitlines()[0][:200], wait,
+                     attempt, attempts)
+            time.sleep(wait)
+
+
+# A creation commits within seconds; a log directory without a commit that is older than
+# this was left by a creator that was killed.
+UNBORN_AFTER_SECONDS = 10.0
+_COMMIT_FILE = re.compile(r"^\d{20}\.(json|checkpoint.*\.parquet)$")
+
+
+def _unborn_table_age(path: str) -> float | None:
+    """Seconds since the newest file of a table whose creation never committed, else None.
+    Only a local directory whose every file is in ``_delta_log`` and none of them a commit or
+    checkpoint: anything else is data, and is never cleared."""
+    root = Path(path)
+    log_dir = root / "_delta_log"
+    if "://" in path or not log_dir.is_dir():
+        return None
+    files = [f for f in root.rglob("*") if f.is_file()]
+    if any(log_dir not in f.parents or _COMMIT_FILE.match(f.name) for f in files):
+        return None
+    newest = max((f.stat().st_mtime for f in files), default=log_dir.stat().st_mtime)
+    return max(0.0, time.time() - newest)
 
 
 def _up_to_date(path: str, schema: StructType, properties: Mapping[str, str]) -> bool:

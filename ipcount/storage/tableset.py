@@ -1,0 +1,70 @@
+"""The table set's manifest on Delta: read with delta-rs, written once with Spark.
+
+See :mod:`ipcount.rules.tableset` for what the manifest is and why.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ipcount.rules import tableset
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import TableSetMismatch
+from ipcount.storage.delta import concurrent_errors, table_metadata
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+
+def claim(spark: SparkSession, cfg: PipelineConfig, attempts: int = 10) -> None:
+    """Record ``cfg``'s manifest on a new table set, or check it against the recorded one.
+
+    Both tables must exist. A table without a manifest (new, or made by a version without
+    manifests) gets it; if a concurrent run recorded another first, the ALTER conflicts,
+    and the loop reads again and checks against the winner's.
+    """
+    for attempt in range(1, attempts + 1):
+        (ledger_id, ledger_props), (counts_id, counts_props) = (table_metadata(cfg.ledger_path),
+                                                                table_metadata(cfg.counts_path))
+        wanted = tableset.manifest(cfg, ledger_id, counts_id)
+        bare = []
+        # Checked before anything is recorded: a run never records its settings on one table
+        # of a set whose other table holds another run's.
+        for path, props in ((cfg.counts_path, counts_props), (cfg.ledger_path, ledger_props)):
+            if tableset.has_manifest(props):
+                tableset.check(path, props, wanted)
+            else:
+                bare.append(path)
+        if not bare:
+            return
+        try:
+            for path in bare:
+                log.info("recording the table set's manifest on %s: %s", path,
+                         ", ".join(f"{k[len(tableset.PREFIX):]}={v}" for k, v in sorted(wanted.items())))
+                _set_properties(spark, path, wanted)
+        except concurrent_errors() as e:
+            log.info("manifest of %s: concurrent change (%s); reading it again (%d/%d)", cfg.counts_path,
+                     type(e).__name__, attempt, attempts)
+            time.sleep(0.2 * attempt)
+    raise TableSetMismatch(f"could not record the manifest of {cfg.counts_path} after {attempts} attempts")
+
+
+def recorded(cfg: PipelineConfig) -> dict[str, str]:
+    """The manifest recorded on ``cfg``'s counts table ({} if none, or no table)."""
+    from ipcount.storage.delta import has_table
+
+    if not has_table(cfg.counts_path):
+        return {}
+    return {k: v for k, v in table_metadata(cfg.counts_path)[1].items() if k.startswith(tableset.PREFIX)}
+
+
+def _set_properties(spark: SparkSession, path: str, properties: dict[str, str]) -> None:
+    assignments = ", ".join(f"'{k}' = '{_quoted(v)}'" for k, v in sorted(properties.items()))
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
+
+
+def _quoted(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("'", "\\'")

@@ -1,0 +1,97 @@
+"""What a table set means is fixed when it is created: changed settings, another pipeline
+id, or a ledger and counts table that were not created together are refused before
+anything is written; verify and rebuild read the recorded meaning."""
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.jobs.epoch import EpochRunner, run_epoch
+from ipcount.jobs.verify import verify
+from ipcount.rules.errors import TableSetMismatch
+from ipcount.storage import tableset as tableset_io
+from tests.conftest import run_until_idle
+from tests.ground_truth import expected_tables
+from tests.tables import counts, epoch_ranges, snapshot
+
+BASE_MS = 1_795_255_200_000
+
+
+def _produce(cfg, n=120, seed=81):
+    gen = TrafficGenerator(seed=seed, events_per_second=50, malformed_share=0.03)
+    return produce(cfg.bootstrap_servers, cfg.topic, gen.records(n, BASE_MS), partition_of=lambda i, r: i % 3)
+
+
+def test_changed_settings_and_foreign_tables_are_refused(cfg, spark):
+    produced = _produce(cfg)
+    run_until_idle(cfg, spark)
+    recorded = tableset_io.recorded(cfg)
+    assert recorded["ipcount.window_seconds"] == "5" and recorded["ipcount.pipeline_id"] == cfg.pipeline_id
+    later = _produce(cfg, 60, seed=82)
+    before = snapshot(cfg)
+
+    with pytest.raises(TableSetMismatch, match=r"window_seconds: recorded 5, now 60.*new table set"):
+        run_epoch(cfg.replace(window_seconds=60), spark)
+    with pytest.raises(TableSetMismatch, match=r"max_value_bytes: recorded 65536, now 100"):
+        run_epoch(cfg.replace(max_value_bytes=100), spark)
+    with pytest.raises(TableSetMismatch, match=r"pipeline_id: recorded p_\w+, now other.*counted twice"):
+        run_epoch(cfg.replace(pipeline_id="other"), spark)
+    assert snapshot(cfg) == before  # nothing was written
+
+    # a new ledger beside the old counts table: Delta would skip its epochs 1..N as done
+    with pytest.raises(TableSetMismatch, match=r"ledger_table_id: recorded .* not created together"):
+        run_epoch(cfg.replace(ledger_table=cfg.ledger_path + "_new"), spark)
+    # verify recounts with the recorded settings, whatever today's say
+    assert verify(cfg.replace(window_seconds=60, max_value_bytes=100)).ok
+    # and the recorded settings still count as before
+    run_until_idle(cfg, spark)
+    assert counts(cfg) == expected_tables(produced + later, epoch_ranges(cfg)).counts
+
+
+def test_a_recreated_ledger_is_refused(cfg, spark):
+    _produce(cfg)
+    run_until_idle(cfg, spark)
+    shutil.rmtree(cfg.ledger_path)
+    with pytest.raises(TableSetMismatch, match=r"ledger_table_id"):
+        run_epoch(cfg, spark)
+
+
+def test_first_epochs_started_together_on_a_new_warehouse_both_open_it(cfg, spark):
+    barrier, errors = threading.Barrier(2), []
+
+    def open_tables(c):
+        try:
+            barrier.wait()
+            EpochRunner.open(c, spark)
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+    threads = [threading.Thread(target=open_tables, args=(cfg,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    # the losers of the races see one table set, with one manifest
+    assert tableset_io.recorded(cfg)["ipcount.window_seconds"] == "5"
+
+
+def test_a_table_whose_creation_was_killed_is_created_again(cfg, spark, caplog):
+    """A creator killed before its first commit leaves a log directory with no commit, which
+    Delta answers with DELTA_TABLE_NOT_FOUND for good."""
+    import os
+    import time
+    from pathlib import Path
+
+    leftover = Path(cfg.counts_path) / "_delta_log" / ".00000000000000000000.json.1b2c.tmp"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_text("{")
+    a_minute_ago = time.time() - 60
+    os.utime(leftover, (a_minute_ago, a_minute_ago))
+    with caplog.at_level("WARNING", logger="ipcount.storage.delta"):
+        EpochRunner.open(cfg, spark)
+    assert "creation never committed" in caplog.text
+    assert tableset_io.recorded(cfg)["ipcount.pipeline_id"] == cfg.pipeline_id
+    assert not leftover.exists()
