@@ -90,12 +90,15 @@ class EpochRunner:
     def record_new_plan(self, planner: Callable[[LedgerState], EpochPlan | None],
                         state: LedgerState | None = None, attempts: int = 8) -> EpochPlan | None:
         """Plan from the ledger and record the plan; if a concurrent planner took some of the
-        offsets (or the epoch id) first, plan again from the new state."""
+        offsets (or the epoch id) first, plan again from the new state. A planner may answer
+        with an epoch the ledger already holds unfinished: that one is returned as it is."""
         for attempt in range(1, attempts + 1):
             state = state if state is not None else self.state()
             plan = planner(state)
             if plan is None:
                 return None
+            if plan.epoch in state.unfinished:
+                return plan
             if plan.planned_at_ms is None:
                 plan = replace(plan, planned_at_ms=int(time.time() * 1000))
             try:
@@ -181,15 +184,31 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
     started = time.monotonic()
     runner = EpochRunner.open(cfg, spark, run_id, crash)
     earliest, latest = broker.partition_offsets(cfg)
-    state = runner.state()
-    if state.pending is not None:
-        plan = state.pending
-        log.info("resuming unfinished epoch %d with its recorded ranges %s", plan.epoch, plan.describe())
-    else:
-        plan = runner.record_new_plan(lambda st: _plan_next(cfg, st, earliest, latest), state)
-        if plan is None:
-            return None
-    return runner.execute(plan, earliest, latest, resumed=state.pending is not None, started=started)
+    plan, resumed = next_chain_epoch(runner, earliest, latest)
+    if plan is None:
+        return None
+    return runner.execute(plan, earliest, latest, resumed=resumed, started=started)
+
+
+def next_chain_epoch(runner: EpochRunner, earliest: dict[int, int], latest: dict[int, int],
+                     state: LedgerState | None = None) -> tuple[EpochPlan | None, bool]:
+    """The scheduled chain's next epoch, recorded, or its unfinished one: (plan, resumed).
+
+    The chain has at most one unfinished epoch: one that is there (left by a crash, or
+    recorded a moment ago by a concurrent runner that won the race to record its plan) is
+    finished, never planned past. ``state``: the ledger as last read, if the caller has it.
+    """
+    resumed: list[int] = []
+
+    def planner(st: LedgerState) -> EpochPlan | None:
+        if st.pending is not None:
+            log.info("resuming unfinished epoch %d with its recorded ranges %s", st.pending.epoch,
+                     st.pending.describe())
+            resumed.append(st.pending.epoch)
+            return st.pending
+        return _plan_next(runner.cfg, st, earliest, latest)
+    plan = runner.record_new_plan(planner, state)
+    return plan, bool(resumed)
 
 
 def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int],

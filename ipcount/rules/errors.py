@@ -58,10 +58,6 @@ class PlanConflict(IpcountError, RuntimeError):
     """Another planner recorded offsets (or the epoch id) this plan wanted: plan again."""
 
 
-class LedgerStateError(IpcountError, RuntimeError):
-    """The ledger holds a state no planner leaves behind (e.g. two unfinished scheduled epochs)."""
-
-
 class TableSetMismatch(IpcountError, exit_code=EXIT_USAGE):
     """A run's settings, or one of its tables, do not belong to the table set it would write."""
 

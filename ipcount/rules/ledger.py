@@ -23,7 +23,6 @@ from datetime import datetime
 from typing import Any, Iterable, Mapping
 
 from ipcount.rules.coverage import Coverage
-from ipcount.rules.errors import LedgerStateError
 from ipcount.rules.offsets import OffsetRange, describe, offsets_json, span_text
 
 Row = Mapping[str, Any]
@@ -198,7 +197,7 @@ class LedgerState:
         return sorted([p.epoch for p in self.pending_backfills] + ([self.pending.epoch] if self.pending else []))
 
 
-def state_of(topic: str, rows: Iterable[Row], path: str = "ledger") -> LedgerState:
+def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
     """:class:`LedgerState` of ``topic`` from the ledger's rows (of all topics: epoch ids
     are unique across them)."""
     rows = list(rows)
@@ -213,10 +212,10 @@ def state_of(topic: str, rows: Iterable[Row], path: str = "ledger") -> LedgerSta
 
     planned = rows_by_epoch(r for r in mine if r["status"] == PLANNED)
     plans = [plan_from_rows(rs) for _, rs in sorted(planned.items())]
+    # At most one unfinished scheduled epoch is ever planned (planners finish it first); a
+    # ledger from a version that could leave two has the lower one finished first, then the
+    # next: their ranges never overlap, and each has its recorded watermark.
     chain_plans = [p for p in plans if p.kind == SCHEDULED]
-    if len(chain_plans) > 1:
-        raise LedgerStateError(f"ledger {path} has several unfinished scheduled epochs "
-                               f"{[p.epoch for p in chain_plans]}; only one can be in flight")
     # Every row of the topic, planned, committed or lost and of any kind, owns its offsets.
     coverage = Coverage.of(topic, (OffsetRange(topic, r["partition"], r["from_offset"], r["until_offset"])
                                    for r in mine))

@@ -57,7 +57,7 @@ class Ledger:
         """Read with delta-rs, not Spark: the ledger is a few rows per epoch in a few files
         (auto compaction), and three Spark queries over it cost seconds per epoch. A
         snapshot is enough: :meth:`record_plan` re-checks overlaps against the latest."""
-        return state_of(topic, read_rows(self.path, columns=STATE_COLUMNS), self.path)
+        return state_of(topic, read_rows(self.path, columns=STATE_COLUMNS))
 
     def epochs(self, topic: str, statuses: tuple[str, ...] = (COMMITTED, LOST)) -> list[tuple[EpochPlan, int | None]]:
         """Every epoch with rows of the given statuses, as (plan, counts sink version), in the

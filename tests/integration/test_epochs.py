@@ -200,3 +200,21 @@ def test_one_record_from_a_bad_clock_does_not_stop_the_counting(cfg, spark):
     expected = expected_tables(produced, epoch_ranges(cfg))
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
 
+
+def test_a_runner_that_loses_the_race_to_plan_finishes_the_winners_epoch(cfg, spark):
+    """Two chain runners plan from the same ledger state: the loser's plan conflicts, and it
+    used to plan the epoch after the winner's, leaving two unfinished scheduled epochs."""
+    cfg = cfg.replace(max_records_per_epoch=100)
+    produced = produce_dataset(cfg, n=300, seed=62)
+    runner = epoch_mod.EpochRunner.open(cfg, spark)
+    earliest, latest = broker_io.partition_offsets(cfg)
+    seen_by_both = runner.state()
+    winner, resumed = epoch_mod.next_chain_epoch(runner, earliest, latest, seen_by_both)
+    assert (winner.epoch, resumed) == (1, False)
+    loser, resumed = epoch_mod.next_chain_epoch(runner, earliest, latest, seen_by_both)
+    assert (loser, resumed) == (winner, True)
+    assert runner.state().unfinished == [1]
+    run_until_idle(cfg, spark)
+    ranges = epoch_ranges(cfg)
+    assert_contiguous(ranges, dict(Counter(p.partition for p in produced)), 100)
+    assert counts(cfg) == expected_tables(produced, ranges).counts
