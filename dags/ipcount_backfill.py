@@ -22,14 +22,12 @@ epoch and continues where it stopped.
 """
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pendulum
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 
 from ipcount.orchestration.dags import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, backfill_params, check_backfill_request,
-                                        counts_asset, epoch_summary, spark_submit_kwargs)
+                                        counts_asset, dagrun_timeout, epoch_summary, spark_submit_kwargs, task_defaults)
 from ipcount.orchestration.operators import EpochSubmitOperator
 from ipcount.rules.config import PipelineConfig
 
@@ -43,7 +41,8 @@ with DAG(
     schedule=None,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
-    default_args={"retries": 1, "retry_delay": timedelta(seconds=15)},
+    default_args=task_defaults(CFG, retries=1),  # every task has a time limit
+    dagrun_timeout=dagrun_timeout(CFG),
     tags=["ipcount", "exactly-once", "backfill"],
     params=backfill_params(CFG),
 ):

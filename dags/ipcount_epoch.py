@@ -25,7 +25,6 @@ do run beside them cannot double count: the ledger refuses overlapping plans).
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 
 import pendulum
 from airflow.sdk import DAG, task
@@ -34,8 +33,8 @@ from airflow.timetables.interval import CronDataIntervalTimetable
 
 from ipcount.jobs import idle
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
-from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params, epoch_summary,
-                                        run_config, spark_submit_kwargs)
+from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params, dagrun_timeout,
+                                        epoch_summary, run_config, spark_submit_kwargs, task_defaults)
 from ipcount.orchestration.operators import EpochSubmitOperator
 from ipcount.rules.config import PipelineConfig
 
@@ -52,7 +51,8 @@ with DAG(
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
-    default_args={"retries": 2, "retry_delay": timedelta(seconds=15)},
+    default_args=task_defaults(CFG, retries=2),  # every task has a time limit
+    dagrun_timeout=dagrun_timeout(CFG),
     tags=["ipcount", "exactly-once", "kafka", "delta"],
     params=dag_params(CFG),  # per-run overrides (trigger form / --conf), validated by JSON schema
 ):

@@ -3,6 +3,7 @@ publish after it. Kept here so the DAG file stays wiring only."""
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 from ipcount.rules.config import (DATA_LOSS_POLICIES, REPO_ROOT, RESET_POLICIES, SETTINGS_HELP, START_POSITIONS,
@@ -113,6 +114,17 @@ def check_backfill_request(cfg: PipelineConfig, params: dict[str, Any]) -> dict[
             "ranges": [str(r) for r in ranges]}
 
 
+def task_defaults(cfg: PipelineConfig, retries: int) -> dict[str, Any]:
+    """The DAGs' ``default_args``: retries, and a limit on every task, so a task that hangs
+    fails (and is retried) instead of holding the DAG's one active run."""
+    return {"retries": retries, "retry_delay": timedelta(seconds=15),
+            "execution_timeout": timedelta(seconds=cfg.command_timeout_seconds)}
+
+
+def dagrun_timeout(cfg: PipelineConfig) -> timedelta:
+    return timedelta(seconds=cfg.dagrun_timeout_seconds)
+
+
 def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: tuple[str, ...] = (),
                         run_params: bool = True) -> dict[str, Any]:
     """Arguments of the epoch operator (a SparkSubmitOperator) running ``ipcount <command>``.
@@ -120,6 +132,7 @@ def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: 
     Airflow. ``run_params``: pass the epoch DAG's per-run Params on as flags."""
     return {
         "epoch_server": cfg.epoch_server,
+        "server_timeout_seconds": cfg.command_timeout_seconds,
         "application": EPOCH_APPLICATION,
         "conn_id": "spark_default",
         "name": f"{cfg.pipeline_id}-{command}",

@@ -16,9 +16,10 @@ class EpochSubmitOperator(SparkSubmitOperator):
 
     operator_extra_links = (EpochPageLink(),)
 
-    def __init__(self, *, epoch_server: str = "", **kwargs) -> None:
+    def __init__(self, *, epoch_server: str = "", server_timeout_seconds: float | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.epoch_server = epoch_server
+        self.server_timeout_seconds = server_timeout_seconds
 
     def execute(self, context):
         if self.epoch_server:
@@ -34,7 +35,9 @@ class EpochSubmitOperator(SparkSubmitOperator):
         self.log.info("running `%s` in the epoch server at %s (pid %s, %s requests so far%s)", args[0],
                       self.epoch_server, state.get("pid"), state.get("requests"),
                       ", busy: this request waits its turn" if state.get("busy") else "")
-        result = client.submit(self.epoch_server, args, on_log=self.log.info)
+        # The server stops the command at this limit (and when this task is killed, since its
+        # connection closes); the wait here is bounded by it too.
+        result = client.submit(self.epoch_server, args, on_log=self.log.info, limit_seconds=self.server_timeout_seconds)
         for line in result.get("stdout", "").splitlines():
             self.log.info("%s", line)
         if result["exit_code"] != 0:

@@ -67,6 +67,11 @@ SETTINGS_HELP = {
     "schedule": "the epoch DAG's schedule (cron expression or preset, read when Airflow parses the DAG), as data "
                 "intervals [previous tick, tick): a run made by airflow backfill create counts the records whose "
                 "Kafka timestamps fall in its interval",
+    "command_timeout_seconds": "the longest one Spark command of a DAG run (epoch, backfill, rebuild) may take: "
+                               "the tasks' execution_timeout, the operator's wait on the epoch server, and the "
+                               "server's limit on the command (its Spark jobs are then cancelled)",
+    "dagrun_timeout_seconds": "a DAG run still running after this fails (Airflow's dagrun_timeout), so one stuck "
+                              "run cannot hold the DAG's one active run for good",
     "epoch_server": "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs' "
                     "Spark tasks send their command to; empty, or no answer within 3 s: a spark-submit per run "
                     "(bin/run starts one and sets this)",
@@ -89,7 +94,7 @@ CHOICES = {"start_position": START_POSITIONS, "event_time": EVENT_TIME_SOURCES,
 # Integer settings and their least allowed value.
 MINIMUMS = {"window_seconds": 1, "max_records_per_epoch": 1, "max_value_bytes": 1,
             "kafka_timeout_seconds": 1, "allowed_lateness_seconds": 0,
-            "max_event_time_ahead_seconds": 0}
+            "max_event_time_ahead_seconds": 0, "command_timeout_seconds": 1, "dagrun_timeout_seconds": 1}
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,8 @@ class PipelineConfig:
     spark_master: str = "local[*]"
     kafka_timeout_seconds: int = 30
     schedule: str = "* * * * *"
+    command_timeout_seconds: int = 3_600
+    dagrun_timeout_seconds: int = 7_200
     epoch_server: str = ""
 
     def __post_init__(self) -> None:

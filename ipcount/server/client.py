@@ -37,19 +37,31 @@ def wait_until_ready(url: str, proc, log_path, timeout: float = 300.0) -> dict:
     return state
 
 
+# The server sends a heartbeat this often while a request waits or runs; a connection silent
+# for SILENCE_SECONDS means the server hangs.
+HEARTBEAT_SECONDS, SILENCE_SECONDS = 5.0, 60.0
+
+
 def submit(url: str, args: list[str], on_log: Callable[[str], None] = print,
-           timeout: float | None = None) -> dict:
+           limit_seconds: float | None = None) -> dict:
     """Run ``args`` in the server, passing its log lines to ``on_log`` as they come; the
-    result ``{"exit_code", "stdout"}``. Raises :class:`EpochServerError` when the server
-    cannot be reached or the connection breaks before the result."""
-    request = urllib.request.Request(url.rstrip("/") + "/run", data=json.dumps({"args": list(args)}).encode(),
+    result ``{"exit_code", "stdout"}``. ``limit_seconds`` bounds the command, its wait for
+    the server's previous one included: the server cancels it then, and this gives up
+    shortly after. Raises :class:`EpochServerError` when the server cannot be reached,
+    goes silent, or the connection breaks before the result."""
+    body = {"args": list(args), "limit_seconds": limit_seconds}
+    request = urllib.request.Request(url.rstrip("/") + "/run", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
+    deadline = None if limit_seconds is None else time.monotonic() + limit_seconds + SILENCE_SECONDS
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=SILENCE_SECONDS) as resp:
             for item in _lines(resp):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise EpochServerError(f"epoch server at {url} did not finish `{args[0]}` within its limit of "
+                                           f"{limit_seconds:.0f} s")
                 if "log" in item:
                     on_log(item["log"])
-                else:
+                elif "exit_code" in item:
                     return item
     except urllib.error.HTTPError as e:
         raise EpochServerError(f"epoch server at {url} refused the request: {e.read().decode(errors='replace')}")

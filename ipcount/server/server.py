@@ -15,8 +15,15 @@ or spark-submit) finishes with its recorded ranges, as after any crash.
 Protocol (HTTP on 127.0.0.1 by default, no authentication: keep it on a private network):
 
 * ``GET /health`` -> ``{"status": "ok", "busy": bool, "requests": n, "pid": ..., ...}``
-* ``POST /run`` with ``{"args": ["epoch", "--topic", ...]}`` -> newline-delimited JSON: a
-  ``{"log": line}`` per log record as the command runs, then ``{"exit_code": n, "stdout": text}``.
+* ``POST /run`` with ``{"args": ["epoch", "--topic", ...], "limit_seconds": n}`` ->
+  newline-delimited JSON: a ``{"log": line}`` per log record as the command runs, a
+  ``{"heartbeat": t}`` every few seconds, then ``{"exit_code": n, "stdout": text}``.
+
+No command runs for ever: one that is still running (or still waiting for the one before
+it) ``limit_seconds`` after it arrived (default: the ``command_timeout_seconds`` setting's)
+is cancelled, and so is one whose client goes away (a killed or timed-out Airflow task):
+its Spark jobs are cancelled, or it never starts. Its epoch stays planned, and the next
+attempt finishes it from the ledger.
 """
 from __future__ import annotations
 
@@ -35,7 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import EXIT_USAGE, EpochServerError
+from ipcount.rules.errors import EXIT_FAILED, EXIT_USAGE, EpochServerError
+from ipcount.server.client import HEARTBEAT_SECONDS
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -43,7 +51,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVED_COMMANDS = ("epoch", "backfill", "rebuild")
+CLIENT_GONE = "the client that asked for it went away"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DEFAULT_LIMIT_SECONDS = PipelineConfig().command_timeout_seconds  # for a request that names none
 # Runs one command line (``["epoch", "--topic", ...]``) and returns its exit code: the CLI's
 # ``main``, handed in by the CLI's ``serve`` command (the server does not import the CLI).
 CommandRunner = Callable[[Sequence[str]], int]
@@ -62,6 +72,27 @@ class _StreamLog(logging.Handler):
             self.emit_line(self.format(record))
 
 
+class Request:
+    """One command's place in the server: its Spark job group, its time limit (from its
+    arrival, the wait for the command before it included) and why it was cancelled."""
+
+    def __init__(self, limit_seconds: float | None = None) -> None:
+        self.job_group = f"ipcount-{uuid.uuid4().hex[:12]}"
+        self.limit_seconds = limit_seconds or DEFAULT_LIMIT_SECONDS
+        self.deadline = time.monotonic() + self.limit_seconds
+        self.cancelled: str | None = None
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.remaining() == 0.0
+
+    def refusal(self, when: str) -> dict:
+        why = self.cancelled or f"its time limit of {self.limit_seconds:.0f} s passed"
+        return {"exit_code": EXIT_FAILED, "stdout": "", "error": f"not run: {why} {when}"}
+
+
 class EpochServer:
     """Runs served commands in this process's Spark session, one at a time."""
 
@@ -72,38 +103,82 @@ class EpochServer:
         self.requests = 0
         self.started = time.time()
         self.warm_up_seconds: float | None = None
+        self.running: Request | None = None
 
     def health(self) -> dict:
         return {"status": "ok", "busy": self.lock.locked(), "requests": self.requests, "pid": os.getpid(),
                 "up_seconds": round(time.time() - self.started, 1), "warm_up_seconds": self.warm_up_seconds,
                 "spark_master": self.spark.sparkContext.master}
 
-    def run(self, args: list[str], emit: Callable[[str], None]) -> dict:
+    def run(self, args: list[str], emit: Callable[[str], None], request: Request | None = None) -> dict:
         """``ipcount <args>`` in this session: its log lines go to ``emit`` as they come; the
-        exit code and standard output are returned."""
+        exit code and standard output are returned. ``request`` carries the command's time
+        limit and is how it is cancelled (:meth:`cancel`)."""
+        request = request or Request()
         if not args or args[0] not in SERVED_COMMANDS:
             return {"exit_code": EXIT_USAGE, "stdout": "",
                     "error": f"the epoch server runs {', '.join(SERVED_COMMANDS)}; got {args[:1] or 'nothing'}"}
-        with self.lock:
+        # Wait for the command before it, but not past this one's limit, nor for a client gone.
+        while not self.lock.acquire(timeout=0.5):
+            if request.cancelled or request.expired():
+                return request.refusal("while it waited for the command before it")
+        try:
+            if request.cancelled or request.expired():
+                return request.refusal("before it started")
             self.requests += 1
-            handler = _StreamLog(emit)
-            root = logging.getLogger()
-            root.addHandler(handler)
-            out, err = io.StringIO(), io.StringIO()
-            try:
-                # One request at a time (the lock), so redirecting the process's streams is safe.
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    code = self.run_command(args)
-            except SystemExit as e:  # argparse: bad flags (its message is on stderr)
-                code = e.code if isinstance(e.code, int) else EXIT_USAGE
-            except Exception:  # noqa: BLE001 - report it; the next request may still succeed
-                emit(traceback.format_exc())
-                code = 1
-            finally:
-                root.removeHandler(handler)
-            for line in err.getvalue().splitlines():
-                emit(line)
-            return {"exit_code": code, "stdout": out.getvalue()}
+            self.running = request
+            return self._run_locked(args, emit, request)
+        finally:
+            self.running = None
+            self.lock.release()
+
+    def _run_locked(self, args: list[str], emit: Callable[[str], None], request: Request) -> dict:
+        handler = _StreamLog(emit)
+        root = logging.getLogger()
+        root.addHandler(handler)
+        out, err = io.StringIO(), io.StringIO()
+        # The command's Spark jobs are one job group: cancel() stops them (an interrupt, so a
+        # task stuck in a read stops too) and the command fails with Spark's error.
+        self.spark.sparkContext.setJobGroup(request.job_group, f"ipcount {' '.join(args[:1])}", True)
+        timer = threading.Timer(request.remaining(), self.cancel, (request, "its time limit passed"))
+        timer.daemon = True
+        timer.start()
+        try:
+            # One request at a time (the lock), so redirecting the process's streams is safe.
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = self.run_command(args)
+        except SystemExit as e:  # argparse: bad flags (its message is on stderr)
+            code = e.code if isinstance(e.code, int) else EXIT_USAGE
+        except Exception:  # noqa: BLE001 - report it; the next request may still succeed
+            emit(traceback.format_exc())
+            code = 1
+        finally:
+            timer.cancel()
+            root.removeHandler(handler)
+        for line in err.getvalue().splitlines():
+            emit(line)
+        result = {"exit_code": code, "stdout": out.getvalue()}
+        if request.cancelled and code != 0:
+            result["error"] = f"cancelled: {request.cancelled}"
+        return result
+
+    def cancel(self, request: Request, why: str, every: float = 0.5) -> None:
+        """Stop ``request``: if it waits, it never starts; if it runs, its Spark jobs are
+        cancelled - again and again until it ends, since Spark cancels only the jobs running
+        at the call, and the command may be between two."""
+        if request.cancelled:
+            return
+        request.cancelled = why
+        if self.running is not request:
+            return
+        log.warning("epoch server: cancelling the running command: %s", why)
+
+        def keep_cancelling() -> None:
+            while self.running is request:
+                with contextlib.suppress(Exception):  # a JVM going down is the watchdog's business
+                    self.spark.sparkContext.cancelJobGroup(request.job_group)
+                time.sleep(every)
+        threading.Thread(target=keep_cancelling, daemon=True).start()
 
     def session_alive(self) -> bool:
         try:
@@ -174,9 +249,7 @@ def _watch_jvm(server: EpochServer, httpd: ThreadingHTTPServer, gone: threading.
     answers health checks but can run nothing."""
     while True:
         time.sleep(every)
-        if server.lock.locked():
-            continue  # a command is running; it reports a dead JVM itself
-        try:
+        try:  # also while a command runs: one waiting on a dead JVM may never return
             server.spark.sparkContext._jvm.java.lang.System.currentTimeMillis()
         except Exception as e:  # noqa: BLE001 - py4j raises whatever the broken socket gives
             log.error("epoch server: the Spark driver's JVM is gone (%s); shutting down", type(e).__name__)
@@ -210,26 +283,40 @@ def _handler_for(server: EpochServer) -> type[BaseHTTPRequestHandler]:
                 return self._json(404, {"error": f"no such endpoint {self.path}; GET /health, POST /run"})
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                args = body["args"]
+                args, limit = body["args"], body.get("limit_seconds")
                 if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
                     raise ValueError("args must be a list of strings")
+                if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                          or limit <= 0):
+                    raise ValueError(f"limit_seconds must be a positive number of seconds; got {limit!r}")
             except (ValueError, KeyError, TypeError) as e:
-                return self._json(400, {"error": f'expected {{"args": ["epoch", ...]}}: {e}'})
+                return self._json(400, {"error": f'expected {{"args": ["epoch", ...], "limit_seconds": n}}: {e}'})
             self.send_response(200)
             self.send_header("Content-Type", "application/x-ndjson")
             self.end_headers()
-            client = {"gone": False}
+            request = Request(limit)
+            writing = threading.Lock()  # the heartbeat thread and the command both write
 
             def send(item: dict) -> None:
-                if client["gone"]:
+                if request.cancelled == CLIENT_GONE:
                     return
                 try:
-                    self.wfile.write((json.dumps(item) + "\n").encode())
-                    self.wfile.flush()
-                except OSError:  # the client went away; the command still runs to its end
-                    client["gone"] = True
+                    with writing:
+                        self.wfile.write((json.dumps(item) + "\n").encode())
+                        self.wfile.flush()
+                except OSError:  # the task that asked is gone (killed, timed out): stop its work
+                    server.cancel(request, CLIENT_GONE)
 
-            result = server.run(args, lambda line: send({"log": line}))
+            done = threading.Event()
+
+            def heartbeat() -> None:  # how a client that vanished is noticed while no log flows
+                while not done.wait(HEARTBEAT_SECONDS):
+                    send({"heartbeat": round(time.time(), 3)})
+            threading.Thread(target=heartbeat, daemon=True).start()
+            try:
+                result = server.run(args, lambda line: send({"log": line}), request)
+            finally:
+                done.set()
             send(result)
             if result["exit_code"] != 0 and not server.session_alive():
                 log.error("epoch server: the Spark session is gone; shutting down")

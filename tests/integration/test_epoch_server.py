@@ -52,6 +52,24 @@ def test_epochs_in_the_server_chain_and_count_exactly_once(epoch_server, cfg):
     assert counts(cfg) == expected_tables(produced + more, ranges).counts
 
 
+def test_a_command_past_its_limit_is_cancelled_and_its_epoch_finished_after(epoch_server, cfg):
+    gen = TrafficGenerator(seed=44, events_per_second=40, malformed_share=0.03)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
+                       partition_of=lambda i, r: i % 3)
+    lines = []
+    cut = client.submit(epoch_server, ["epoch", *cfg.to_args()], on_log=lines.append, limit_seconds=1.0)
+    assert cut["exit_code"] != 0, lines
+    assert "its time limit" in cut["error"]
+    assert client.health(epoch_server)["busy"] is False  # the server is free again
+
+    # The cancelled epoch (if it got as far as its plan) is finished from the ledger.
+    result, summaries, lines = _epoch(epoch_server, cfg, "--epochs", "3")
+    assert result["exit_code"] == 0, lines
+    assert sum(s.records_read for s in summaries) == 300
+    expected = expected_tables(produced, epoch_ranges(cfg))
+    assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
+
+
 def test_bad_requests_are_refused_and_the_server_keeps_serving(epoch_server, cfg):
     result, _, lines = _epoch(epoch_server, cfg, "--max-records-per-epoch", "0")
     assert result["exit_code"] == 2 and any("max_records_per_epoch must be an integer >= 1" in x for x in lines)
