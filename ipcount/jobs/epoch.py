@@ -28,7 +28,8 @@ from ipcount.jobs import transform
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import PlanConflict
 from ipcount.rules.ledger import EpochPlan, EpochSummary, LedgerState, PartitionMetrics
-from ipcount.rules.offsets import check_partitions_exist, check_readable, plan_ranges, skip_deleted
+from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
+                                   skip_deleted)
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.ledger import Ledger
@@ -159,6 +160,36 @@ class EpochRunner:
         log.info("%s", summary.line())
         return summary
 
+    def settle_aged_out(self, plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int]) -> None:
+        """Settle an unfinished epoch whose offsets aged out before it could be resumed
+        (``on_data_loss = "skip"``), deciding from the sink's own commits:
+
+        * its counts are in the counts table (the run died after the sink, before the
+          ledger): the ledger commit is all that was missing, and is made now (with the
+          record counts unknown, and the watermark left where it was);
+        * they are not: what it wrote to the dead-letter and late tables is deleted, its lost
+          heads are recorded as ``lost``, and the rest of its ranges is released for a new
+          plan.
+        """
+        lost = aged_out(plan, earliest, latest)
+        where = describe(lost)
+        # First the fence: a runner still busy with this epoch can write nothing of it after
+        # this, so what the tables hold now is what they will hold.
+        self.sink.fence(plan.epoch)
+        if self.sink.counts_written(plan.epoch):
+            log.warning("epoch %d: offsets %s aged out before it was resumed, but its counts are in %s; "
+                        "committing it in the ledger (record counts unknown)", plan.epoch, where,
+                        self.cfg.counts_path)
+            self.ledger.commit(plan, None, plan.watermark_ms, self.sink.version_of_epoch(self.cfg.counts_path,
+                                                                                            plan.epoch), 0.0,
+                               self.run_id)
+            return
+        log.warning("data loss on %s: epoch %d's offsets %s aged out before it was resumed; its counts were "
+                    "never written, so it is given up (on_data_loss=skip): those offsets are recorded as lost "
+                    "and the rest of its ranges is planned again", self.cfg.topic, plan.epoch, where)
+        self.sink.remove_epoch_rows(plan.epoch)
+        self.ledger.release(plan, lost)
+
     def _write(self, plan: EpochPlan, classified: DataFrame, totals: PartitionMetrics,
                watermark_after: int | None, stages: dict[str, float]) -> int | None:
         """Aggregate and write the epoch's rows to the sink; the counts table's version."""
@@ -185,9 +216,24 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
     runner = EpochRunner.open(cfg, spark, run_id, crash)
     earliest, latest = broker.partition_offsets(cfg)
     plan, resumed = next_chain_epoch(runner, earliest, latest)
+    if plan is not None and resumed and cfg.on_data_loss == "skip" and aged_out(plan, earliest, latest):
+        runner.settle_aged_out(plan, earliest, latest)
+        plan, resumed = next_chain_epoch(runner, earliest, latest)
     if plan is None:
         return None
     return runner.execute(plan, earliest, latest, resumed=resumed, started=started)
+
+
+def aged_out(plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int]) -> tuple[OffsetRange, ...]:
+    """The parts of ``plan``'s ranges the broker no longer has (retention, a deleted
+    partition): per partition at most one, from where its range starts."""
+    lost = []
+    for r in plan.nonempty_ranges:
+        if r.partition not in latest:
+            lost.append(r)
+        elif r.from_offset < earliest[r.partition]:
+            lost.append(OffsetRange(r.topic, r.partition, r.from_offset, min(r.until_offset, earliest[r.partition])))
+    return tuple(lost)
 
 
 def next_chain_epoch(runner: EpochRunner, earliest: dict[int, int], latest: dict[int, int],
@@ -228,7 +274,7 @@ def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int]
                  " ".join(f"p{p}={o}" for p, o in sorted(initial.items())))
     committed, lost = state.committed, ()
     if cfg.on_data_loss == "skip":
-        committed, lost = skip_deleted(cfg.topic, committed, earliest)
+        committed, lost = skip_deleted(cfg.topic, committed, earliest, state.coverage)
         for r in lost:
             log.warning("data loss on %s-%d: offsets [%d, %d) were deleted before they were counted; skipping "
                         "them (on_data_loss=skip), recorded in the ledger as lost",

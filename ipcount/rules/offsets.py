@@ -118,14 +118,22 @@ def check_partitions_exist(topic: str, positions: Mapping[int, int], latest: Map
             "onward can never be read (was the topic deleted or recreated?)")
 
 
-def skip_deleted(topic: str, committed: Mapping[int, int],
-                 earliest: Mapping[int, int]) -> tuple[dict[int, int], tuple[OffsetRange, ...]]:
+def skip_deleted(topic: str, committed: Mapping[int, int], earliest: Mapping[int, int],
+                 coverage: OwnedOffsets | None = None) -> tuple[dict[int, int], tuple[OffsetRange, ...]]:
     """The ``on_data_loss = "skip"`` policy: move committed positions that retention has
-    overtaken up to the log start, and return the skipped ranges so they can be recorded."""
+    overtaken up to the log start, and return the skipped ranges so they can be recorded.
+    Offsets other ledger rows own (a backfill counted them before they aged out) are not
+    lost: the lost ranges are the gaps between them."""
     moved, lost = dict(committed), []
     for p, position in sorted(committed.items()):
         if p in earliest and position < earliest[p]:
-            lost.append(OffsetRange(topic, p, position, earliest[p]))
+            while position < earliest[p]:
+                start, stop = (coverage.next_gap(p, position, earliest[p]) if coverage is not None
+                               else (position, earliest[p]))
+                if start == stop:  # owned up to the log start
+                    break
+                lost.append(OffsetRange(topic, p, start, stop))
+                position = stop
             moved[p] = earliest[p]
     return moved, tuple(lost)
 

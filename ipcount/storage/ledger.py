@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Mapping
 
 from ipcount.rules.errors import PlanConflict
+from ipcount.rules.offsets import OffsetRange
 from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, PLANNED, SCHEDULED, STATE_COLUMNS, EpochPlan, EpochSummary,
                                   LedgerState, PartitionMetrics, chain_positions, committed_summaries, is_scheduled,
                                   plan_from_rows, rows_by_epoch, state_of)
@@ -112,19 +113,48 @@ class Ledger:
                 raise PlanConflict("ledger rows that overlap the plan (or hold its epoch id) exist") from e
             raise
 
-    def commit(self, plan: EpochPlan, metrics: Mapping[int, PartitionMetrics], watermark_after_ms: int | None,
+    def release(self, plan: EpochPlan, lost: tuple[OffsetRange, ...]) -> None:
+        """Give up an unfinished epoch whose offsets aged out before it was run, in one
+        commit: each of its partitions' lost head (``lost``, one range per partition at
+        most, starting where its planned range does) becomes a ``lost`` row of the epoch,
+        and its other planned rows go, so a new plan takes those offsets. The lost rows keep
+        the epoch id taken: its transaction id may be in the sink tables' logs already."""
+        from delta.tables import DeltaTable
+        from pyspark.sql import functions as F
+
+        now = datetime.now(timezone.utc)
+        rows = [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, LOST, now, None, None, None,
+                 None, None, plan.watermark_ms, None, None, None, None, None, None, plan.kind, plan.request_id,
+                 plan.chain_watermark_ms) for r in lost]
+        source = self.spark.createDataFrame(rows, ledger_schema())
+        mine = f"t.epoch = {int(plan.epoch)} AND t.status = '{PLANNED}'"
+
+        def merge() -> None:
+            (DeltaTable.forPath(self.spark, self.path).alias("t")
+             .merge(source.alias("s"), f"{mine} AND t.topic = s.topic AND t.partition = s.partition")
+             .whenMatchedUpdate(set={"status": F.lit(LOST), "from_offset": "s.from_offset",
+                                     "until_offset": "s.until_offset"})
+             .whenNotMatchedBySourceDelete(condition=mine)
+             .execute())
+        retry_on_conflict(merge, f"releasing epoch {plan.epoch} in the ledger")
+
+    def commit(self, plan: EpochPlan, metrics: Mapping[int, PartitionMetrics] | None,
+               watermark_after_ms: int | None,
                sink_version: int | None, duration_seconds: float, run_id: str | None,
                lag_after: Mapping[int, int] | None = None, stage_seconds: Mapping[str, float] | None = None) -> None:
         """Mark the epoch committed. Matches only ``planned`` rows, so a replay after a crash
-        that happened after this commit changes nothing."""
+        that happened after this commit changes nothing. ``metrics`` None: not known (the
+        record counts stay empty)."""
         from delta.tables import DeltaTable
 
         now = datetime.now(timezone.utc)
         rows = []
         for r in plan.ranges:
-            m = metrics.get(r.partition, PartitionMetrics())
+            m = metrics.get(r.partition, PartitionMetrics()) if metrics is not None else None
+            counted = (None,) * 4 if m is None else (m.records_read, m.records_counted, m.records_late,
+                                                     m.records_malformed)
             rows.append((plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, COMMITTED, now,
-                         now, m.records_read, m.records_counted, m.records_late, m.records_malformed,
+                         now, *counted,
                          plan.watermark_ms, watermark_after_ms, sink_version, duration_seconds, run_id,
                          (lag_after or {}).get(r.partition), dict(stage_seconds or {}),
                          plan.kind, plan.request_id, plan.chain_watermark_ms))

@@ -100,10 +100,11 @@ class Sink:
             return None
         if plan.kind == SCHEDULED:
             return self._merge_counts(epoch, counts, watermark_after_ms, finalize_untouched=True)
-        # A backfill's windows are final against the live chain's watermark (recorded in the
-        # plan, so a replay marks the same) or its own, whichever is further.
-        final_at = max((w for w in (plan.chain_watermark_ms, watermark_after_ms) if w is not None), default=None)
-        return self._merge_counts(epoch, counts, final_at, finalize_untouched=False)
+        # A backfill's windows are final only against the live chain's watermark (recorded in
+        # the plan, so a replay marks the same): the chain may still count records into a
+        # window the backfill's own watermark has passed. The chain's later epochs finalize
+        # them as its watermark moves on.
+        return self._merge_counts(epoch, counts, plan.chain_watermark_ms, finalize_untouched=False)
 
     def _append(self, epoch: int, path: str, rows: DataFrame) -> None:
         retry_on_conflict(lambda: (rows.write.format("delta").mode("append")
@@ -161,6 +162,28 @@ class Sink:
         finally:
             for key in (TXN_APP_ID, TXN_VERSION, USER_METADATA):
                 conf.unset(key)
+
+    def fence(self, epoch: int) -> None:
+        """Make sure no write of ``epoch`` lands from now on: an empty commit with its
+        transaction id in each table (skipped where its write is in already), after which
+        Delta skips any write with that id - a runner still busy with the epoch included."""
+        for path, schema in ((self.cfg.counts_path, COUNTS_SCHEMA), (self.cfg.dead_letter_path, DEAD_LETTER_SCHEMA),
+                             (self.cfg.late_path, LATE_SCHEMA)):
+            retry_on_conflict(lambda path=path, schema=schema: (
+                self.spark.createDataFrame([], schema).write.format("delta").mode("append")
+                .option("txnAppId", self.txn_app_id(epoch)).option("txnVersion", epoch)
+                .option("userMetadata", f"fenced epoch={epoch}").save(path)), f"fencing epoch {epoch} in {path}")
+
+    def counts_written(self, epoch: int, search: int = 1000) -> bool:
+        """Whether ``epoch``'s counts are in the counts table (its commit, not a fence)."""
+        return self.version_of_epoch(self.cfg.counts_path, epoch, search) is not None
+
+    def remove_epoch_rows(self, epoch: int) -> None:
+        """Delete what ``epoch`` wrote to the dead-letter and late-record tables (their rows
+        carry the epoch): for an epoch given up before its counts were written."""
+        for path in (self.cfg.dead_letter_path, self.cfg.late_path):
+            retry_on_conflict(lambda path=path: self.spark.sql(
+                f"DELETE FROM delta.`{path}` WHERE epoch = {int(epoch)}"), f"removing epoch {epoch} from {path}")
 
     def version_of_epoch(self, path: str, epoch: int, search: int = 50) -> int | None:
         """The table version whose commit wrote ``epoch`` (None if the epoch wrote nothing,

@@ -26,7 +26,7 @@ from ipcount.rules.requests import BackfillRequest, parse_offsets
 from ipcount.storage import broker as broker_io
 from tests.conftest import run_until_idle
 from tests.ground_truth import Expected, expected_tables
-from tests.tables import counts, dead_letters, lanes, late_records
+from tests.tables import counts, dead_letters, finality, lanes, late_records
 from tests.tables import ledger as ledger_rows
 from tests.tables import owned_offsets, snapshot
 
@@ -285,3 +285,33 @@ def test_the_ledger_refuses_overlapping_plans_even_recorded_at_the_same_moment(c
         assert sorted(results) == ["recorded", "refused"], results
     owned_offsets(cfg)                       # (asserts that no two ledger rows overlap)
     assert len({r["epoch"] for r in ledger_rows(cfg)}) == 2 + 6
+
+
+def test_a_backfill_ahead_of_a_lagging_chain_marks_nothing_final_the_chain_still_counts(cfg, spark):
+    """Windows are final against the live chain's watermark: a backfill's own watermark used
+    to mark windows final that the chain then still counted records into."""
+    def batch(seed, start_ms):
+        gen = TrafficGenerator(seed=seed, events_per_second=5, late_share=0, malformed_share=0)
+        return produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, start_ms), partition_of=lambda i, r: i % 3)
+    first = batch(91, BASE_MS)
+    run_until_idle(cfg, spark)                       # the chain's watermark: about BASE + 18 s
+    second = batch(92, BASE_MS + 600_000)            # ten minutes later, 18 s of events
+    third = batch(92, BASE_MS + 600_000)             # the same again: the same windows and IPs
+    spec = ",".join(f"{p}:{min(r.offset for r in second if r.partition == p)}-"
+                    f"{max(r.offset for r in second if r.partition == p) + 1}" for p in range(3))
+    run_backfill(cfg, spark, BackfillRequest(offsets=parse_offsets(spec, cfg.topic)))
+    after_backfill = counts(cfg)
+    final_then = {k for k, final in finality(cfg).items() if final}
+    # the chain's watermark (about BASE + 18 s) has passed none of the backfilled windows
+    assert final_then and all(k[0] < BASE_MS + 600_000 for k in final_then)
+
+    run_until_idle(cfg, spark)                       # the chain counts the third batch
+    now = counts(cfg)
+    assert all(now[k] == after_backfill[k] for k in final_then), "a final window's count changed"
+    assert any(now[k] != after_backfill[k] for k in after_backfill)  # the chain did add to them
+    # and the chain finalized them as its own watermark passed them
+    want = lane_truth(first + second + third, cfg)
+    assert now == want.counts
+    chain_watermark = max(r["watermark_after_ms"] for r in ledger_rows(cfg)
+                          if r.get("kind") in (None, "scheduled") and r["watermark_after_ms"] is not None)
+    assert finality(cfg) == {k: k[0] + 10_000 <= chain_watermark for k in now}

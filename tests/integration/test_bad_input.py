@@ -10,6 +10,7 @@ from kafka import KafkaAdminClient, TopicPartition
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.rules.errors import DataLossError
+from ipcount.storage import broker as broker_io
 from tests.conftest import free_port
 from tests.tables import ledger, snapshot
 
@@ -84,6 +85,38 @@ def test_skip_policy_skips_deleted_offsets_and_records_the_gap(cfg, spark):
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     epochs = [{r["partition"]: (r["from_offset"], r["until_offset"]) for r in rows
                if r["epoch"] == e and r["status"] == "committed"} for e in (1, 2)]
+    assert counts(cfg) == expected_tables(produced, epochs).counts
+
+
+def test_a_planned_epoch_whose_offsets_aged_out_is_settled_under_skip(cfg, spark):
+    """Its data was deleted before it was resumed: it raised data loss for good, even under
+    skip, and no command resolved it."""
+    from tests.ground_truth import expected_tables
+    from tests.tables import counts
+
+    gen = TrafficGenerator(seed=5)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, 1_795_255_200_000),
+                       partition_of=lambda i, r: i % 3)
+    epoch_mod.run_epoch(cfg, spark)                  # epoch 1: [0, 30) of each partition
+    produced += produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, 1_795_255_260_000),
+                        partition_of=lambda i, r: i % 3)
+    runner = epoch_mod.EpochRunner.open(cfg, spark)  # epoch 2 planned, then its runner died
+    earliest, latest = broker_io.partition_offsets(cfg)
+    stuck, _ = epoch_mod.next_chain_epoch(runner, earliest, latest)
+    admin = KafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers)
+    admin.delete_records({TopicPartition(cfg.topic, 1): 42})  # 30..41 of partition 1 gone
+    admin.close()
+
+    with pytest.raises(DataLossError, match=rf"{cfg.topic}-1: offsets \[30, 42\) were deleted"):
+        epoch_mod.run_epoch(cfg, spark)              # fail (the default) stays loud
+    s = epoch_mod.run_epoch(cfg.replace(on_data_loss="skip"), spark)
+    assert stuck.epoch == 2 and s.epoch == 3 and not s.resumed
+    assert {r.partition: r.from_offset for r in s.plan.ranges} == {0: 30, 1: 42, 2: 30}
+    rows = ledger(cfg)
+    assert sorted((r["epoch"], r["status"], r["partition"], r["from_offset"], r["until_offset"]) for r in rows
+                  if r["epoch"] == 2) == [(2, "lost", 1, 30, 42)]
+    epochs = [{r["partition"]: (r["from_offset"], r["until_offset"]) for r in rows
+               if r["epoch"] == e and r["status"] == "committed"} for e in (1, 3)]
     assert counts(cfg) == expected_tables(produced, epochs).counts
 
 

@@ -97,3 +97,14 @@ def test_skip_policy_moves_overtaken_positions_and_reports_the_gaps():
     moved, lost = skip_deleted(T, {0: 5, 1: 3, 2: 9}, earliest={0: 0, 1: 8, 2: 9})
     assert moved == {0: 5, 1: 8, 2: 9}
     assert lost == (r(1, 3, 8),)
+
+
+def test_skip_policy_does_not_claim_offsets_a_backfill_owns():
+    """A lost range that overlapped a backfill's rows made every plan conflict, for good."""
+    from ipcount.rules.coverage import Coverage
+    from ipcount.rules.offsets import skip_deleted
+
+    owned = Coverage.of(T, [r(0, 10, 20), r(0, 25, 30), r(1, 0, 50)])
+    moved, lost = skip_deleted(T, {0: 5, 1: 0}, earliest={0: 40, 1: 40}, coverage=owned)
+    assert moved == {0: 40, 1: 40}
+    assert lost == (r(0, 5, 10), r(0, 20, 25), r(0, 30, 40))  # partition 1: all owned, nothing lost
