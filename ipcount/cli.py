@@ -7,6 +7,8 @@
     serve      keep one warm Spark session and run the DAGs' epochs in it (the epoch server)
     watch      print a line per epoch as epochs commit (reads the ledger, no JVM)
     generate   produce access-log traffic to the source topic
+    chaos      kill epochs, backfills and the epoch server at random on a topic of its own, then
+               recount: duplicates and losses must be 0
     kafka      start / stop / status of the embedded broker; create-topic
     config     print the effective configuration
 """
@@ -330,6 +332,50 @@ def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     return EXIT_OK
 
 
+def _chaos_arguments(sub) -> None:
+    p = sub.add_parser("chaos", help="try exactly-once against random SIGKILLs; report duplicates and losses",
+                       description="On a topic and warehouse of its own (the pipeline's tables are never "
+                                   "touched), produce a known data set (out of order, late, malformed, "
+                                   "committed and aborted transactions), run epochs, racing hand-run "
+                                   "epochs, backfills and the epoch server as separate processes, SIGKILL "
+                                   "one of them at a random moment each round, add a partition half way, "
+                                   "then finish without kills and recount in plain Python. Exit code 0 "
+                                   "when duplicates and losses are both 0, else 1.")
+    p.add_argument("--kills", type=_positive_int, default=20, help="kills to survive (default 20)")
+    p.add_argument("--records", type=_positive_int, default=3000, help="records produced (default 3000)")
+    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    p.add_argument("--max-minutes", type=_positive_int, default=60, help="stop killing after this (default 60)")
+    p.add_argument("--scenarios", default=",".join(_chaos_scenarios()),
+                   help=f"which to mix, comma-separated (default all: {','.join(_chaos_scenarios())})")
+    p.add_argument("--workdir", default=None, help="for its tables and logs (default <warehouse>/../chaos)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON too")
+    _add_config_flags(p)
+
+
+def _chaos_scenarios() -> tuple[str, ...]:
+    from ipcount.devtools.chaos import SCENARIOS
+
+    return SCENARIOS
+
+
+def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.devtools.chaos import report_json, run_chaos
+
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    unknown = sorted(set(scenarios) - set(_chaos_scenarios()))
+    if unknown or not scenarios:
+        raise ConfigError(f"--scenarios: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                          f"{', '.join(_chaos_scenarios())}")
+    report = run_chaos(cfg, kills=args.kills, records=args.records, seed=args.seed, workdir=args.workdir,
+                       max_seconds=args.max_minutes * 60, scenarios=scenarios)
+    print(report.line())
+    for problem in report.problems:
+        print(f"  {problem}")
+    if args.json:
+        print(report_json(report))
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
 def _kafka_arguments(sub) -> None:
     p = sub.add_parser("kafka", help="manage the embedded Kafka broker",
                        description="Start, stop or inspect the embedded single-node KRaft broker, or "
@@ -404,6 +450,7 @@ COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
     "serve": (_serve_arguments, _serve),
     "watch": (_watch_arguments, _watch),
     "generate": (_generate_arguments, _generate),
+    "chaos": (_chaos_arguments, _chaos),
     "kafka": (_kafka_arguments, _kafka),
     "airflow": (_airflow_arguments, _airflow),
     "config": (_config_arguments, _config),
