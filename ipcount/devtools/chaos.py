@@ -35,8 +35,8 @@ from pathlib import Path
 
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.rules.config import REPO_ROOT, PipelineConfig
-from ipcount.rules.ledger import COMMITTED, LOST, timestamp_ms
-from ipcount.rules.records import Event, is_late, parse_value, window_start
+from ipcount.jobs.verify import LATE, MALFORMED, recount_record, table_counts
+from ipcount.rules.ledger import COMMITTED, LOST
 from ipcount.storage import broker
 from ipcount.storage.delta import read_rows
 
@@ -149,7 +149,8 @@ def _produce(cfg: PipelineConfig, rng: random.Random, n: int, partitions: int) -
     batch = list(gen.records(n, start))
     plain, in_tx = batch[: n * 4 // 5], batch[n * 4 // 5:]
     produce(cfg.bootstrap_servers, cfg.topic, plain, partition_of=lambda i, r: i % partitions)
-    producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, transactional_id=f"{cfg.topic}-{uuid.uuid4().hex}")
+    producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers,
+                             transactional_id=f"{cfg.topic}-{uuid.uuid4().hex}")
     producer.init_transactions()
     for k in range(0, len(in_tx), 25):
         producer.begin_transaction()
@@ -284,23 +285,18 @@ def _recount(cfg: PipelineConfig, report: ChaosReport) -> None:
     for r in rows:
         if r["status"] != COMMITTED:
             continue
-        planned_at = timestamp_ms(r["planned_at"])
         for o in range(r["from_offset"], r["until_offset"]):
             rec = in_kafka.get((r["partition"], o))
             if rec is None:
                 continue  # a transaction marker or an aborted record
-            parsed = parse_value(rec.value, cfg.max_value_bytes, event_time=cfg.event_time,
-                                 kafka_timestamp_ms=rec.timestamp, planned_at_ms=planned_at,
-                                 max_ahead_ms=cfg.max_event_time_ahead_ms)
-            if not isinstance(parsed, Event):
-                expected_dead[(r["partition"], o, parsed.reason)] += 1
-            elif is_late(parsed.event_ms, cfg.window_ms, cfg.allowed_lateness_ms, r["watermark_before_ms"]):
+            outcome, key = recount_record(cfg, r, rec)
+            if outcome == MALFORMED:
+                expected_dead[(r["partition"], o, key)] += 1
+            elif outcome == LATE:
                 expected_late[(r["partition"], o)] += 1
             else:
-                expected_counts[(window_start(parsed.event_ms, cfg.window_ms), parsed.ip)] += 1
-    actual_counts: Counter = Counter()
-    for row in read_rows(cfg.counts_path, ["window_start", "ip", "count"]):
-        actual_counts[(int(row["window_start"].timestamp() * 1000), row["ip"])] += row["count"]
+                expected_counts[key] += 1
+    actual_counts = table_counts(cfg.counts_path)
     actual_dead = Counter((r["partition"], r["offset"], r["reason"])
                           for r in read_rows(cfg.dead_letter_path, ["partition", "offset", "reason"]))
     actual_late = Counter((r["partition"], r["offset"]) for r in read_rows(cfg.late_path, ["partition", "offset"]))

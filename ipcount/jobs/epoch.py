@@ -160,9 +160,9 @@ class EpochRunner:
         log.info("%s", summary.line())
         return summary
 
-    def settle_aged_out(self, plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int]) -> None:
-        """Settle an unfinished epoch whose offsets aged out before it could be resumed
-        (``on_data_loss = "skip"``), deciding from the sink's own commits:
+    def settle_aged_out(self, plan: EpochPlan, lost: tuple[OffsetRange, ...]) -> None:
+        """Settle an unfinished epoch whose offsets ``lost`` (:func:`aged_out`) aged out before
+        it could be resumed (``on_data_loss = "skip"``), deciding from the sink's own commits:
 
         * its counts are in the counts table (the run died after the sink, before the
           ledger): the ledger commit is all that was missing, and is made now (with the
@@ -171,18 +171,16 @@ class EpochRunner:
           heads are recorded as ``lost``, and the rest of its ranges is released for a new
           plan.
         """
-        lost = aged_out(plan, earliest, latest)
         where = describe(lost)
         # First the fence: a runner still busy with this epoch can write nothing of it after
         # this, so what the tables hold now is what they will hold.
         self.sink.fence(plan.epoch)
-        if self.sink.counts_written(plan.epoch):
+        counts_version = self.sink.version_of_epoch(self.cfg.counts_path, plan.epoch, search=1000)
+        if counts_version is not None:  # its counts commit, not the fence
             log.warning("epoch %d: offsets %s aged out before it was resumed, but its counts are in %s; "
                         "committing it in the ledger (record counts unknown)", plan.epoch, where,
                         self.cfg.counts_path)
-            self.ledger.commit(plan, None, plan.watermark_ms, self.sink.version_of_epoch(self.cfg.counts_path,
-                                                                                            plan.epoch), 0.0,
-                               self.run_id)
+            self.ledger.commit(plan, None, plan.watermark_ms, counts_version, 0.0, self.run_id)
             return
         log.warning("data loss on %s: epoch %d's offsets %s aged out before it was resumed; its counts were "
                     "never written, so it is given up (on_data_loss=skip): those offsets are recorded as lost "
@@ -216,8 +214,9 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
     runner = EpochRunner.open(cfg, spark, run_id, crash)
     earliest, latest = broker.partition_offsets(cfg)
     plan, resumed = next_chain_epoch(runner, earliest, latest)
-    if plan is not None and resumed and cfg.on_data_loss == "skip" and aged_out(plan, earliest, latest):
-        runner.settle_aged_out(plan, earliest, latest)
+    lost = aged_out(plan, earliest, latest) if plan is not None and resumed and cfg.on_data_loss == "skip" else ()
+    if lost:
+        runner.settle_aged_out(plan, lost)
         plan, resumed = next_chain_epoch(runner, earliest, latest)
     if plan is None:
         return None

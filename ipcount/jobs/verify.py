@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger import COMMITTED, timestamp_ms
@@ -55,6 +56,33 @@ class VerifyReport:
                 f"offsets of {self.epochs} committed epoch(s), compared {self.windows} (window, ip) counts - {verdict}")
 
 
+# What the recount says of one record: dead-lettered (key: the reason), late (key: the
+# window start) or counted (key: (window start ms, ip)).
+MALFORMED, LATE, COUNTED = "malformed", "late", "counted"
+
+
+def recount_record(t: PipelineConfig, row: Mapping[str, Any], rec) -> tuple[str, Any]:
+    """One record of a committed ledger ``row`` classified by the record spec, as its epoch
+    did: with the row's recorded watermark and planning time and the settings ``t`` of
+    the table set. ``rec`` is a Kafka consumer record (value, timestamp)."""
+    parsed = parse_value(rec.value, t.max_value_bytes, event_time=t.event_time, kafka_timestamp_ms=rec.timestamp,
+                         planned_at_ms=timestamp_ms(row["planned_at"]), max_ahead_ms=t.max_event_time_ahead_ms)
+    if not isinstance(parsed, Event):
+        return MALFORMED, parsed.reason
+    start = window_start(parsed.event_ms, t.window_ms)
+    if is_late(parsed.event_ms, t.window_ms, t.allowed_lateness_ms, row["watermark_before_ms"]):
+        return LATE, start
+    return COUNTED, (start, parsed.ip)
+
+
+def table_counts(counts_path: str) -> Counter:
+    """(window start ms, ip) -> count, as the counts table holds them."""
+    out: Counter = Counter()
+    for row in read_rows(counts_path, ["window_start", "ip", "count"]):
+        out[(int(row["window_start"].timestamp() * 1000), row["ip"])] += row["count"]
+    return out
+
+
 def verify(cfg: PipelineConfig, target: str = "main", from_ms: int | None = None,
            until_ms: int | None = None) -> VerifyReport:
     """Compare the target's counts with a recount; only windows starting in
@@ -71,22 +99,11 @@ def verify(cfg: PipelineConfig, target: str = "main", from_ms: int | None = None
         report.offsets += r["until_offset"] - r["from_offset"]
         for rec in broker.read_range(cfg, r["partition"], r["from_offset"], r["until_offset"]):
             report.records += 1
-            parsed = parse_value(rec.value, t.max_value_bytes, event_time=t.event_time,
-                                 kafka_timestamp_ms=rec.timestamp, planned_at_ms=timestamp_ms(r["planned_at"]),
-                                 max_ahead_ms=t.max_event_time_ahead_ms)
-            if not isinstance(parsed, Event):
-                continue
-            if is_late(parsed.event_ms, t.window_ms, t.allowed_lateness_ms, r["watermark_before_ms"]):
-                continue
-            w = window_start(parsed.event_ms, t.window_ms)
-            if in_range(w):
-                expected[(w, parsed.ip)] += 1
+            outcome, key = recount_record(t, r, rec)
+            if outcome == COUNTED and in_range(key[0]):
+                expected[key] += 1
     report.epochs = len({r["epoch"] for r in rows})
-    actual: Counter = Counter()
-    for row in read_rows(t.counts_path, ["window_start", "ip", "count"]):
-        w = int(row["window_start"].timestamp() * 1000)
-        if in_range(w):
-            actual[(w, row["ip"])] += row["count"]
+    actual = Counter({key: n for key, n in table_counts(t.counts_path).items() if in_range(key[0])})
     keys = sorted(set(expected) | set(actual))
     report.windows = len(keys)
     report.differences = [Difference(w, ip, expected[(w, ip)], actual[(w, ip)]) for w, ip in keys

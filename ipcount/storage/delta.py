@@ -183,15 +183,22 @@ def ensure_table(spark: SparkSession, path: str, schema: StructType,
     have_props = dict(detail.properties or {})
     stale = {k: v for k, v in properties.items() if have_props.get(k) != v}
     if stale:
-        assignments = ", ".join(f"'{k}' = '{v}'" for k, v in stale.items())
-        retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})"),
-                          f"setting table properties of {path}")
+        retry_on_conflict(lambda: set_table_properties(spark, path, stale), f"setting table properties of {path}")
     have = set(spark.read.format("delta").load(path).schema.fieldNames())
     missing = [f for f in schema.fields if f.name not in have]
     if missing:
         columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
         retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"),
                           f"adding columns to {path}")
+
+
+def set_table_properties(spark: SparkSession, path: str, properties: Mapping[str, str]) -> None:
+    """One commit that sets ``properties`` on the table at ``path`` (values quoted as SQL
+    strings). Not retried here: a caller whose change depends on what is there re-reads."""
+    def quoted(value: str) -> str:
+        return value.replace("\\", "\\\\").replace("'", "\\'")
+    assignments = ", ".join(f"'{k}' = '{quoted(v)}'" for k, v in sorted(properties.items()))
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
 
 
 def _create(spark: SparkSession, path: str, schema: StructType, properties: Mapping[str, str],

@@ -90,10 +90,8 @@ class Ledger:
 
         planned_at = (datetime.now(timezone.utc) if plan.planned_at_ms is None
                       else datetime.fromtimestamp(plan.planned_at_ms / 1000, timezone.utc))
-        rows = [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, status, planned_at,
-                 None, None, None, None, None, plan.watermark_ms, None, None, None, run_id, None, None,
-                 plan.kind, plan.request_id, plan.chain_watermark_ms)
-                for status, ranges in ((LOST, plan.lost), (PLANNED, plan.ranges)) for r in ranges]
+        rows = (_uncommitted_rows(plan, LOST, plan.lost, planned_at, run_id)
+                + _uncommitted_rows(plan, PLANNED, plan.ranges, planned_at, run_id))
         # One source row answers for the epoch id, so the id check matches each target row once.
         anchor = plan.ranges[0].partition
         condition = (f"(t.epoch = s.epoch AND s.status = '{PLANNED}' AND s.partition = {int(anchor)}) OR "
@@ -122,10 +120,7 @@ class Ledger:
         from delta.tables import DeltaTable
         from pyspark.sql import functions as F
 
-        now = datetime.now(timezone.utc)
-        rows = [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, LOST, now, None, None, None,
-                 None, None, plan.watermark_ms, None, None, None, None, None, None, plan.kind, plan.request_id,
-                 plan.chain_watermark_ms) for r in lost]
+        rows = _uncommitted_rows(plan, LOST, lost, datetime.now(timezone.utc), None)
         source = self.spark.createDataFrame(rows, ledger_schema())
         mine = f"t.epoch = {int(plan.epoch)} AND t.status = '{PLANNED}'"
 
@@ -170,6 +165,15 @@ class Ledger:
              .whenMatchedUpdate(set={c: f"s.{c}" for c in set_cols})
              .execute())
         retry_on_conflict(merge, f"committing epoch {plan.epoch} to the ledger")
+
+
+def _uncommitted_rows(plan: EpochPlan, status: str, ranges: tuple[OffsetRange, ...], planned_at: datetime,
+                      run_id: str | None) -> list[tuple]:
+    """Ledger rows (in :data:`ipcount.rules.ledger.COLUMNS` order) of ``plan``'s ``ranges``
+    with a status before the commit (planned or lost): no counts, no commit time."""
+    return [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, status, planned_at,
+             None, None, None, None, None, plan.watermark_ms, None, None, None, run_id, None, None,
+             plan.kind, plan.request_id, plan.chain_watermark_ms) for r in ranges]
 
 
 # -- reads without a JVM ------------------------------------------------------------------

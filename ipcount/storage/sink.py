@@ -65,10 +65,13 @@ class Sink:
     def __init__(self, spark: SparkSession, cfg: PipelineConfig) -> None:
         self.spark, self.cfg = spark, cfg
 
+    def tables(self) -> tuple[tuple[str, StructType], ...]:
+        """(location, schema) of each sink table."""
+        return ((self.cfg.counts_path, COUNTS_SCHEMA), (self.cfg.dead_letter_path, DEAD_LETTER_SCHEMA),
+                (self.cfg.late_path, LATE_SCHEMA))
+
     def ensure(self) -> None:
-        for path, schema in ((self.cfg.counts_path, COUNTS_SCHEMA),
-                             (self.cfg.dead_letter_path, DEAD_LETTER_SCHEMA),
-                             (self.cfg.late_path, LATE_SCHEMA)):
+        for path, schema in self.tables():
             ensure_table(self.spark, path, schema)
 
     def txn_app_id(self, epoch: int) -> str:
@@ -167,16 +170,11 @@ class Sink:
         """Make sure no write of ``epoch`` lands from now on: an empty commit with its
         transaction id in each table (skipped where its write is in already), after which
         Delta skips any write with that id - a runner still busy with the epoch included."""
-        for path, schema in ((self.cfg.counts_path, COUNTS_SCHEMA), (self.cfg.dead_letter_path, DEAD_LETTER_SCHEMA),
-                             (self.cfg.late_path, LATE_SCHEMA)):
+        for path, schema in self.tables():
             retry_on_conflict(lambda path=path, schema=schema: (
                 self.spark.createDataFrame([], schema).write.format("delta").mode("append")
                 .option("txnAppId", self.txn_app_id(epoch)).option("txnVersion", epoch)
                 .option("userMetadata", f"fenced epoch={epoch}").save(path)), f"fencing epoch {epoch} in {path}")
-
-    def counts_written(self, epoch: int, search: int = 1000) -> bool:
-        """Whether ``epoch``'s counts are in the counts table (its commit, not a fence)."""
-        return self.version_of_epoch(self.cfg.counts_path, epoch, search) is not None
 
     def remove_epoch_rows(self, epoch: int) -> None:
         """Delete what ``epoch`` wrote to the dead-letter and late-record tables (their rows

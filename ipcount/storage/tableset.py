@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ipcount.rules import tableset
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import TableSetMismatch
-from ipcount.storage.delta import concurrent_errors, table_metadata
+from ipcount.storage.delta import concurrent_errors, has_table, set_table_properties, table_metadata
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -44,7 +44,7 @@ def claim(spark: SparkSession, cfg: PipelineConfig, attempts: int = 10) -> None:
             for path in bare:
                 log.info("recording the table set's manifest on %s: %s", path,
                          ", ".join(f"{k[len(tableset.PREFIX):]}={v}" for k, v in sorted(wanted.items())))
-                _set_properties(spark, path, wanted)
+                set_table_properties(spark, path, wanted)
         except concurrent_errors() as e:
             log.info("manifest of %s: concurrent change (%s); reading it again (%d/%d)", cfg.counts_path,
                      type(e).__name__, attempt, attempts)
@@ -54,17 +54,6 @@ def claim(spark: SparkSession, cfg: PipelineConfig, attempts: int = 10) -> None:
 
 def recorded(cfg: PipelineConfig) -> dict[str, str]:
     """The manifest recorded on ``cfg``'s counts table ({} if none, or no table)."""
-    from ipcount.storage.delta import has_table
-
     if not has_table(cfg.counts_path):
         return {}
     return {k: v for k, v in table_metadata(cfg.counts_path)[1].items() if k.startswith(tableset.PREFIX)}
-
-
-def _set_properties(spark: SparkSession, path: str, properties: dict[str, str]) -> None:
-    assignments = ", ".join(f"'{k}' = '{_quoted(v)}'" for k, v in sorted(properties.items()))
-    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
-
-
-def _quoted(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("'", "\\'")
