@@ -20,7 +20,7 @@ AIRFLOW = str(Path(sys.executable).parent / "airflow")
 
 def service_env(home: Path, cfg: PipelineConfig, port: int) -> dict[str, str]:
     env = airflow_env(home, api_port=port, spark_master=cfg.spark_master)
-    env.update({f"IPCOUNT_{k.upper()}": str(v) for k, v in cfg.to_dict().items()})
+    env.update(cfg.to_env())
     return env
 
 

@@ -212,6 +212,10 @@ class PipelineConfig:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def to_env(self) -> dict[str, str]:
+        """The settings as the ``IPCOUNT_*`` variables the DAGs read (``load`` reads them back)."""
+        return {f"{ENV_PREFIX}{name.upper()}": str(value) for name, value in self.to_dict().items()}
+
     def to_args(self) -> list[str]:
         """The settings as CLI flags of ``ipcount epoch`` (used to hand them to spark-submit)."""
         args: list[str] = []

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.airflow
 def _env(home, cfg=None):
     env = airflow_env(home, api_port=18080)
     if cfg is not None:
-        env.update({f"IPCOUNT_{k.upper()}": str(v) for k, v in cfg.to_dict().items()})
+        env.update(cfg.to_env())
     return env
 
 

@@ -23,6 +23,11 @@ def test_precedence_file_then_env_then_overrides(tmp_path):
         ("from_file", 20, False, 9)
 
 
+def test_the_environment_a_config_hands_to_airflow_loads_back_as_the_same_config():
+    cfg = PipelineConfig(topic="t1", window_seconds=60, commit_offsets=False, start_offsets="0:5", epoch_server="")
+    assert PipelineConfig.load(environ=cfg.to_env()) == cfg
+
+
 def test_table_paths_follow_the_warehouse_unless_set():
     cfg = PipelineConfig(warehouse="/w", ledger_table="/elsewhere/ledger")
     assert (cfg.counts_path, cfg.ledger_path) == ("/w/counts", "/elsewhere/ledger")
