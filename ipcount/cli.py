@@ -337,16 +337,21 @@ def _chaos_arguments(sub) -> None:
                        description="On a topic and warehouse of its own (the pipeline's tables are never "
                                    "touched), produce a known data set (out of order, late, malformed, "
                                    "committed and aborted transactions), run epochs, racing hand-run "
-                                   "epochs, backfills and the epoch server as separate processes, SIGKILL "
-                                   "one of them at a random moment each round, add a partition half way, "
-                                   "then finish without kills and recount in plain Python. Exit code 0 "
-                                   "when duplicates and losses are both 0, else 1.")
+                                   "epochs, backfills, the epoch server and the DAGs (airflow dags test, "
+                                   "in an Airflow home of its own) as separate processes, SIGKILL one of "
+                                   "them at a random moment each round or SIGKILL and restart the embedded "
+                                   "broker under the chain, add a partition half way, then finish without "
+                                   "kills and recount in plain Python. Exit code 0 when duplicates and "
+                                   "losses are both 0, else 1.")
     p.add_argument("--kills", type=_positive_int, default=20, help="kills to survive (default 20)")
     p.add_argument("--records", type=_positive_int, default=3000, help="records produced (default 3000)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     p.add_argument("--max-minutes", type=_positive_int, default=60, help="stop killing after this (default 60)")
-    p.add_argument("--scenarios", default=",".join(_chaos_scenarios()),
-                   help=f"which to mix, comma-separated (default all: {','.join(_chaos_scenarios())})")
+    p.add_argument("--scenarios", default=None,
+                   help=f"which to take turns with, comma-separated (default all: {','.join(_chaos_scenarios())}; "
+                        "broker only when the embedded broker serves bootstrap_servers)")
+    p.add_argument("--broker-state-dir", default=str(STATE_DIR / "kafka"),
+                   help="the embedded broker the broker scenario restarts (default .local/kafka, bin/run's)")
     p.add_argument("--workdir", default=None, help="for its tables and logs (default <warehouse>/../chaos)")
     p.add_argument("--json", action="store_true", help="print the report as JSON too")
     _add_config_flags(p)
@@ -360,14 +365,20 @@ def _chaos_scenarios() -> tuple[str, ...]:
 
 def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.devtools.chaos import report_json, run_chaos
+    from ipcount.devtools.embedded_kafka import EmbeddedKafka
 
-    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
-    unknown = sorted(set(scenarios) - set(_chaos_scenarios()))
-    if unknown or not scenarios:
-        raise ConfigError(f"--scenarios: unknown {', '.join(unknown) or '(none given)'}; choose from "
-                          f"{', '.join(_chaos_scenarios())}")
+    port = int(cfg.bootstrap_servers.split(",")[0].rsplit(":", 1)[1])
+    kafka = EmbeddedKafka(state_dir=Path(args.broker_state_dir), port=port, controller_port=port + 1)
+    if args.scenarios is None:
+        scenarios = _chaos_scenarios()
+        if kafka.pid() is None or kafka.bootstrap_servers != cfg.bootstrap_servers:
+            log.warning("chaos: no broker restarts: no embedded broker from %s serves %s", args.broker_state_dir,
+                        cfg.bootstrap_servers)
+            scenarios = tuple(s for s in scenarios if s != "broker")
+    else:
+        scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
     report = run_chaos(cfg, kills=args.kills, records=args.records, seed=args.seed, workdir=args.workdir,
-                       max_seconds=args.max_minutes * 60, scenarios=scenarios)
+                       max_seconds=args.max_minutes * 60, scenarios=scenarios, broker_to_restart=kafka)
     print(report.line())
     for problem in report.problems:
         print(f"  {problem}")

@@ -4,18 +4,24 @@ It makes a topic and a warehouse of its own (never the pipeline's), produces a k
 set - out of order, late, malformed, committed and aborted transactions - and then runs
 the real commands as separate processes, the way a scheduler, an operator and a crash
 would: the chain (``ipcount epoch``), a hand-run epoch racing it, backfills over random
-offset ranges racing both, and the epoch server (``ipcount serve``) with epochs sent to
-it. It SIGKILLs one of them (its whole process group, the Spark JVM with it) at a random
-moment, round after round, and adds a partition (with more data) half way. Then it lets
-the chain and every backfill finish without kills, and recounts everything in plain
-Python from Kafka (:mod:`ipcount.rules.records`, not Spark):
+offset ranges racing both, the epoch server (``ipcount serve``) with epochs sent to it, and
+the DAGs (``airflow dags test`` of ``ipcount_epoch``, with ``ipcount_backfill`` racing it
+half the time, in an Airflow home of its own). Each round produces a batch of new records
+first, so every round has work to interrupt, then SIGKILLs one of its processes (the whole
+process group, the Spark JVM with it) at a random moment, and each other one with
+probability 1/2 at a moment of its own - or, in the ``broker`` scenario, SIGKILLs the
+embedded Kafka broker under a running chain and starts it again. It adds a partition half
+way. Then it lets the chain and every backfill
+finish without kills, and recounts everything in plain Python from Kafka
+(:mod:`ipcount.rules.records`, not Spark):
 
 * **duplicates**: counts above the recount, dead-letter or late rows of an offset more
   than once or of an offset that should have none, ledger ranges that overlap;
 * **losses**: counts below the recount, missing dead-letter or late rows, records in
   Kafka that no ledger row covers.
 
-Both must be 0. Broker restarts and the DAG path are not part of it yet.
+Both must be 0. Scenarios take turns (in a shuffled order), so a run of ``n`` kills tries
+each of ``k`` scenarios about ``n / k`` times.
 """
 from __future__ import annotations
 
@@ -33,8 +39,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ipcount.devtools.embedded_airflow import airflow_env
+from ipcount.devtools.embedded_kafka import EmbeddedKafka, free_port
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.rules.config import REPO_ROOT, PipelineConfig
+from ipcount.rules.errors import ConfigError
 from ipcount.jobs.verify import LATE, MALFORMED, recount_record, table_counts
 from ipcount.rules.ledger import COMMITTED, LOST
 from ipcount.storage import broker
@@ -42,7 +51,9 @@ from ipcount.storage.delta import read_rows
 
 log = logging.getLogger(__name__)
 
-SCENARIOS = ("chain", "race", "backfill", "server")
+SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker")
+AIRFLOW = Path(sys.executable).parent / "airflow"
+AIRFLOW_START_SECONDS = 10.0  # `airflow dags test` imports and parses before spark-submit starts
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z: event times, well behind any Kafka timestamp
 
 
@@ -54,6 +65,7 @@ class ChaosReport:
     rounds: int = 0
     by_scenario: Counter = field(default_factory=Counter)
     partitions_added: int = 0
+    strays: int = 0              # processes of the run still alive after their round, killed
     records: int = 0             # committed records in Kafka
     epochs: int = 0              # committed epochs in the ledger
     counted: int = 0
@@ -69,7 +81,7 @@ class ChaosReport:
         scenarios = ", ".join(f"{k} {v}" for k, v in sorted(self.by_scenario.items()))
         verdict = "OK" if self.ok else "FAILED"
         return (f"chaos {verdict}: {self.kills} kills survived in {self.rounds} rounds ({scenarios}); "
-                f"{self.partitions_added} partition(s) added; {self.records} records in Kafka, {self.epochs} "
+                f"{self.partitions_added} partition(s) added; {self.strays} stray process(es) killed; {self.records} records in Kafka, {self.epochs} "
                 f"epochs committed, {self.counted} counted; duplicates {self.duplicates}, losses {self.losses}")
 
 
@@ -82,12 +94,15 @@ class _Processes:
         self.count = 0
 
     def start(self, *args: str) -> subprocess.Popen:
+        """``ipcount ARGS``."""
+        return self.spawn(args[0], [sys.executable, "-m", "ipcount.cli", *args],
+                          {**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+    def spawn(self, label: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         self.count += 1
-        path = self.logs / f"{self.count:04d}-{args[0]}.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        with open(path, "w") as out:
-            return subprocess.Popen([sys.executable, "-m", "ipcount.cli", *args], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.last_log = self.logs / f"{self.count:04d}-{label}.log"
+        with open(self.last_log, "w") as out:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     @staticmethod
     def kill(proc: subprocess.Popen) -> bool:
@@ -104,34 +119,54 @@ class _Processes:
 def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: int = 1,
               workdir: str | Path | None = None, max_seconds: float = 3600.0,
               scenarios: tuple[str, ...] = SCENARIOS, kill_window: tuple[float, float] = (2.0, 30.0),
-              max_records_per_epoch: int | None = None) -> ChaosReport:
+              max_records_per_epoch: int | None = None, broker_to_restart: EmbeddedKafka | None = None
+              ) -> ChaosReport:
     """Kill runners ``kills`` times (or until ``max_seconds``), finish, recount; the report.
-    Each kill comes ``kill_window`` seconds (uniformly random) after its round started."""
+    Each kill comes ``kill_window`` seconds (uniformly random) after its round started.
+    The ``broker`` scenario needs ``broker_to_restart``: the embedded broker serving ``cfg``."""
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown or not scenarios:
+        raise ConfigError(f"chaos scenarios: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                          f"{', '.join(SCENARIOS)}")
+    if "broker" in scenarios and (broker_to_restart is None or broker_to_restart.pid() is None
+                                  or broker_to_restart.bootstrap_servers != cfg.bootstrap_servers):
+        raise ConfigError(f"the broker scenario SIGKILLs and restarts the embedded broker, and none started by "
+                          f"`ipcount kafka start` serves {cfg.bootstrap_servers}; leave out broker")
     rng = random.Random(seed)
     name = f"chaos_{seed}_{uuid.uuid4().hex[:6]}"
     workdir = Path(workdir or Path(cfg.warehouse).parent / "chaos") / name
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    batch = max(10, records // (kills + 1))  # produced before the first round and before each
     chaos_cfg = cfg.replace(topic=name, warehouse=str(workdir / "warehouse"), counts_table="", ledger_table="",
                             dead_letter_table="", late_table="", pipeline_id=name, group_id=name,
                             start_position="earliest", on_data_loss="fail", epoch_server="",
-                            max_records_per_epoch=max_records_per_epoch or max(20, records // 10))
+                            max_records_per_epoch=max_records_per_epoch or max(10, batch // 3))
     report = ChaosReport(chaos_cfg.topic, chaos_cfg.warehouse)
     broker.create_topic(chaos_cfg, 3)
     log.info("chaos: topic %s, warehouse %s, logs %s", name, chaos_cfg.warehouse, workdir / "logs")
-    _produce(chaos_cfg, rng, records // 2, partitions=3)
+    source = _Source(chaos_cfg, rng, partitions=3)
+    source.produce(batch)
     procs = _Processes(chaos_cfg, workdir / "logs")
     backfills: list[str] = []
+    order = list(scenarios)
+    rng.shuffle(order)
     deadline = time.monotonic() + max_seconds
     while report.kills < kills and time.monotonic() < deadline:
         if report.partitions_added == 0 and report.kills >= kills // 2:
-            _add_partition(chaos_cfg, 4)
+            source.add_partition()
             report.partitions_added += 1
-            _produce(chaos_cfg, rng, records - records // 2, partitions=4)
-        scenario = rng.choice(scenarios)
+        source.produce(batch)
+        scenario = order[report.rounds % len(order)]
         report.rounds += 1
         report.by_scenario[scenario] += 1
-        killed = _round(scenario, chaos_cfg, procs, rng, backfills, kill_window)
+        if scenario == "broker":
+            killed = _broker_round(chaos_cfg, procs, rng, kill_window, broker_to_restart)
+        elif scenario == "dag":
+            killed = _dag_round(chaos_cfg, procs, rng, backfills, kill_window, workdir / "airflow")
+        else:
+            killed = _round(scenario, chaos_cfg, procs, rng, backfills, kill_window)
         report.kills += killed
+        report.strays += _kill_strays(name)
         log.info("chaos round %d (%s): %d kill(s), %d in all", report.rounds, scenario, killed, report.kills)
     _finish(chaos_cfg, procs, backfills)
     _recount(chaos_cfg, report)
@@ -139,34 +174,44 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
     return report
 
 
-def _produce(cfg: PipelineConfig, rng: random.Random, n: int, partitions: int) -> None:
-    """``n`` records: most plain, a fifth in transactions of which every other one aborts."""
-    from kafka import KafkaProducer
+class _Source:
+    """The run's topic and what is produced to it: batches whose event-time clock moves on
+    from batch to batch, out of order within (5% late, 3% malformed)."""
 
-    gen = TrafficGenerator(seed=rng.randrange(1 << 30), events_per_second=20, late_share=0.05,
-                           malformed_share=0.03)
-    start = BASE_MS + rng.randrange(0, 3_600_000)
-    batch = list(gen.records(n, start))
-    plain, in_tx = batch[: n * 4 // 5], batch[n * 4 // 5:]
-    produce(cfg.bootstrap_servers, cfg.topic, plain, partition_of=lambda i, r: i % partitions)
-    producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers,
-                             transactional_id=f"{cfg.topic}-{uuid.uuid4().hex}")
-    producer.init_transactions()
-    for k in range(0, len(in_tx), 25):
-        producer.begin_transaction()
-        for i, r in enumerate(in_tx[k:k + 25]):
-            producer.send(cfg.topic, key=r.key, value=r.value, partition=i % partitions)
-        producer.flush()
-        producer.abort_transaction() if (k // 25) % 2 else producer.commit_transaction()
-    producer.close()
+    def __init__(self, cfg: PipelineConfig, rng: random.Random, partitions: int) -> None:
+        self.cfg, self.rng, self.partitions = cfg, rng, partitions
+        self.gen = TrafficGenerator(seed=rng.randrange(1 << 30), events_per_second=20, late_share=0.05,
+                                    malformed_share=0.03)
+        self.clock_ms = BASE_MS
 
+    def produce(self, n: int) -> None:
+        """``n`` records: four fifths plain, the rest in two transactions, the second aborted."""
+        from kafka import KafkaProducer
 
-def _add_partition(cfg: PipelineConfig, total: int) -> None:
-    from kafka.admin import NewPartitions
+        records = list(self.gen.records(n, self.clock_ms))
+        self.clock_ms += n * 50 + self.rng.randrange(0, 5_000)
+        parts = self.partitions
+        plain, in_tx = records[: n * 4 // 5], records[n * 4 // 5:]
+        produce(self.cfg.bootstrap_servers, self.cfg.topic, plain, partition_of=lambda i, r: i % parts)
+        producer = KafkaProducer(bootstrap_servers=self.cfg.bootstrap_servers,
+                                 transactional_id=f"{self.cfg.topic}-{uuid.uuid4().hex}")
+        producer.init_transactions()
+        half = max(1, len(in_tx) // 2)
+        for k, chunk in enumerate((in_tx[:half], in_tx[half:])):
+            producer.begin_transaction()
+            for i, r in enumerate(chunk):
+                producer.send(self.cfg.topic, key=r.key, value=r.value, partition=i % parts)
+            producer.flush()
+            producer.abort_transaction() if k else producer.commit_transaction()
+        producer.close()
 
-    with broker.admin_client(cfg) as admin:
-        admin.create_partitions({cfg.topic: NewPartitions(total_count=total)})
-    log.info("chaos: %s now has %d partitions", cfg.topic, total)
+    def add_partition(self) -> None:
+        from kafka.admin import NewPartitions
+
+        self.partitions += 1
+        with broker.admin_client(self.cfg) as admin:
+            admin.create_partitions({self.cfg.topic: NewPartitions(total_count=self.partitions)})
+        log.info("chaos: %s now has %d partitions", self.cfg.topic, self.partitions)
 
 
 def _round(scenario: str, cfg: PipelineConfig, procs: _Processes, rng: random.Random, backfills: list[str],
@@ -183,29 +228,108 @@ def _round(scenario: str, cfg: PipelineConfig, procs: _Processes, rng: random.Ra
         if spec:
             backfills.append(spec)
             running.append(procs.start("backfill", "--offsets", spec, *args))
-    time.sleep(rng.uniform(*kill_window))  # from JVM start-up to the ledger commit of a later epoch
+    return _kill_some(procs, rng, running, kill_window)
+
+
+def _kill_some(procs: _Processes, rng: random.Random, running: list[subprocess.Popen],
+               kill_window: tuple[float, float], delay: float = 0.0) -> int:
+    """SIGKILL one of ``running`` at a random moment of the kill window (counted from JVM
+    start-up to the ledger commit of a later epoch), each other one with probability 1/2 at
+    a moment of its own; wait for the rest. Kills made (a process already gone is no kill)."""
     victim = rng.choice(running)
-    killed = int(procs.kill(victim))
-    for other in running:
-        if other is not victim:
-            _wait_or_kill(procs, other, 120)
+    doomed = sorted((delay + rng.uniform(*kill_window), i) for i, p in enumerate(running)
+                    if p is victim or rng.random() < 0.5)
+    started, killed = time.monotonic(), 0
+    for at, i in doomed:
+        time.sleep(max(0.0, started + at - time.monotonic()))
+        killed += int(procs.kill(running[i]))
+    spared = set(range(len(running))) - {i for _, i in doomed}
+    for i in sorted(spared):
+        _wait_or_kill(procs, running[i], 180)
     return killed
+
+
+def _broker_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random, kill_window: tuple[float, float],
+                  kafka: EmbeddedKafka) -> int:
+    """The chain running, the broker SIGKILLed under it at a random moment, down for up to 5 s,
+    then started again (same port, same log directories: an unclean shutdown to recover from).
+    The chain may fail or carry on; either way the next round or the finish picks it up."""
+    chain = procs.start("epoch", *cfg.to_args(), "--epochs", "1000")
+    time.sleep(rng.uniform(*kill_window))
+    pid = kafka.pid()
+    if pid is None:
+        raise RuntimeError(f"chaos: the broker at {kafka.bootstrap_servers} is not running")
+    os.kill(pid, signal.SIGKILL)
+    gone = time.monotonic() + 30
+    while kafka.pid() is not None and time.monotonic() < gone:
+        time.sleep(0.1)
+    time.sleep(rng.uniform(0.0, 5.0))
+    kafka.start()
+    log.info("chaos: broker SIGKILLed and started again; the chain was %s", "running" if chain.poll() is None
+             else f"gone (exit {chain.returncode})")
+    _wait_or_kill(procs, chain, 180)
+    return 1
+
+
+def _dag_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random, backfills: list[str],
+               kill_window: tuple[float, float], home: Path) -> int:
+    """``airflow dags test ipcount_epoch`` (and, half the time, ``ipcount_backfill`` with a
+    random request racing it): the real DAGs, operator and spark-submit, SIGKILLed mid-way."""
+    env = _airflow_home(cfg, home)
+    running = [procs.spawn("dag-epoch", [str(AIRFLOW), "dags", "test", "ipcount_epoch"], env)]
+    spec = _random_offsets(cfg, rng) if rng.random() < 0.5 else ""
+    if spec:
+        backfills.append(spec)
+        request = json.dumps({"offsets": spec, "max_records_per_epoch": cfg.max_records_per_epoch})
+        running.append(procs.spawn("dag-backfill", [str(AIRFLOW), "dags", "test", "ipcount_backfill", "-c", request],
+                                   env))
+    return _kill_some(procs, rng, running, kill_window, delay=AIRFLOW_START_SECONDS)
+
+
+def _airflow_home(cfg: PipelineConfig, home: Path) -> dict[str, str]:
+    """Airflow's environment for the chaos run's own home (SQLite), its database made once."""
+    env = {**airflow_env(home, api_port=free_port(), spark_master=cfg.spark_master), **cfg.to_env(),
+           "PYTHONPATH": str(REPO_ROOT)}
+    if not (home / "airflow.db").exists():
+        home.mkdir(parents=True, exist_ok=True)
+        log.info("chaos: creating the Airflow database in %s", home)
+        done = subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            (home / "airflow.db").unlink(missing_ok=True)
+            raise RuntimeError(f"chaos: `airflow db migrate` failed: {(done.stdout + done.stderr)[-2000:]}")
+    return env
+
+
+def _kill_strays(name: str) -> int:
+    """SIGKILL what is left of the run's processes between rounds (e.g. a child that outlived
+    its killed parent): each has the run's unique name (topic, warehouse) on its command line."""
+    strays = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if name.encode() in cmdline:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+                strays += 1
+                log.warning("chaos: killed stray process %s: %s", proc.name, cmdline.replace(b"\0", b" ")[:200])
+            except ProcessLookupError:
+                pass
+    return strays
 
 
 def _server_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random,
                   kill_window: tuple[float, float]) -> int:
     """An epoch server with epochs sent to it, SIGKILLed mid-way."""
-    from ipcount.devtools.embedded_kafka import free_port
     from ipcount.server import client
 
-    port = free_port()
-    server = procs.start("serve", "--port", str(port), "--no-warm-up", *cfg.to_args())
-    url = f"http://127.0.0.1:{port}"
     try:
-        client.wait_until_ready(url, server, procs.logs / f"{procs.count:04d}-serve.log", timeout=180)
+        server, url = _start_server(cfg, procs)
     except Exception as e:  # noqa: BLE001 - a server that never came up is killed like the rest
         log.warning("chaos: the epoch server did not come up (%s)", str(e).splitlines()[0])
-        procs.kill(server)
         return 0
 
     def send() -> None:
@@ -219,6 +343,21 @@ def _server_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random,
     killed = int(procs.kill(server))
     sender.join(timeout=30)
     return killed
+
+
+def _start_server(cfg: PipelineConfig, procs: _Processes) -> tuple[subprocess.Popen, str]:
+    """``ipcount serve`` on a free port, ready; the process and its URL."""
+    from ipcount.server import client
+
+    port = free_port()
+    server = procs.start("serve", "--port", str(port), "--no-warm-up", *cfg.to_args())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client.wait_until_ready(url, server, procs.last_log, timeout=300)
+    except BaseException:
+        procs.kill(server)
+        raise
+    return server, url
 
 
 def _random_offsets(cfg: PipelineConfig, rng: random.Random) -> str:
@@ -241,17 +380,22 @@ def _wait_or_kill(procs: _Processes, proc: subprocess.Popen, seconds: float) -> 
 
 def _finish(cfg: PipelineConfig, procs: _Processes, backfills: list[str]) -> None:
     """No more kills: every backfill request again (each continues where it stopped), then
-    the chain until nothing is left."""
+    the chain until nothing is left - in one epoch server, to start one JVM, not one each."""
+    from ipcount.server import client
+
     args = cfg.to_args()
-    for spec in backfills:
-        _must_succeed(procs.start("backfill", "--offsets", spec, *args), f"backfill {spec}")
-    _must_succeed(procs.start("epoch", *args, "--epochs", "1000"), "the chain")
-
-
-def _must_succeed(proc: subprocess.Popen, what: str) -> None:
-    code = proc.wait(timeout=1800)
-    if code != 0:
-        raise RuntimeError(f"chaos: finishing {what} failed with exit code {code} (see {proc.args})")
+    commands = [["backfill", "--offsets", spec, *args] for spec in backfills] + [["epoch", *args, "--epochs", "1000"]]
+    server, url = _start_server(cfg, procs)
+    finish_log = procs.logs / "finish.log"
+    try:
+        with open(finish_log, "w") as out:
+            for command in commands:
+                result = client.submit(url, command, on_log=lambda line: out.write(line + "\n"), limit_seconds=1800)
+                if result["exit_code"] != 0:
+                    raise RuntimeError(f"chaos: finishing `{' '.join(command[:3])}` failed with exit code "
+                                       f"{result['exit_code']} (see {finish_log})")
+    finally:
+        procs.kill(server)
 
 
 def _recount(cfg: PipelineConfig, report: ChaosReport) -> None:
@@ -314,6 +458,7 @@ def _recount(cfg: PipelineConfig, report: ChaosReport) -> None:
 def report_json(report: ChaosReport) -> str:
     return json.dumps({"ok": report.ok, "kills": report.kills, "rounds": report.rounds,
                        "scenarios": dict(report.by_scenario), "partitions_added": report.partitions_added,
+                       "strays": report.strays,
                        "records": report.records, "epochs": report.epochs, "counted": report.counted,
                        "duplicates": report.duplicates, "losses": report.losses, "problems": report.problems,
                        "topic": report.topic, "warehouse": report.warehouse})
