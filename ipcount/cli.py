@@ -44,6 +44,16 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag(f.name), dest=f.name, metavar=f.name.upper(), default=None, help=help_text)
 
 
+def _positive_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.001 <= value <= 1_000_000:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be between 0.001 and 1000000 records per second, not {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -316,8 +326,8 @@ def _generate_arguments(sub) -> None:
                        description="Produce generated access-log records (JSON and NGINX lines, some "
                                    "out of order, a few late, ~1%% malformed) to the source topic.")
     _add_config_flags(p)
-    p.add_argument("--rate", type=float, default=200.0, help="records per second (default 200)")
-    p.add_argument("--count", type=int, default=None, help="stop after this many records (default: forever)")
+    p.add_argument("--rate", type=_positive_rate, default=200.0, help="records per second (default 200)")
+    p.add_argument("--count", type=_positive_int, default=None, help="stop after this many records (default: forever)")
     p.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
 
 

@@ -288,14 +288,26 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = p.read_text(encoding="utf-8")
+    kind = "JSON" if p.suffix == ".json" else "TOML"
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start} cannot be read)") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from e
+    except (ValueError, RecursionError) as e:  # TOMLDecodeError is a ValueError
+        raise ConfigError(f"config file {str(p)!r} is not valid {kind}: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(p)!r} must hold a table/object of settings")
-    return dict(data.get("ipcount", data))
+        raise ConfigError(f"config file {str(p)!r} must hold a {kind} {'object' if kind == 'JSON' else 'table'} "
+                          f"of settings; found {type(data).__name__}")
+    settings = data.get("ipcount", data)
+    if not isinstance(settings, dict):
+        example = '{"ipcount": {"topic": "..."}}' if kind == "JSON" else '[ipcount] then topic = "..."'
+        raise ConfigError(f"config file {str(p)!r}: 'ipcount' must be a {kind} {'object' if kind == 'JSON' else 'table'} "
+                          f"of settings (e.g. {example}); found {type(settings).__name__}")
+    return dict(settings)
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -35,6 +36,9 @@ EVENT_TIME_AHEAD = "event_time_ahead"    # later than the record's Kafka timesta
 REASONS = (NULL_VALUE, EMPTY_VALUE, TOO_LARGE, NOT_UTF8, BAD_JSON, BAD_SHAPE, UNRECOGNIZED,
            INVALID_IP, INVALID_TIMESTAMP, EVENT_TIME_AHEAD)
 
+# Spark's JSON parser (Jackson) stops at 1,000 levels of nesting, and the whole-value check
+# (jobs.transform) wraps the record in one more: 999 levels at most, the record's object included.
+MAX_JSON_DEPTH = 999
 MIN_EVENT_MS = 946_684_800_000    # 2000-01-01T00:00:00Z
 MAX_EVENT_MS = 4_102_444_800_000  # 2100-01-01T00:00:00Z
 # Time-zone offsets as java.time accepts them (ZoneOffset): at most 18:00 either way.
@@ -162,16 +166,47 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return dict(pairs)
 
 
+def _json_depth(text: str) -> int:
+    """The deepest nesting of objects and arrays, outside strings (for any text: invalid
+    JSON fails to parse either way)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "}]":
+            depth -= 1
+    return deepest
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
 def _parse_json(text: str, from_kafka: bool) -> tuple[str, str | int | None] | Malformed:
     """(ip, ts) of a JSON record whose shape is right; ts is None when not needed."""
+    deep = text.count("{") + text.count("[") > 100  # cheap: most records cannot nest deeply
+    if deep and _json_depth(text) > MAX_JSON_DEPTH:
+        return Malformed(BAD_JSON)
+    limit = sys.getrecursionlimit()
     try:
+        if deep:  # the parser recurses once per level: room for MAX_JSON_DEPTH of them
+            sys.setrecursionlimit(limit + MAX_JSON_DEPTH + 100)
         obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
     except ValueError:
         return Malformed(BAD_JSON)
+    finally:
+        sys.setrecursionlimit(limit)
     if not isinstance(obj, dict):
         return Malformed(BAD_JSON)
     ip, ts = obj.get("ip"), obj.get("ts")

@@ -54,21 +54,32 @@ def parse_offsets(spec: str, topic: str) -> tuple[OffsetRange, ...]:
     return tuple(ranges)
 
 
+# Kafka record timestamps are epoch milliseconds >= 0; Python's datetime ends with year 9999.
+MAX_TIME_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
+
+
 def parse_time(text: str | int, what: str) -> int:
-    """ISO 8601 (``2026-11-21T10:00:00Z``; no zone means UTC) or epoch milliseconds -> ms."""
+    """ISO 8601 (``2026-11-21T10:00:00Z``; no zone means UTC) or epoch milliseconds -> ms,
+    between 1970 and the end of year 9999."""
     if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    raw = str(text).strip()
-    if re.fullmatch(r"\d{1,16}", raw):
-        return int(raw)
-    try:
-        when = datetime.fromisoformat(raw)
-    except ValueError:
-        raise BadRequestError(f"{what} {raw!r} is not an ISO 8601 time (e.g. 2026-11-21T10:00:00Z) "
-                              "or epoch milliseconds") from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return int(when.timestamp() * 1000)
+        ms, raw = text, str(text)
+    else:
+        raw = str(text).strip()
+        if re.fullmatch(r"-?\d{1,30}", raw):
+            ms = int(raw)
+        else:
+            try:
+                when = datetime.fromisoformat(raw)
+            except ValueError:
+                raise BadRequestError(f"{what} {raw!r} is not an ISO 8601 time (e.g. 2026-11-21T10:00:00Z) "
+                                      "or epoch milliseconds") from None
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=timezone.utc)
+            ms = int(when.timestamp() * 1000)
+    if not 0 <= ms <= MAX_TIME_MS:
+        raise BadRequestError(f"{what} {raw!r} is out of range: a time must lie between 1970-01-01T00:00:00Z "
+                              f"(0 ms) and 9999-12-31T23:59:59.999Z ({MAX_TIME_MS} ms)")
+    return ms
 
 
 def format_ms(ms: int) -> str:

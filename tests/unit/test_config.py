@@ -59,6 +59,21 @@ def test_bad_config_file_is_reported(tmp_path):
         PipelineConfig.load(config_file=tmp_path / "missing.toml", environ={})
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("p.json", b'{"ipcount": 5}', "'ipcount' must be a JSON object of settings (e.g. {\"ipcount\": {\"topic\": \"...\"}}); found int"),
+    ("p.toml", b'ipcount = "x"', "'ipcount' must be a TOML table of settings (e.g. [ipcount] then topic"),
+    ("p.json", b'[1, 2]', "must hold a JSON object of settings; found list"),
+    ("p.toml", b'topic = "\xff\xfe"', "is not UTF-8 text (byte 9 cannot be read)"),
+    ("p.json", b"[" * 100_000, "is not valid JSON"),
+])
+def test_a_config_file_of_the_wrong_shape_is_refused_with_what_to_fix(tmp_path, name, content, message):
+    f = tmp_path / name
+    f.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        PipelineConfig.load(config_file=f, environ={})
+    assert message in str(e.value)
+
+
 def test_cli_flags_round_trip_through_to_args():
     cfg = PipelineConfig(topic="t", commit_offsets=False, window_seconds=7)
     args = build_parser().parse_args(["epoch", *cfg.to_args()])
@@ -72,3 +87,11 @@ def test_cli_rejects_bad_values_with_exit_code_2(capsys):
         main(["config", "--window-seconds", "-1"])
     assert e.value.code == 2
     assert "window_seconds must be an integer >= 1; found -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["generate", "--rate", "0"], ["generate", "--rate", "nan"],
+                                  ["generate", "--count", "0"], ["chaos", "--kills", "0"]])
+def test_cli_refuses_values_that_would_divide_by_zero_or_do_nothing(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(args)
+    assert e.value.code == 2 and f"argument {args[1]}" in capsys.readouterr().err

@@ -94,6 +94,10 @@ def test_parse_time():
     assert parse_time("1795255200000", "from") == 1_795_255_200_000
     with pytest.raises(BadRequestError, match="not an ISO 8601"):
         parse_time("yesterday", "--from-time")
+    assert parse_time("0", "from") == 0 and parse_time("9999-12-31T23:59:59.999Z", "until") == 253_402_300_799_999
+    for far in ("9999999999999999", "-1", "1969-12-31T23:59:59Z", 10**20, "1" * 30):
+        with pytest.raises(BadRequestError, match=r"--until-time .* is out of range: a time must lie between 1970"):
+            parse_time(far, "--until-time")
 
 
 @pytest.mark.parametrize("name", ["../etc", "Main2", "a b", "x;drop table", "", "1abc", "a" * 64, "a-b", "a.b"])

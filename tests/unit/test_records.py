@@ -115,6 +115,21 @@ def test_each_malformed_class_has_its_reason(value, reason):
     assert parse_value(value, max_value_bytes=100) == Malformed(reason)
 
 
+@pytest.mark.parametrize("depth, nested", [(d, n) for d in (2, 998, 999, 1000, 30_000) for n in ("[]", "{}")])
+def test_json_nested_deeper_than_spark_parses_is_bad_json_not_a_crash(depth, nested):
+    open_, close = ('{"a": ', "}") if nested == "{}" else ("[", "]")
+    value = ('{"ip": "1.2.3.4", "ts": 1795255203000, "x": ' + open_ * (depth - 1) + "1" + close * (depth - 1)
+             + "}").encode()
+    got = parse_value(value, 1 << 20)
+    assert (got == Event("1.2.3.4", 1_795_255_203_000)) if depth <= R.MAX_JSON_DEPTH else got == Malformed(R.BAD_JSON)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    value = ('{"ip": "1.2.3.4", "ts": 1795255203000, "x": "' + "[{" * 2000 + '\\"]"}').encode()
+    assert R._json_depth(value.decode()) == 1
+    assert parse_value(value, 1 << 20) == Event("1.2.3.4", 1_795_255_203_000)
+
+
 def test_generator_malformed_samples_have_the_reason_they_claim():
     for reason, value in MALFORMED_SAMPLES:
         assert parse_value(value) == Malformed(reason), value
