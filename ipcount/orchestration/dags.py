@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any
+from difflib import get_close_matches
+from typing import Any, Mapping
 
 from ipcount.rules.config import (DATA_LOSS_POLICIES, REPO_ROOT, RESET_POLICIES, SETTINGS_HELP, START_POSITIONS,
                                   PipelineConfig, flag, negated_flag)
-from ipcount.rules.errors import ConfigError
+from ipcount.rules.errors import BadRequestError, ConfigError
 from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, request_from_fields
 from ipcount.rules.tableset import MEANING
 from ipcount.storage.ledger import committed_epochs
@@ -59,8 +60,19 @@ def run_config(cfg: PipelineConfig, params: dict[str, Any] | None) -> PipelineCo
     if fixed:
         raise ConfigError(f"{', '.join(fixed)} cannot be set per run: what a table set counts is fixed when it is "
                           "created (set it in the pipeline's configuration for a new table set)")
+    _refuse_unknown(params, RUN_PARAMS)
     overrides = {k: v for k, v in (params or {}).items() if k in RUN_PARAMS}
     return cfg.replace(**overrides) if overrides else cfg
+
+
+def _refuse_unknown(params: dict[str, Any] | None, known: Mapping[str, Any],
+                    error: type[Exception] = ConfigError) -> None:
+    """A misspelt key in a run's conf would otherwise be ignored without a word."""
+    unknown = sorted(set(params or {}) - set(known))
+    if unknown:
+        hints = [f"{name} (did you mean {close[0]}?)" if (close := get_close_matches(name, known, 1)) else name
+                 for name in unknown]
+        raise error(f"unknown run parameter(s) {', '.join(hints)}; this DAG takes {', '.join(known)}")
 
 
 def _param_args() -> list[str]:
@@ -106,6 +118,7 @@ def check_backfill_request(cfg: PipelineConfig, params: dict[str, Any]) -> dict[
     """The trigger form's request, checked (also against the broker) before Spark starts."""
     from ipcount.jobs.backfill import resolve  # (imports pyspark: not at DAG parse time)
 
+    _refuse_unknown(params, BACKFILL_PARAMS, BadRequestError)
     request = request_from_fields({k: params.get(k) for k in REQUEST_FIELDS}, cfg.topic)
     ranges = resolve(cfg, request).ranges
     log.info("backfill request %s: %s -> %d offset range(s), %d offsets", request.request_id, request.describe(),
