@@ -220,6 +220,12 @@ def test_counts_endpoint_matches_a_plain_python_recount(server, pipeline):
         n for w, n in per_window.items() if w < (start.timestamp() + 5) * 1000 + 1)
     status, body = server.get("/api/counts?from=yesterday")
     assert status == 400 and "from must be an ISO-8601 time" in body["detail"]
+    # Out of range, or more windows than one page lists: a 400 that says what to fix, not a 500
+    # or a scan of all history.
+    status, body = server.get("/api/counts?until=0001-01-01T00:00")
+    assert status == 400 and "until must lie between 1970-01-01 and 2200-01-01" in body["detail"]
+    status, body = server.get("/api/counts?from=2000-01-01T00:00&until=2100-01-01T00:00")
+    assert status == 400 and "at most 10,000 at a time" in body["detail"] and "narrow the range" in body["detail"]
 
 
 def test_thousands_of_epochs_page_quickly(server, pipeline, spark):

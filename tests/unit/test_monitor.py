@@ -104,10 +104,21 @@ def test_time_ranges():
     assert model.parse_instant("from", "") is None
     with pytest.raises(model.BadQueryError, match="from must be an ISO-8601 time"):
         model.parse_instant("from", "yesterday")
-    assert model.counts_range(None, None, T0) == (T0 - timedelta(hours=1), T0)
-    assert model.counts_range(T0 - timedelta(minutes=5), None, T0) == (T0 - timedelta(minutes=5), T0)
+    for far in ("0001-01-01T00:00", "9999-12-31T23:59"):
+        with pytest.raises(model.BadQueryError, match="until must lie between 1970-01-01 and 2200-01-01"):
+            model.parse_instant("until", far)
+    assert model.counts_range(None, None, T0, 5) == (T0 - timedelta(hours=1), T0)
+    assert model.counts_range(T0 - timedelta(minutes=5), None, T0, 5) == (T0 - timedelta(minutes=5), T0)
     with pytest.raises(model.BadQueryError, match="must be before until"):
-        model.counts_range(T0, T0 - timedelta(seconds=1), None)
+        model.counts_range(T0, T0 - timedelta(seconds=1), None, 5)
+    # The earliest until gets a default range that starts no earlier than 1970.
+    epoch0 = model.parse_instant("until", "1970-01-01T00:30")
+    assert model.counts_range(None, epoch0, None, 5) == (model.EARLIEST_INSTANT, epoch0)
+    # One row per window: 10,000 windows at most (13:53:20 of 5-s windows, 6 days 22:40 of 60-s ones).
+    assert model.counts_range(T0 - timedelta(seconds=50_000), T0, None, 5)[0] == T0 - timedelta(seconds=50_000)
+    with pytest.raises(model.BadQueryError, match=r"spans 10,001 windows of 5 s; at most 10,000 at a time \(13:53:20\)"):
+        model.counts_range(T0 - timedelta(seconds=50_005), T0, None, 5)
+    assert model.counts_range(T0 - timedelta(days=6), T0, None, 60)[0] == T0 - timedelta(days=6)
 
 
 def test_charts_are_valid_svg_with_one_mark_per_value():

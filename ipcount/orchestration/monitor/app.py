@@ -120,9 +120,9 @@ class Monitor:
     def counts(self, target: str, start: str | None, until: str | None, top: int) -> dict[str, Any]:
         if not 1 <= top <= 1000:
             raise model.BadQueryError(f"top must be between 1 and 1000, got {top}")
-        _, tables = self.target(target)
+        cfg, tables = self.target(target)
         begin, end = model.counts_range(model.parse_instant("from", start), model.parse_instant("until", until),
-                                        tables.latest_window_end())
+                                        tables.latest_window_end(), cfg.window_seconds)
         return {"target": target, "from": begin.isoformat(), "until": end.isoformat(),
                 "top_ips": tables.top_ips(begin, end, top),
                 "windows": [{"window_start": w["window_start"].isoformat(), "requests": w["requests"],

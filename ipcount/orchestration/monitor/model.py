@@ -234,6 +234,13 @@ def assess_health(now: datetime, last_epoch: int | None, last_committed_at: date
                   problems=tuple(problems))
 
 
+# Event times the pipeline counts (rules.records) lie in 2000..2100; a little room either
+# way, and no arithmetic near datetime's own limits.
+EARLIEST_INSTANT = datetime(1970, 1, 1, tzinfo=timezone.utc)
+LATEST_INSTANT = datetime(2200, 1, 1, tzinfo=timezone.utc)
+MAX_COUNTS_WINDOWS = 10_000  # the counts page lists one row per window: bounded work and size
+
+
 def parse_instant(name: str, value: str | None) -> datetime | None:
     """An ISO-8601 instant from a page parameter (naive means UTC, as the form's
     datetime-local inputs send it)."""
@@ -243,16 +250,26 @@ def parse_instant(name: str, value: str | None) -> datetime | None:
         t = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError:
         raise BadQueryError(f"{name} must be an ISO-8601 time such as 2026-11-21T10:00, got {value!r}") from None
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+    t = t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+    if not EARLIEST_INSTANT <= t <= LATEST_INSTANT:
+        raise BadQueryError(f"{name} must lie between {EARLIEST_INSTANT:%Y-%m-%d} and {LATEST_INSTANT:%Y-%m-%d}, "
+                            f"got {value!r}")
+    return t
 
 
 def counts_range(start: datetime | None, until: datetime | None, latest_end: datetime | None,
-                 default_span: timedelta = timedelta(hours=1)) -> tuple[datetime, datetime]:
-    """The counts page's time range: as given, or the last hour of counted windows."""
+                 window_seconds: int, default_span: timedelta = timedelta(hours=1)) -> tuple[datetime, datetime]:
+    """The counts page's time range: as given, or the last hour of counted windows; at
+    most :data:`MAX_COUNTS_WINDOWS` windows."""
     end = until or latest_end or datetime.now(timezone.utc)
-    begin = start or end - default_span
+    begin = start or max(EARLIEST_INSTANT, end - default_span)
     if begin >= end:
         raise BadQueryError(f"from ({_iso(begin)}) must be before until ({_iso(end)})")
+    windows = (end - begin).total_seconds() / window_seconds
+    if windows > MAX_COUNTS_WINDOWS:
+        raise BadQueryError(f"from ({_iso(begin)}) to until ({_iso(end)}) spans {windows:,.0f} windows of "
+                            f"{window_seconds} s; at most {MAX_COUNTS_WINDOWS:,} at a time "
+                            f"({timedelta(seconds=MAX_COUNTS_WINDOWS * window_seconds)}): narrow the range")
     return begin, end
 
 
