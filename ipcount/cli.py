@@ -437,8 +437,9 @@ def _airflow_arguments(sub) -> None:
 
 
 def _airflow(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.devtools.embedded_airflow import airflow_env
+    from ipcount.devtools.embedded_airflow import airflow_env, keep_passwords_private
 
+    keep_passwords_private(Path(args.airflow_home))
     env = airflow_env(Path(args.airflow_home), args.api_port, spark_master=cfg.spark_master)
     # The DAG reads its settings from IPCOUNT_* variables: hand over any given as flags.
     for name, value in cfg.to_dict().items():

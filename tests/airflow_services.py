@@ -12,7 +12,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from ipcount.devtools.embedded_airflow import ADMIN_USER, admin_password, airflow_env
+from ipcount.devtools.embedded_airflow import ADMIN_USER, admin_password, airflow_env, keep_passwords_private
 from ipcount.rules.config import PipelineConfig
 
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
@@ -34,6 +34,7 @@ def airflow(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedPr
 def airflow_services(home: Path, env: dict, services: tuple[str, ...] = ("api-server", "scheduler")):
     """The given services (api-server first), each logging to ``home/<name>.log``."""
     procs = []
+    keep_passwords_private(home)
     try:
         for name in services:
             args = ["api-server", "--port", env["AIRFLOW__API__PORT"]] if name == "api-server" else [name]

@@ -48,9 +48,24 @@ def airflow_env(home: Path = DEFAULT_AIRFLOW_HOME, api_port: int = 8080, spark_m
     return env
 
 
+def passwords_file(home: Path = DEFAULT_AIRFLOW_HOME) -> Path:
+    """Where Airflow's simple auth manager keeps the passwords it generates."""
+    return home / "simple_auth_manager_passwords.json.generated"
+
+
+def keep_passwords_private(home: Path = DEFAULT_AIRFLOW_HOME) -> Path:
+    """Create the passwords file, readable by its owner only, before Airflow first writes it:
+    Airflow appends to it (mode "a+"), so it keeps this mode instead of the umask's 0644."""
+    home.mkdir(parents=True, exist_ok=True)
+    path = passwords_file(home)
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    os.chmod(path, 0o600)
+    return path
+
+
 def admin_password(home: Path = DEFAULT_AIRFLOW_HOME) -> str | None:
     """The password Airflow's simple auth manager generated for the admin user."""
-    path = home / "simple_auth_manager_passwords.json.generated"
+    path = passwords_file(home)
     try:
         return json.loads(path.read_text()).get(ADMIN_USER)
     except (FileNotFoundError, ValueError):

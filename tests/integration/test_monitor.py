@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from ipcount.devtools.embedded_airflow import admin_password, passwords_file
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.rules.config import STATE_DIR, PipelineConfig
@@ -92,6 +93,8 @@ def server(broker, tmp_path_factory):
     airflow(env, "db", "migrate")
     with airflow_services(home, env, services=("api-server",)):
         url = f"http://127.0.0.1:{port}"
+        passwords = passwords_file(home)
+        assert admin_password(home) and passwords.stat().st_mode & 0o777 == 0o600  # written, owner only
         yield Server(cfg, url, home, access_token(url, home))
 
 
@@ -276,8 +279,6 @@ def test_every_route_needs_an_authenticated_airflow_user(server, pipeline):
 
 def test_pages_in_headless_chromium_after_logging_in(server, pipeline):
     from playwright.sync_api import sync_playwright
-
-    from ipcount.devtools.embedded_airflow import admin_password
 
     assert Path(CHROMIUM).exists(), "Debian's chromium is needed (bin/setup --browser installs it)"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
