@@ -20,8 +20,8 @@ finish without kills, and recounts everything in plain Python from Kafka
 * **losses**: counts below the recount, missing dead-letter or late rows, records in
   Kafka that no ledger row covers.
 
-Both must be 0. Scenarios take turns (in a shuffled order), so a run of ``n`` kills tries
-each of ``k`` scenarios about ``n / k`` times.
+Both must be 0. Scenarios take turns (in a shuffled order), each at least once, so a run
+of ``n`` kills tries each of ``k`` scenarios at least once and about ``n / k`` times.
 """
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
               scenarios: tuple[str, ...] = SCENARIOS, kill_window: tuple[float, float] = (2.0, 30.0),
               max_records_per_epoch: int | None = None, broker_to_restart: EmbeddedKafka | None = None
               ) -> ChaosReport:
-    """Kill runners ``kills`` times (or until ``max_seconds``), finish, recount; the report.
+    """Kill runners ``kills`` times and give each scenario a round (or stop at ``max_seconds``),
+    finish, recount; the report.
     Each kill comes ``kill_window`` seconds (uniformly random) after its round started.
     The ``broker`` scenario needs ``broker_to_restart``: the embedded broker serving ``cfg``."""
     unknown = sorted(set(scenarios) - set(SCENARIOS))
@@ -151,7 +152,8 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
     order = list(scenarios)
     rng.shuffle(order)
     deadline = time.monotonic() + max_seconds
-    while report.kills < kills and time.monotonic() < deadline:
+    # Until enough kills, and every scenario has had its round (a round may kill more than one).
+    while (report.kills < kills or report.rounds < len(order)) and time.monotonic() < deadline:
         if report.partitions_added == 0 and report.kills >= kills // 2:
             source.add_partition()
             report.partitions_added += 1
