@@ -354,7 +354,9 @@ def _chaos_arguments(sub) -> None:
                                    "kills and recount in plain Python. Exit code 0 when duplicates and "
                                    "losses are both 0, else 1.")
     p.add_argument("--kills", type=_positive_int, default=20, help="kills to survive (default 20)")
-    p.add_argument("--records", type=_positive_int, default=3000, help="records produced (default 3000)")
+    p.add_argument("--records", type=_positive_int, default=3000,
+                   help="about this many records, produced in batches of records/(kills+1): one batch before "
+                        "the first round and one before each round (default 3000)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     p.add_argument("--max-minutes", type=_positive_int, default=60, help="stop killing after this (default 60)")
     p.add_argument("--scenarios", default=None,
@@ -374,14 +376,14 @@ def _chaos_scenarios() -> tuple[str, ...]:
 
 
 def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.devtools.chaos import report_json, run_chaos
+    from ipcount.devtools.chaos import report_json, restartable, run_chaos
     from ipcount.devtools.embedded_kafka import EmbeddedKafka
 
     port = int(cfg.bootstrap_servers.split(",")[0].rsplit(":", 1)[1])
     kafka = EmbeddedKafka(state_dir=Path(args.broker_state_dir), port=port, controller_port=port + 1)
     if args.scenarios is None:
         scenarios = _chaos_scenarios()
-        if kafka.pid() is None or kafka.bootstrap_servers != cfg.bootstrap_servers:
+        if not restartable(kafka, cfg.bootstrap_servers):
             log.warning("chaos: no broker restarts: no embedded broker from %s serves %s", args.broker_state_dir,
                         cfg.bootstrap_servers)
             scenarios = tuple(s for s in scenarios if s != "broker")

@@ -92,6 +92,8 @@ class _Processes:
     def __init__(self, cfg: PipelineConfig, logs: Path) -> None:
         self.cfg, self.logs = cfg, logs
         self.count = 0
+        self.sessions: set[int] = set()  # each started process leads a session of its own
+        self.started: list[subprocess.Popen] = []
 
     def start(self, *args: str) -> subprocess.Popen:
         """``ipcount ARGS``."""
@@ -102,7 +104,27 @@ class _Processes:
         self.count += 1
         self.last_log = self.logs / f"{self.count:04d}-{label}.log"
         with open(self.last_log, "w") as out:
-            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.sessions.add(proc.pid)
+        self.started.append(proc)
+        return proc
+
+    def kill_all(self) -> int:
+        """SIGKILL every process started and everything left in their sessions (e.g. a child
+        that outlived its killed parent); how many were still alive."""
+        # (Not the groups of processes reaped long ago: their ids may belong to others by now.)
+        alive = sum(self.kill(p) for p in self.started if p.returncode is None)
+        for pid, sid in _sessions():
+            if sid in self.sessions and pid != os.getpid():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    alive += 1
+                    log.warning("chaos: killed stray process %d of session %d", pid, sid)
+                except ProcessLookupError:
+                    pass
+        self.started.clear()
+        self.sessions.clear()
+        return alive
 
     @staticmethod
     def kill(proc: subprocess.Popen) -> bool:
@@ -114,6 +136,14 @@ class _Processes:
             pass
         proc.wait()
         return alive
+
+
+def restartable(kafka: EmbeddedKafka | None, bootstrap_servers: str) -> bool:
+    """Whether ``kafka`` is a running embedded broker and the one ``bootstrap_servers`` names."""
+    if kafka is None or kafka.pid() is None:
+        return False
+    host, _, port = bootstrap_servers.split(",")[0].strip().rpartition(":")
+    return host in ("127.0.0.1", "localhost") and port == str(kafka.port)
 
 
 def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: int = 1,
@@ -129,8 +159,7 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
     if unknown or not scenarios:
         raise ConfigError(f"chaos scenarios: unknown {', '.join(unknown) or '(none given)'}; choose from "
                           f"{', '.join(SCENARIOS)}")
-    if "broker" in scenarios and (broker_to_restart is None or broker_to_restart.pid() is None
-                                  or broker_to_restart.bootstrap_servers != cfg.bootstrap_servers):
+    if "broker" in scenarios and not restartable(broker_to_restart, cfg.bootstrap_servers):
         raise ConfigError(f"the broker scenario SIGKILLs and restarts the embedded broker, and none started by "
                           f"`ipcount kafka start` serves {cfg.bootstrap_servers}; leave out broker")
     rng = random.Random(seed)
@@ -152,25 +181,28 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
     order = list(scenarios)
     rng.shuffle(order)
     deadline = time.monotonic() + max_seconds
-    # Until enough kills, and every scenario has had its round (a round may kill more than one).
-    while (report.kills < kills or report.rounds < len(order)) and time.monotonic() < deadline:
-        if report.partitions_added == 0 and report.kills >= kills // 2:
-            source.add_partition()
-            report.partitions_added += 1
-        source.produce(batch)
-        scenario = order[report.rounds % len(order)]
-        report.rounds += 1
-        report.by_scenario[scenario] += 1
-        if scenario == "broker":
-            killed = _broker_round(chaos_cfg, procs, rng, kill_window, broker_to_restart)
-        elif scenario == "dag":
-            killed = _dag_round(chaos_cfg, procs, rng, backfills, kill_window, workdir / "airflow")
-        else:
-            killed = _round(scenario, chaos_cfg, procs, rng, backfills, kill_window)
-        report.kills += killed
-        report.strays += _kill_strays(name)
-        log.info("chaos round %d (%s): %d kill(s), %d in all", report.rounds, scenario, killed, report.kills)
-    _finish(chaos_cfg, procs, backfills)
+    try:
+        # Until enough kills, and every scenario has had its round (a round may kill more than one).
+        while (report.kills < kills or report.rounds < len(order)) and time.monotonic() < deadline:
+            if report.partitions_added == 0 and report.kills >= kills // 2:
+                source.add_partition()
+                report.partitions_added += 1
+            source.produce(batch)
+            scenario = order[report.rounds % len(order)]
+            report.rounds += 1
+            report.by_scenario[scenario] += 1
+            if scenario == "broker":
+                killed = _broker_round(chaos_cfg, procs, rng, kill_window, broker_to_restart)
+            elif scenario == "dag":
+                killed = _dag_round(chaos_cfg, procs, rng, backfills, kill_window, workdir / "airflow")
+            else:
+                killed = _round(scenario, chaos_cfg, procs, rng, backfills, kill_window)
+            report.kills += killed
+            report.strays += procs.kill_all()
+            log.info("chaos round %d (%s): %d kill(s), %d in all", report.rounds, scenario, killed, report.kills)
+        _finish(chaos_cfg, procs, backfills)
+    finally:  # an error or Ctrl-C leaves no JVM of the run behind (they are in sessions of their own)
+        procs.kill_all()
     _recount(chaos_cfg, report)
     log.info("%s", report.line())
     return report
@@ -261,16 +293,21 @@ def _broker_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random, ki
     pid = kafka.pid()
     if pid is None:
         raise RuntimeError(f"chaos: the broker at {kafka.bootstrap_servers} is not running")
-    os.kill(pid, signal.SIGKILL)
-    gone = time.monotonic() + 30
-    while kafka.pid() is not None and time.monotonic() < gone:
-        time.sleep(0.1)
-    time.sleep(rng.uniform(0.0, 5.0))
-    kafka.start()
+    chain_alive = chain.poll() is None  # a broker killed under no running epoch tries nothing
+    try:
+        os.kill(pid, signal.SIGKILL)
+        gone = time.monotonic() + 30
+        while kafka.pid() is not None and time.monotonic() < gone:
+            time.sleep(0.1)
+        if kafka.pid() is not None:
+            raise RuntimeError(f"chaos: the broker (pid {pid}) still runs 30 s after SIGKILL")
+        time.sleep(rng.uniform(0.0, 5.0))
+    finally:  # whatever happens, the broker (the user's, or the test suite's) comes back
+        kafka.start()
     log.info("chaos: broker SIGKILLed and started again; the chain was %s", "running" if chain.poll() is None
              else f"gone (exit {chain.returncode})")
     _wait_or_kill(procs, chain, 180)
-    return 1
+    return int(chain_alive)
 
 
 def _dag_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random, backfills: list[str],
@@ -291,7 +328,10 @@ def _dag_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random, backf
 def _airflow_home(cfg: PipelineConfig, home: Path) -> dict[str, str]:
     """Airflow's environment for the chaos run's own home (SQLite), its database made once."""
     env = {**airflow_env(home, api_port=free_port(), spark_master=cfg.spark_master), **cfg.to_env(),
-           "PYTHONPATH": str(REPO_ROOT)}
+           "PYTHONPATH": str(REPO_ROOT),
+           # Its own database even where the environment names the deployment's (docker-compose).
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}"}
+    env.pop("AIRFLOW_CONFIG", None)
     if not (home / "airflow.db").exists():
         home.mkdir(parents=True, exist_ok=True)
         log.info("chaos: creating the Airflow database in %s", home)
@@ -302,25 +342,18 @@ def _airflow_home(cfg: PipelineConfig, home: Path) -> dict[str, str]:
     return env
 
 
-def _kill_strays(name: str) -> int:
-    """SIGKILL what is left of the run's processes between rounds (e.g. a child that outlived
-    its killed parent): each has the run's unique name (topic, warehouse) on its command line."""
-    strays = 0
+def _sessions() -> list[tuple[int, int]]:
+    """(pid, session id) of every process (Linux /proc)."""
+    out = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if name.encode() in cmdline:
+        if proc.name.isdigit():
             try:
-                os.kill(int(proc.name), signal.SIGKILL)
-                strays += 1
-                log.warning("chaos: killed stray process %s: %s", proc.name, cmdline.replace(b"\0", b" ")[:200])
-            except ProcessLookupError:
-                pass
-    return strays
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z":
+                out.append((int(proc.name), int(fields[3])))  # state ppid pgrp session ...
+    return out
 
 
 def _server_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random,
@@ -388,14 +421,20 @@ def _finish(cfg: PipelineConfig, procs: _Processes, backfills: list[str]) -> Non
     args = cfg.to_args()
     commands = [["backfill", "--offsets", spec, *args] for spec in backfills] + [["epoch", *args, "--epochs", "1000"]]
     server, url = _start_server(cfg, procs)
-    finish_log = procs.logs / "finish.log"
+    finish_log, server_log = procs.logs / "finish.log", procs.last_log
     try:
         with open(finish_log, "w") as out:
             for command in commands:
-                result = client.submit(url, command, on_log=lambda line: out.write(line + "\n"), limit_seconds=1800)
+                try:
+                    result = client.submit(url, command, on_log=lambda line: out.write(line + "\n"),
+                                           limit_seconds=1800)
+                except Exception as e:
+                    raise RuntimeError(f"chaos: finishing `{' '.join(command[:3])}`: {e} (see {server_log})") from e
+                out.write(result.get("stdout") or "")
                 if result["exit_code"] != 0:
                     raise RuntimeError(f"chaos: finishing `{' '.join(command[:3])}` failed with exit code "
-                                       f"{result['exit_code']} (see {finish_log})")
+                                       f"{result['exit_code']}: {result.get('error') or ''} (see {finish_log} "
+                                       f"and {server_log})")
     finally:
         procs.kill(server)
 

@@ -113,12 +113,16 @@ class EmbeddedKafka:
                 "-cp", self._classpath(), *args]
 
     def pid(self) -> int | None:
+        """The broker's pid, if its pid file names a live broker of this state directory (a
+        stale file after a reboot may name some other process by now)."""
         try:
             pid = int(self._pid_file.read_text())
             os.kill(pid, 0)
-        except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
             return None
-        if _is_zombie(pid):
+        if _is_zombie(pid) or b"kafka.Kafka" not in cmdline or \
+                str(self.state_dir / "server.properties").encode() not in cmdline:
             return None
         return pid
 

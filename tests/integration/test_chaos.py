@@ -8,6 +8,8 @@ import pytest
 from ipcount.devtools.chaos import run_chaos
 from ipcount.rules.errors import ConfigError
 
+pytestmark = pytest.mark.airflow  # the dag scenario runs `airflow dags test`
+
 
 def test_random_kills_and_a_broker_restart_leave_no_duplicate_and_no_loss(cfg, broker, tmp_path):
     # Scenarios take turns, each at least once, however many a round kills. (The CLI backfill
