@@ -376,11 +376,9 @@ def _chaos_scenarios() -> tuple[str, ...]:
 
 
 def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.devtools.chaos import report_json, restartable, run_chaos
-    from ipcount.devtools.embedded_kafka import EmbeddedKafka
+    from ipcount.devtools.chaos import embedded_broker, report_json, restartable, run_chaos
 
-    port = int(cfg.bootstrap_servers.split(",")[0].rsplit(":", 1)[1])
-    kafka = EmbeddedKafka(state_dir=Path(args.broker_state_dir), port=port, controller_port=port + 1)
+    kafka = embedded_broker(args.broker_state_dir, cfg.bootstrap_servers)
     if args.scenarios is None:
         scenarios = _chaos_scenarios()
         if not restartable(kafka, cfg.bootstrap_servers):

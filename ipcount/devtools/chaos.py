@@ -11,9 +11,8 @@ first, so every round has work to interrupt, then SIGKILLs one of its processes 
 process group, the Spark JVM with it) at a random moment, and each other one with
 probability 1/2 at a moment of its own - or, in the ``broker`` scenario, SIGKILLs the
 embedded Kafka broker under a running chain and starts it again. It adds a partition half
-way. Then it lets the chain and every backfill
-finish without kills, and recounts everything in plain Python from Kafka
-(:mod:`ipcount.rules.records`, not Spark):
+way. Then it lets the chain and every backfill finish without kills, and recounts
+everything in plain Python from Kafka (:mod:`ipcount.rules.records`, not Spark):
 
 * **duplicates**: counts above the recount, dead-letter or late rows of an offset more
   than once or of an offset that should have none, ledger ranges that overlap;
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ipcount.devtools.embedded_airflow import airflow_env
-from ipcount.devtools.embedded_kafka import EmbeddedKafka, free_port
+from ipcount.devtools.embedded_kafka import EmbeddedKafka, free_port, proc_stat
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.rules.config import REPO_ROOT, PipelineConfig
 from ipcount.rules.errors import ConfigError
@@ -81,8 +80,8 @@ class ChaosReport:
         scenarios = ", ".join(f"{k} {v}" for k, v in sorted(self.by_scenario.items()))
         verdict = "OK" if self.ok else "FAILED"
         return (f"chaos {verdict}: {self.kills} kills survived in {self.rounds} rounds ({scenarios}); "
-                f"{self.partitions_added} partition(s) added; {self.strays} stray process(es) killed; {self.records} records in Kafka, {self.epochs} "
-                f"epochs committed, {self.counted} counted; duplicates {self.duplicates}, losses {self.losses}")
+                f"{self.partitions_added} partition(s) added; {self.strays} stray process(es) killed; "
+                f"{self.records} records in Kafka, {self.epochs} epochs committed, {self.counted} counted; duplicates {self.duplicates}, losses {self.losses}")
 
 
 class _Processes:
@@ -138,12 +137,24 @@ class _Processes:
         return alive
 
 
+def _first_broker(bootstrap_servers: str) -> tuple[str, int]:
+    host, _, port = bootstrap_servers.split(",")[0].strip().rpartition(":")
+    return host, int(port)
+
+
+def embedded_broker(state_dir: str | Path, bootstrap_servers: str) -> EmbeddedKafka:
+    """The embedded broker under ``state_dir`` on the port ``bootstrap_servers`` names (as
+    ``ipcount kafka start --port`` makes it); it may not be running."""
+    _, port = _first_broker(bootstrap_servers)
+    return EmbeddedKafka(state_dir=Path(state_dir), port=port, controller_port=port + 1)
+
+
 def restartable(kafka: EmbeddedKafka | None, bootstrap_servers: str) -> bool:
     """Whether ``kafka`` is a running embedded broker and the one ``bootstrap_servers`` names."""
     if kafka is None or kafka.pid() is None:
         return False
-    host, _, port = bootstrap_servers.split(",")[0].strip().rpartition(":")
-    return host in ("127.0.0.1", "localhost") and port == str(kafka.port)
+    host, port = _first_broker(bootstrap_servers)
+    return host in ("127.0.0.1", "localhost") and port == kafka.port
 
 
 def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: int = 1,
@@ -343,16 +354,11 @@ def _airflow_home(cfg: PipelineConfig, home: Path) -> dict[str, str]:
 
 
 def _sessions() -> list[tuple[int, int]]:
-    """(pid, session id) of every process (Linux /proc)."""
+    """(pid, session id) of every live process (Linux /proc)."""
     out = []
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if fields[0] != "Z":
-                out.append((int(proc.name), int(fields[3])))  # state ppid pgrp session ...
+        if proc.name.isdigit() and (stat := proc_stat(proc.name)) is not None and stat[0] != "Z":
+            out.append((int(proc.name), int(stat[3])))  # state ppid pgrp session ...
     return out
 
 

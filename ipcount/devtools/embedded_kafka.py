@@ -28,13 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...);
+    None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _is_zombie(pid: int) -> bool:
     """An exited child not yet reaped still answers kill(pid, 0); reap it and say so."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    if state != "Z":
+    stat = proc_stat(pid)
+    if stat is None or stat[0] != "Z":
         return False
     try:
         os.waitpid(pid, os.WNOHANG)
