@@ -8,9 +8,13 @@ offset ranges racing both, the epoch server (``ipcount serve``) with epochs sent
 the DAGs (``airflow dags test`` of ``ipcount_epoch``, with ``ipcount_backfill`` racing it
 half the time, in an Airflow home of its own). Each round produces a batch of new records
 first, so every round has work to interrupt, then SIGKILLs one of its processes (the whole
-process group, the Spark JVM with it) at a random moment, and each other one with
-probability 1/2 at a moment of its own - or, in the ``broker`` scenario, SIGKILLs the
-embedded Kafka broker under a running chain and starts it again. It adds a partition half
+process group, the Spark JVM with it) at a moment of its own, and each other one with
+probability 1/2 - or, in the ``broker`` scenario, SIGKILLs the embedded Kafka broker under a
+running chain and starts it again. Half the moments are a random time after the process
+started; the other half are aimed at the write-ahead window: a random time after the process
+logs an epoch's recorded plan (before its ledger commit, often after its sink commit), the
+crash the design exists for, which a JVM that starts slowly seldom reaches by chance. The
+report says where each kill landed, read from the victim's log. It adds a partition half
 way. Then it lets the chain and every backfill finish without kills, and recounts
 everything in plain Python from Kafka (:mod:`ipcount.rules.records`, not Spark):
 
@@ -28,6 +32,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +59,27 @@ SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker")
 AIRFLOW = Path(sys.executable).parent / "airflow"
 AIRFLOW_START_SECONDS = 10.0  # `airflow dags test` imports and parses before spark-submit starts
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z: event times, well behind any Kafka timestamp
+SPARED_SECONDS = 120.0  # how long a round waits for a process it did not kill (then kills it)
+GIVE_UP_SECONDS = 240.0  # a kill aimed at the write-ahead window that never opens comes then
+
+# Where an epoch had got to when its process died, from the last of these lines in its log:
+# nothing yet (starting), reading the ledger (planning), plan recorded but the ledger commit
+# not made (writing: the write-ahead window), ledger commit made (committed).
+PHASES = (STARTING, PLANNING, WRITING, DONE) = ("starting", "planning", "writing", "committed")
+_PHASE_LINES = ((re.compile(r"ledger has entries|empty ledger|backfill bf-[0-9a-f]+: "), PLANNING),
+                (re.compile(r"planned epoch \d|resuming unfinished epoch|finishing unfinished backfill epoch"),
+                 WRITING),
+                (re.compile(r"epoch \d+ committed: "), DONE))
+
+
+def phase_of(log_text: str) -> str:
+    """The phase (:data:`PHASES`) a process was in, from its log so far."""
+    phase, at = STARTING, -1
+    for pattern, name in _PHASE_LINES:
+        for m in pattern.finditer(log_text):
+            if m.start() > at:
+                phase, at = name, m.start()
+    return phase
 
 
 @dataclass
@@ -63,6 +89,7 @@ class ChaosReport:
     kills: int = 0
     rounds: int = 0
     by_scenario: Counter = field(default_factory=Counter)
+    by_phase: Counter = field(default_factory=Counter)  # where the kills landed (PHASES)
     partitions_added: int = 0
     strays: int = 0              # processes of the run still alive after their round, killed
     records: int = 0             # committed records in Kafka
@@ -78,8 +105,10 @@ class ChaosReport:
 
     def line(self) -> str:
         scenarios = ", ".join(f"{k} {v}" for k, v in sorted(self.by_scenario.items()))
+        phases = ", ".join(f"{p} {self.by_phase[p]}" for p in PHASES)
         verdict = "OK" if self.ok else "FAILED"
-        return (f"chaos {verdict}: {self.kills} kills survived in {self.rounds} rounds ({scenarios}); "
+        return (f"chaos {verdict}: {self.kills} kills survived in {self.rounds} rounds ({scenarios}; "
+                f"epochs killed while {phases}); "
                 f"{self.partitions_added} partition(s) added; {self.strays} stray process(es) killed; "
                 f"{self.records} records in Kafka, {self.epochs} epochs committed, {self.counted} counted; duplicates {self.duplicates}, losses {self.losses}")
 
@@ -93,6 +122,7 @@ class _Processes:
         self.count = 0
         self.sessions: set[int] = set()  # each started process leads a session of its own
         self.started: list[subprocess.Popen] = []
+        self.log_of: dict[int, Path] = {}
 
     def start(self, *args: str) -> subprocess.Popen:
         """``ipcount ARGS``."""
@@ -106,7 +136,12 @@ class _Processes:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.sessions.add(proc.pid)
         self.started.append(proc)
+        self.log_of[proc.pid] = self.last_log
         return proc
+
+    def phase(self, proc: subprocess.Popen) -> str:
+        """Where ``proc``'s epoch has got to (:func:`phase_of` its log)."""
+        return phase_of(self.log_of[proc.pid].read_text(errors="replace"))
 
     def kill_all(self) -> int:
         """SIGKILL every process started and everything left in their sessions (e.g. a child
@@ -127,12 +162,18 @@ class _Processes:
 
     @staticmethod
     def kill(proc: subprocess.Popen) -> bool:
-        """SIGKILL the process group; whether it was still running."""
+        """SIGKILL everything in the process's session at once (a process group is not enough:
+        Airflow runs its task, and so the task's spark-submit, in a group of its own); whether
+        the process was still running."""
         alive = proc.poll() is None
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # (Not the id of a leader reaped already: it may be another's by now. Linux gives no
+        # new process the id of a session that still has members.)
+        members = [pid for pid, sid in _sessions() if sid == proc.pid and pid != proc.pid]
+        for pid in [proc.pid] * alive + members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
         return alive
 
@@ -160,11 +201,12 @@ def restartable(kafka: EmbeddedKafka | None, bootstrap_servers: str) -> bool:
 def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: int = 1,
               workdir: str | Path | None = None, max_seconds: float = 3600.0,
               scenarios: tuple[str, ...] = SCENARIOS, kill_window: tuple[float, float] = (2.0, 30.0),
-              max_records_per_epoch: int | None = None, broker_to_restart: EmbeddedKafka | None = None
-              ) -> ChaosReport:
+              max_records_per_epoch: int | None = None, broker_to_restart: EmbeddedKafka | None = None,
+              write_window: float = 20.0) -> ChaosReport:
     """Kill runners ``kills`` times and give each scenario a round (or stop at ``max_seconds``),
     finish, recount; the report.
-    Each kill comes ``kill_window`` seconds (uniformly random) after its round started.
+    A kill comes either ``kill_window`` seconds (uniformly random) after its process started,
+    or up to ``write_window`` seconds after the process logged a recorded plan.
     The ``broker`` scenario needs ``broker_to_restart``: the embedded broker serving ``cfg``."""
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown or not scenarios:
@@ -181,13 +223,15 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
     chaos_cfg = cfg.replace(topic=name, warehouse=str(workdir / "warehouse"), counts_table="", ledger_table="",
                             dead_letter_table="", late_table="", pipeline_id=name, group_id=name,
                             start_position="earliest", on_data_loss="fail", epoch_server="",
-                            max_records_per_epoch=max_records_per_epoch or max(10, batch // 3))
+                            # Two batches an epoch: a chain that lost rounds to kills catches up soon.
+                            max_records_per_epoch=max_records_per_epoch or 2 * batch)
     report = ChaosReport(chaos_cfg.topic, chaos_cfg.warehouse)
     broker.create_topic(chaos_cfg, 3)
     log.info("chaos: topic %s, warehouse %s, logs %s", name, chaos_cfg.warehouse, workdir / "logs")
     source = _Source(chaos_cfg, rng, partitions=3)
     source.produce(batch)
     procs = _Processes(chaos_cfg, workdir / "logs")
+    killer = _Killer(procs, rng, kill_window, write_window)
     backfills: list[str] = []
     order = list(scenarios)
     rng.shuffle(order)
@@ -203,14 +247,16 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
             report.rounds += 1
             report.by_scenario[scenario] += 1
             if scenario == "broker":
-                killed = _broker_round(chaos_cfg, procs, rng, kill_window, broker_to_restart)
+                phases = _broker_round(chaos_cfg, killer, broker_to_restart)
             elif scenario == "dag":
-                killed = _dag_round(chaos_cfg, procs, rng, backfills, kill_window, workdir / "airflow")
+                phases = _dag_round(chaos_cfg, killer, backfills, workdir / "airflow")
             else:
-                killed = _round(scenario, chaos_cfg, procs, rng, backfills, kill_window)
-            report.kills += killed
+                phases = _round(scenario, chaos_cfg, killer, backfills)
+            report.kills += len(phases)
+            report.by_phase.update(phases)
             report.strays += procs.kill_all()
-            log.info("chaos round %d (%s): %d kill(s), %d in all", report.rounds, scenario, killed, report.kills)
+            log.info("chaos round %d (%s): %d kill(s) (%s), %d in all", report.rounds, scenario, len(phases),
+                     ", ".join(phases) or "-", report.kills)
         _finish(chaos_cfg, procs, backfills)
     finally:  # an error or Ctrl-C leaves no JVM of the run behind (they are in sessions of their own)
         procs.kill_all()
@@ -259,52 +305,95 @@ class _Source:
         log.info("chaos: %s now has %d partitions", self.cfg.topic, self.partitions)
 
 
-def _round(scenario: str, cfg: PipelineConfig, procs: _Processes, rng: random.Random, backfills: list[str],
-           kill_window: tuple[float, float]) -> int:
-    """Start the scenario's processes, SIGKILL one of them at a random moment; kills made."""
-    args = cfg.to_args()
+@dataclass
+class _Moment:
+    """When to kill a process: ``delay`` seconds after it started or, ``aimed`` at the
+    write-ahead window, after it first logged a recorded plan."""
+    delay: float
+    aimed: bool
+
+
+class _Killer:
+    """Picks each kill's moment and makes the kills of a round."""
+
+    def __init__(self, procs: _Processes, rng: random.Random, kill_window: tuple[float, float],
+                 write_window: float) -> None:
+        self.procs, self.rng, self.kill_window, self.write_window = procs, rng, kill_window, write_window
+
+    def moment(self, start_delay: float = 0.0) -> _Moment:
+        if self.rng.random() < 0.5:
+            return _Moment(self.rng.uniform(0.0, self.write_window), aimed=True)
+        return _Moment(start_delay + self.rng.uniform(*self.kill_window), aimed=False)
+
+    def due(self, proc: subprocess.Popen, moment: _Moment, started: float) -> float | None:
+        """The monotonic time ``proc`` is to die at, or None while an aimed moment waits for
+        the plan (after GIVE_UP_SECONDS it waits no more)."""
+        if not moment.aimed:
+            return started + moment.delay
+        if self.procs.phase(proc) in (WRITING, DONE) or time.monotonic() > started + GIVE_UP_SECONDS:
+            return time.monotonic() + moment.delay
+        return None
+
+    def wait_for(self, proc: subprocess.Popen, moment: _Moment) -> None:
+        """Until ``moment`` of ``proc`` (or its exit)."""
+        started, due = time.monotonic(), None
+        while proc.poll() is None and (due is None or time.monotonic() < due):
+            due = due or self.due(proc, moment, started)
+            time.sleep(0.2)
+
+    def kill_some(self, running: list[subprocess.Popen], start_delay: float = 0.0) -> list[str]:
+        """SIGKILL one of ``running`` at a moment of its own, each other one with probability
+        1/2; wait for the rest. The phases of the kills made (one that ended first is no kill)."""
+        victim = self.rng.choice(running)
+        doomed = {i: self.moment(start_delay) for i, p in enumerate(running)
+                  if p is victim or self.rng.random() < 0.5}
+        spared = [p for i, p in enumerate(running) if i not in doomed]
+        started, due, phases = time.monotonic(), {}, []
+        while doomed:
+            for i, moment in list(doomed.items()):
+                proc = running[i]
+                due[i] = due.get(i) or self.due(proc, moment, started)
+                if proc.poll() is not None:
+                    del doomed[i]
+                elif due[i] is not None and time.monotonic() >= due[i]:
+                    phase = self.procs.phase(proc)
+                    if self.procs.kill(proc):
+                        phases.append(phase)
+                    del doomed[i]
+            time.sleep(0.2)
+        for proc in spared:
+            _wait_or_kill(self.procs, proc, SPARED_SECONDS)
+        return phases
+
+
+def _round(scenario: str, cfg: PipelineConfig, killer: _Killer, backfills: list[str]) -> list[str]:
+    """Start the scenario's processes and kill some (:meth:`_Killer.kill_some`)."""
+    args, procs = cfg.to_args(), killer.procs
     if scenario == "server":
-        return _server_round(cfg, procs, rng, kill_window)
+        return _server_round(cfg, killer)
     running = [procs.start("epoch", *args, "--epochs", "1000")]
     if scenario == "race":
         running.append(procs.start("epoch", *args, "--epochs", "1"))
     elif scenario == "backfill":
-        spec = _random_offsets(cfg, rng)
+        spec = _random_offsets(cfg, killer.rng)
         if spec:
             backfills.append(spec)
             running.append(procs.start("backfill", "--offsets", spec, *args))
-    return _kill_some(procs, rng, running, kill_window)
+    return killer.kill_some(running)
 
 
-def _kill_some(procs: _Processes, rng: random.Random, running: list[subprocess.Popen],
-               kill_window: tuple[float, float], delay: float = 0.0) -> int:
-    """SIGKILL one of ``running`` at a random moment of the kill window (counted from JVM
-    start-up to the ledger commit of a later epoch), each other one with probability 1/2 at
-    a moment of its own; wait for the rest. Kills made (a process already gone is no kill)."""
-    victim = rng.choice(running)
-    doomed = sorted((delay + rng.uniform(*kill_window), i) for i, p in enumerate(running)
-                    if p is victim or rng.random() < 0.5)
-    started, killed = time.monotonic(), 0
-    for at, i in doomed:
-        time.sleep(max(0.0, started + at - time.monotonic()))
-        killed += int(procs.kill(running[i]))
-    spared = set(range(len(running))) - {i for _, i in doomed}
-    for i in sorted(spared):
-        _wait_or_kill(procs, running[i], 180)
-    return killed
-
-
-def _broker_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random, kill_window: tuple[float, float],
-                  kafka: EmbeddedKafka) -> int:
-    """The chain running, the broker SIGKILLed under it at a random moment, down for up to 5 s,
-    then started again (same port, same log directories: an unclean shutdown to recover from).
-    The chain may fail or carry on; either way the next round or the finish picks it up."""
-    chain = procs.start("epoch", *cfg.to_args(), "--epochs", "1000")
-    time.sleep(rng.uniform(*kill_window))
+def _broker_round(cfg: PipelineConfig, killer: _Killer, kafka: EmbeddedKafka) -> list[str]:
+    """The chain running, the broker SIGKILLed under it at a moment of the chain's, down for up
+    to 5 s, then started again (same port, same log directories: an unclean shutdown to
+    recover from). The chain may fail or carry on; either way the next round or the finish
+    picks it up. The chain's phase at the kill, if it was running."""
+    chain = killer.procs.start("epoch", *cfg.to_args(), "--epochs", "1000")
+    killer.wait_for(chain, killer.moment())
     pid = kafka.pid()
     if pid is None:
         raise RuntimeError(f"chaos: the broker at {kafka.bootstrap_servers} is not running")
-    chain_alive = chain.poll() is None  # a broker killed under no running epoch tries nothing
+    # A broker killed under no running epoch tries nothing.
+    phases = [killer.procs.phase(chain)] if chain.poll() is None else []
     try:
         os.kill(pid, signal.SIGKILL)
         gone = time.monotonic() + 30
@@ -312,28 +401,28 @@ def _broker_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random, ki
             time.sleep(0.1)
         if kafka.pid() is not None:
             raise RuntimeError(f"chaos: the broker (pid {pid}) still runs 30 s after SIGKILL")
-        time.sleep(rng.uniform(0.0, 5.0))
+        time.sleep(killer.rng.uniform(0.0, 5.0))
     finally:  # whatever happens, the broker (the user's, or the test suite's) comes back
         kafka.start()
     log.info("chaos: broker SIGKILLed and started again; the chain was %s", "running" if chain.poll() is None
              else f"gone (exit {chain.returncode})")
-    _wait_or_kill(procs, chain, 180)
-    return int(chain_alive)
+    _wait_or_kill(killer.procs, chain, SPARED_SECONDS)
+    return phases
 
 
-def _dag_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random, backfills: list[str],
-               kill_window: tuple[float, float], home: Path) -> int:
+def _dag_round(cfg: PipelineConfig, killer: _Killer, backfills: list[str], home: Path) -> list[str]:
     """``airflow dags test ipcount_epoch`` (and, half the time, ``ipcount_backfill`` with a
     random request racing it): the real DAGs, operator and spark-submit, SIGKILLed mid-way."""
     env = _airflow_home(cfg, home)
+    procs = killer.procs
     running = [procs.spawn("dag-epoch", [str(AIRFLOW), "dags", "test", "ipcount_epoch"], env)]
-    spec = _random_offsets(cfg, rng) if rng.random() < 0.5 else ""
+    spec = _random_offsets(cfg, killer.rng) if killer.rng.random() < 0.5 else ""
     if spec:
         backfills.append(spec)
         request = json.dumps({"offsets": spec, "max_records_per_epoch": cfg.max_records_per_epoch})
         running.append(procs.spawn("dag-backfill", [str(AIRFLOW), "dags", "test", "ipcount_backfill", "-c", request],
                                    env))
-    return _kill_some(procs, rng, running, kill_window, delay=AIRFLOW_START_SECONDS)
+    return killer.kill_some(running, start_delay=AIRFLOW_START_SECONDS)
 
 
 def _airflow_home(cfg: PipelineConfig, home: Path) -> dict[str, str]:
@@ -362,16 +451,15 @@ def _sessions() -> list[tuple[int, int]]:
     return out
 
 
-def _server_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random,
-                  kill_window: tuple[float, float]) -> int:
+def _server_round(cfg: PipelineConfig, killer: _Killer) -> list[str]:
     """An epoch server with epochs sent to it, SIGKILLed mid-way."""
     from ipcount.server import client
 
     try:
-        server, url = _start_server(cfg, procs)
+        server, url = _start_server(cfg, killer.procs)
     except Exception as e:  # noqa: BLE001 - a server that never came up is killed like the rest
         log.warning("chaos: the epoch server did not come up (%s)", str(e).splitlines()[0])
-        return 0
+        return []
 
     def send() -> None:
         try:
@@ -380,10 +468,9 @@ def _server_round(cfg: PipelineConfig, procs: _Processes, rng: random.Random,
             pass
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
-    time.sleep(rng.uniform(*kill_window) / 2)  # the server is up: no JVM start to wait for
-    killed = int(procs.kill(server))
+    phases = killer.kill_some([server])  # (its moment counts from the first request: it is up)
     sender.join(timeout=30)
-    return killed
+    return phases
 
 
 def _start_server(cfg: PipelineConfig, procs: _Processes) -> tuple[subprocess.Popen, str]:
@@ -504,7 +591,8 @@ def _recount(cfg: PipelineConfig, report: ChaosReport) -> None:
 
 def report_json(report: ChaosReport) -> str:
     return json.dumps({"ok": report.ok, "kills": report.kills, "rounds": report.rounds,
-                       "scenarios": dict(report.by_scenario), "partitions_added": report.partitions_added,
+                       "scenarios": dict(report.by_scenario), "phases": {p: report.by_phase[p] for p in PHASES},
+                       "partitions_added": report.partitions_added,
                        "strays": report.strays,
                        "records": report.records, "epochs": report.epochs, "counted": report.counted,
                        "duplicates": report.duplicates, "losses": report.losses, "problems": report.problems,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.devtools.chaos import run_chaos
+from ipcount.devtools.chaos import PHASES, run_chaos
 from ipcount.rules.errors import ConfigError
 
 pytestmark = pytest.mark.airflow  # the dag scenario runs `airflow dags test`
@@ -18,6 +18,7 @@ def test_random_kills_and_a_broker_restart_leave_no_duplicate_and_no_loss(cfg, b
                        scenarios=("race", "dag", "broker"), kill_window=(6.0, 20.0),
                        max_records_per_epoch=100, broker_to_restart=broker)
     assert report.kills >= 3, report.line()
+    assert sum(report.by_phase.values()) == report.kills and set(report.by_phase) <= set(PHASES), report.line()
     assert all(report.by_scenario[s] >= 1 for s in ("race", "dag", "broker")), report.line()
     assert report.partitions_added == 1 and report.records > 100 and report.epochs > 0
     assert (report.duplicates, report.losses) == (0, 0), report.problems
