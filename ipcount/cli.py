@@ -271,22 +271,33 @@ def _serve_arguments(sub) -> None:
                                    "backfill and rebuild requests (POST /run) one at a time in that session, "
                                    "through the same code as spark-submit. Point the DAGs at it with the "
                                    "epoch_server setting; when it does not answer they spark-submit as usual. "
-                                   "No authentication: listen on 127.0.0.1 or a private network only.")
+                                   "Every request must carry the token in epoch_server_token_file (made, mode "
+                                   "0600, if missing). A request names a pipeline this server serves (its own "
+                                   "settings, or a file in --pipelines-dir) and may set only the per-run "
+                                   "settings; tables, brokers and pipeline id are the server's.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8765, help="port to listen on (default 8765; 0: any free port)")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="skip the scratch epoch (the first request then pays the cold JVM)")
+    p.add_argument("--pipelines-dir", metavar="DIR",
+                   help="also serve the pipelines of the settings files here, one per pipeline: "
+                        "<pipeline_id>.toml or .json (read at each request)")
     _add_config_flags(p)
 
 
 def _serve(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.server.server import serve
+    from ipcount.server.vetting import parser_of
 
     if not 0 <= args.port <= 65535:
         log.error("--port must be between 0 and 65535, not %d", args.port)
         return EXIT_USAGE
+    if args.pipelines_dir is not None and not Path(args.pipelines_dir).is_dir():
+        log.error("--pipelines-dir %s is not a directory", args.pipelines_dir)
+        return EXIT_USAGE
     # The server runs each request through this module's main: the same code as spark-submit.
-    return serve(cfg, main, args.host, args.port, warm=args.warm_up)
+    return serve(cfg, main, parser_of(build_parser), args.host, args.port, warm=args.warm_up,
+                 pipelines_dir=args.pipelines_dir)
 
 
 def _watch_arguments(sub) -> None:

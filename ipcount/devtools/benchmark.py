@@ -40,7 +40,8 @@ from typing import Sequence
 from ipcount.devtools.embedded_kafka import free_port
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig
 from ipcount.rules.ledger import EpochSummary, summaries_in
-from ipcount.server import client
+from ipcount.server import auth, client
+from ipcount.server.vetting import Pipelines
 from ipcount.storage.spark import DRIVER_ENV
 
 MEASUREMENTS = ("pipeline", "pipeline_server", "peer", "spark_count", "kafka_python", "small_epochs")
@@ -142,7 +143,7 @@ def measure_pipeline(cfg: PipelineConfig, records: int, logs: Path, server: Epoc
         wall, peak, summaries = submit_epoch(cfg, logs, name)
     else:
         name, what = "pipeline_server", "this pipeline: the same epoch in the warm epoch server (the DAG's fast path)"
-        cfg = cfg.replace(warehouse=str(Path(cfg.warehouse).parent / name))
+        cfg = cfg.replace(warehouse=str(Path(cfg.warehouse).parent / name), pipeline_id=f"{cfg.pipeline_id}_{name}")
         wall, peak, summaries = server.epoch(cfg, name)
     summary = summaries[-1]
     if summary.records_read != records:
@@ -159,14 +160,18 @@ class EpochServerProcess:
     def __init__(self, cfg: PipelineConfig, logs: Path) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.pipelines = logs / "pipelines"  # the other measurements' table sets, served as pipelines of their own
+        self.pipelines.mkdir(exist_ok=True)
         command = spark_submit(cfg, str(REPO_ROOT / "spark_jobs" / "epoch_job.py"),
-                               ["serve", *cfg.to_args(), "--port", str(port)], "bench-epoch-server")
+                               ["serve", *cfg.to_args(), "--port", str(port), "--pipelines-dir", str(self.pipelines)],
+                               "bench-epoch-server")
         started = time.monotonic()
         self.log_file = open(logs / "epoch-server.log", "w")
         # A process group of its own: spark-submit's JVM and the Python driver it starts go together.
         self.proc = subprocess.Popen(command, stdout=self.log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, **DRIVER_ENV}, start_new_session=True)
         state = client.wait_until_ready(self.url, self.proc, logs / "epoch-server.log", timeout=600)
+        self.token = auth.read_token(cfg.epoch_server_token_path)
         self.start = Measurement("server_start", "epoch server start: JVM, Spark session and the warm-up epoch "
                                  "(once, not per epoch)", 0, round(time.monotonic() - started, 3),
                                  round(state["warm_up_seconds"] or 0.0, 3), None)
@@ -175,9 +180,10 @@ class EpochServerProcess:
         """An ``epoch`` request as the operator sends it: (wall seconds, peak JVM MB, summaries)."""
         memory = PeakMemory(self.proc.pid)
         started = time.monotonic()
+        Pipelines.add(self.pipelines, cfg)
         with open(Path(self.log_file.name).with_name(f"{name}.log"), "w") as log:
             result = client.submit(self.url, ["epoch", *cfg.to_args(), "--run-id", f"benchmark-{name}",
-                                              "--summary-json", *extra],
+                                              "--summary-json", *extra], self.token,
                                    on_log=lambda line: print(line, file=log))
         wall = time.monotonic() - started
         peak = memory.stop()

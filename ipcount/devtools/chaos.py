@@ -223,6 +223,7 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
     chaos_cfg = cfg.replace(topic=name, warehouse=str(workdir / "warehouse"), counts_table="", ledger_table="",
                             dead_letter_table="", late_table="", pipeline_id=name, group_id=name,
                             start_position="earliest", on_data_loss="fail", epoch_server="",
+                            epoch_server_token_file=str(workdir / "epoch-server.token"),
                             # Two batches an epoch: a chain that lost rounds to kills catches up soon.
                             max_records_per_epoch=max_records_per_epoch or 2 * batch)
     report = ChaosReport(chaos_cfg.topic, chaos_cfg.warehouse)
@@ -453,7 +454,7 @@ def _sessions() -> list[tuple[int, int]]:
 
 def _server_round(cfg: PipelineConfig, killer: _Killer) -> list[str]:
     """An epoch server with epochs sent to it, SIGKILLed mid-way."""
-    from ipcount.server import client
+    from ipcount.server import auth, client
 
     try:
         server, url = _start_server(cfg, killer.procs)
@@ -461,9 +462,11 @@ def _server_round(cfg: PipelineConfig, killer: _Killer) -> list[str]:
         log.warning("chaos: the epoch server did not come up (%s)", str(e).splitlines()[0])
         return []
 
+    token = auth.read_token(cfg.epoch_server_token_path)
+
     def send() -> None:
         try:
-            client.submit(url, ["epoch", *cfg.to_args(), "--epochs", "1000"], on_log=lambda line: None)
+            client.submit(url, ["epoch", *cfg.to_args(), "--epochs", "1000"], token, on_log=lambda line: None)
         except Exception:  # noqa: BLE001 - the kill breaks the connection
             pass
     sender = threading.Thread(target=send, daemon=True)
@@ -475,7 +478,7 @@ def _server_round(cfg: PipelineConfig, killer: _Killer) -> list[str]:
 
 def _start_server(cfg: PipelineConfig, procs: _Processes) -> tuple[subprocess.Popen, str]:
     """``ipcount serve`` on a free port, ready; the process and its URL."""
-    from ipcount.server import client
+    from ipcount.server import auth, client
 
     port = free_port()
     server = procs.start("serve", "--port", str(port), "--no-warm-up", *cfg.to_args())
@@ -509,17 +512,18 @@ def _wait_or_kill(procs: _Processes, proc: subprocess.Popen, seconds: float) -> 
 def _finish(cfg: PipelineConfig, procs: _Processes, backfills: list[str]) -> None:
     """No more kills: every backfill request again (each continues where it stopped), then
     the chain until nothing is left - in one epoch server, to start one JVM, not one each."""
-    from ipcount.server import client
+    from ipcount.server import auth, client
 
     args = cfg.to_args()
     commands = [["backfill", "--offsets", spec, *args] for spec in backfills] + [["epoch", *args, "--epochs", "1000"]]
     server, url = _start_server(cfg, procs)
+    token = auth.read_token(cfg.epoch_server_token_path)
     finish_log, server_log = procs.logs / "finish.log", procs.last_log
     try:
         with open(finish_log, "w") as out:
             for command in commands:
                 try:
-                    result = client.submit(url, command, on_log=lambda line: out.write(line + "\n"),
+                    result = client.submit(url, command, token, on_log=lambda line: out.write(line + "\n"),
                                            limit_seconds=1800)
                 except Exception as e:
                     raise RuntimeError(f"chaos: finishing `{' '.join(command[:3])}`: {e} (see {server_log})") from e

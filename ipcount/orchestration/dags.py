@@ -145,6 +145,7 @@ def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: 
     Airflow. ``run_params``: pass the epoch DAG's per-run Params on as flags."""
     return {
         "epoch_server": cfg.epoch_server,
+        "epoch_server_token_file": str(cfg.epoch_server_token_path),
         "server_timeout_seconds": cfg.command_timeout_seconds,
         "application": EPOCH_APPLICATION,
         "conn_id": "spark_default",

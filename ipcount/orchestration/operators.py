@@ -1,11 +1,13 @@
 """The Airflow operator of the tasks that run the pipeline's Spark commands."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk.exceptions import AirflowException
 
 from ipcount.orchestration.monitor.links import EpochPageLink
-from ipcount.server import client
+from ipcount.server import auth, client
 
 
 class EpochSubmitOperator(SparkSubmitOperator):
@@ -16,9 +18,11 @@ class EpochSubmitOperator(SparkSubmitOperator):
 
     operator_extra_links = (EpochPageLink(),)
 
-    def __init__(self, *, epoch_server: str = "", server_timeout_seconds: float | None = None, **kwargs) -> None:
+    def __init__(self, *, epoch_server: str = "", epoch_server_token_file: str = "",
+                 server_timeout_seconds: float | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.epoch_server = epoch_server
+        self.epoch_server_token_file = epoch_server_token_file
         self.server_timeout_seconds = server_timeout_seconds
 
     def execute(self, context):
@@ -37,7 +41,9 @@ class EpochSubmitOperator(SparkSubmitOperator):
                       ", busy: this request waits its turn" if state.get("busy") else "")
         # The server stops the command at this limit (and when this task is killed, since its
         # connection closes); the wait here is bounded by it too.
-        result = client.submit(self.epoch_server, args, on_log=self.log.info, limit_seconds=self.server_timeout_seconds)
+        token = auth.read_token(Path(self.epoch_server_token_file))  # a server that answers: no token is an error
+        result = client.submit(self.epoch_server, args, token, on_log=self.log.info,
+                               limit_seconds=self.server_timeout_seconds)
         for line in result.get("stdout", "").splitlines():
             self.log.info("%s", line)
         if result["exit_code"] != 0:

@@ -24,7 +24,7 @@ START_POSITIONS = ("earliest", "latest", "timestamp", "group-offsets", "specific
 RESET_POLICIES = ("earliest", "latest", "none")
 DATA_LOSS_POLICIES = ("fail", "skip")
 EVENT_TIME_SOURCES = ("payload", "kafka")
-_IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
+IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
 
 # What each setting means: the CLI's --help, the DAG's Params and the settings table of
@@ -75,7 +75,17 @@ SETTINGS_HELP = {
     "epoch_server": "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs' "
                     "Spark tasks send their command to; empty, or no answer within 3 s: a spark-submit per run "
                     "(bin/run starts one and sets this)",
+    "epoch_server_token_file": "file holding the epoch server's shared token (mode 0600; ipcount serve creates "
+                               "it if missing); every request must carry it (default .local/epoch-server.token)",
 }
+
+# Settings one run may set differently (the epoch DAG's Params, the epoch server's per-run
+# flags); everything else belongs to the pipeline.
+PER_RUN_SETTINGS = ("max_records_per_epoch", "start_position", "start_timestamp_ms", "start_offsets",
+                    "group_offsets_reset", "on_data_loss", "commit_offsets")
+# Settings that are the caller's business: where and how it runs a command, not what it does.
+CALLER_SETTINGS = ("spark_master", "schedule", "command_timeout_seconds", "dagrun_timeout_seconds",
+                   "epoch_server", "epoch_server_token_file")
 
 
 def flag(name: str) -> str:
@@ -132,6 +142,7 @@ class PipelineConfig:
     command_timeout_seconds: int = 3_600
     dagrun_timeout_seconds: int = 7_200
     epoch_server: str = ""
+    epoch_server_token_file: str = ""
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -149,7 +160,7 @@ class PipelineConfig:
     def _check_names(self) -> None:
         for name in ("pipeline_id", "group_id"):
             value = getattr(self, name)
-            if not _IDENTIFIER.match(value):
+            if not IDENTIFIER.match(value):
                 raise ConfigError(
                     f"{name} must start with a letter and hold only letters, digits, '_', '.', '-' "
                     f"(at most 100 characters); found {value!r}")
@@ -243,6 +254,10 @@ class PipelineConfig:
     # Table locations: an explicit setting wins, else <warehouse>/<table>.
     def _table(self, explicit: str, name: str) -> str:
         return explicit or str(Path(self.warehouse) / name)
+
+    @property
+    def epoch_server_token_path(self) -> Path:
+        return Path(self.epoch_server_token_file or STATE_DIR / "epoch-server.token")
 
     @property
     def counts_path(self) -> str:

@@ -42,16 +42,18 @@ def wait_until_ready(url: str, proc, log_path, timeout: float = 300.0) -> dict:
 HEARTBEAT_SECONDS, SILENCE_SECONDS = 5.0, 60.0
 
 
-def submit(url: str, args: list[str], on_log: Callable[[str], None] = print,
+def submit(url: str, args: list[str], token: str, on_log: Callable[[str], None] = print,
            limit_seconds: float | None = None) -> dict:
     """Run ``args`` in the server, passing its log lines to ``on_log`` as they come; the
-    result ``{"exit_code", "stdout"}``. ``limit_seconds`` bounds the command, its wait for
-    the server's previous one included: the server cancels it then, and this gives up
-    shortly after. Raises :class:`EpochServerError` when the server cannot be reached,
-    goes silent, or the connection breaks before the result."""
+    result ``{"exit_code", "stdout"}``. ``token``: the server's (:mod:`ipcount.server.auth`).
+    ``limit_seconds`` bounds the command, its wait for the server's previous one included:
+    the server cancels it then, and this gives up shortly after. Raises
+    :class:`EpochServerError` when the server cannot be reached, refuses the request, goes
+    silent, or the connection breaks before the result."""
     body = {"args": list(args), "limit_seconds": limit_seconds}
     request = urllib.request.Request(url.rstrip("/") + "/run", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {token}"}, method="POST")
     deadline = None if limit_seconds is None else time.monotonic() + limit_seconds + SILENCE_SECONDS
     try:
         with urllib.request.urlopen(request, timeout=SILENCE_SECONDS) as resp:
@@ -64,7 +66,8 @@ def submit(url: str, args: list[str], on_log: Callable[[str], None] = print,
                 elif "exit_code" in item:
                     return item
     except urllib.error.HTTPError as e:
-        raise EpochServerError(f"epoch server at {url} refused the request: {e.read().decode(errors='replace')}")
+        raise EpochServerError(f"epoch server at {url} refused the request (HTTP {e.code}): "
+                               f"{e.read().decode(errors='replace').strip()}") from None
     except OSError as e:
         raise EpochServerError(f"epoch server at {url}: {e}") from e
     raise EpochServerError(f"epoch server at {url} closed the connection before the command finished "

@@ -12,12 +12,18 @@ Exactly-once never depends on it: a request is the same command with the same fl
 server that dies mid-epoch leaves a planned epoch that the next attempt (through the server
 or spark-submit) finishes with its recorded ranges, as after any crash.
 
-Protocol (HTTP on 127.0.0.1 by default, no authentication: keep it on a private network):
+Protocol (HTTP, on 127.0.0.1 unless told otherwise):
 
 * ``GET /health`` -> ``{"status": "ok", "busy": bool, "requests": n, "pid": ..., ...}``
-* ``POST /run`` with ``{"args": ["epoch", "--topic", ...], "limit_seconds": n}`` ->
-  newline-delimited JSON: a ``{"log": line}`` per log record as the command runs, a
-  ``{"heartbeat": t}`` every few seconds, then ``{"exit_code": n, "stdout": text}``.
+* ``POST /run`` with ``{"args": ["epoch", "--topic", ...], "limit_seconds": n}``, header
+  ``Authorization: Bearer <token>`` (:mod:`ipcount.server.auth`) and ``Content-Type:
+  application/json`` -> newline-delimited JSON: a ``{"log": line}`` per log record as the
+  command runs, a ``{"heartbeat": t}`` every few seconds, then ``{"exit_code": n, "stdout": text}``.
+  Refused before anything runs: no or a wrong token (401), a browser's request (it carries
+  an ``Origin``: 403), another content type (415), a body over 256 KiB (413); and, with
+  exit code 2, a command line that is not one a DAG task sends for a pipeline this server
+  serves (:mod:`ipcount.server.vetting`: the server's tables, brokers and pipeline id are
+  its own, a request sets only per-run flags).
 
 No command runs for ever: one that is still running (or still waiting for the one before
 it) ``limit_seconds`` after it arrived (default: the ``command_timeout_seconds`` setting's)
@@ -42,15 +48,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import EXIT_FAILED, EXIT_USAGE, EpochServerError
+from ipcount.rules.errors import EXIT_FAILED, EXIT_USAGE, BadRequestError, EpochServerError
+from ipcount.server import auth
 from ipcount.server.client import HEARTBEAT_SECONDS
+from ipcount.server.vetting import MAX_BODY_BYTES, Parse, PipelineOf, command_line
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
-SERVED_COMMANDS = ("epoch", "backfill", "rebuild")
 CLIENT_GONE = "the client that asked for it went away"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DEFAULT_LIMIT_SECONDS = PipelineConfig().command_timeout_seconds  # for a request that names none
@@ -96,9 +103,11 @@ class Request:
 class EpochServer:
     """Runs served commands in this process's Spark session, one at a time."""
 
-    def __init__(self, run_command: CommandRunner, spark: SparkSession | None = None) -> None:
-        self.run_command = run_command
+    def __init__(self, run_command: CommandRunner, parse: Parse, pipelines: PipelineOf, token: str,
+                 spark: SparkSession | None = None, max_limit_seconds: float = DEFAULT_LIMIT_SECONDS) -> None:
+        self.run_command, self.parse, self.pipelines, self.token = run_command, parse, pipelines, token
         self.spark = spark
+        self.max_limit_seconds = max_limit_seconds  # no request's limit goes beyond this
         self.lock = threading.Lock()  # epochs run one after another, like max_active_runs=1
         self.requests = 0
         self.started = time.time()
@@ -115,9 +124,11 @@ class EpochServer:
         exit code and standard output are returned. ``request`` carries the command's time
         limit and is how it is cancelled (:meth:`cancel`)."""
         request = request or Request()
-        if not args or args[0] not in SERVED_COMMANDS:
-            return {"exit_code": EXIT_USAGE, "stdout": "",
-                    "error": f"the epoch server runs {', '.join(SERVED_COMMANDS)}; got {args[:1] or 'nothing'}"}
+        try:
+            args = command_line(args, self.parse, self.pipelines)
+        except BadRequestError as e:
+            log.warning("epoch server: refused a request: %s", e)
+            return {"exit_code": EXIT_USAGE, "stdout": "", "error": f"refused: {e}"}
         # Wait for the command before it, but not past this one's limit, nor for a client gone.
         while not self.lock.acquire(timeout=0.5):
             if request.cancelled or request.expired():
@@ -211,13 +222,18 @@ def warm_up(cfg: PipelineConfig, spark: SparkSession) -> float:
     return time.monotonic() - started
 
 
-def serve(cfg: PipelineConfig, run_command: CommandRunner, host: str, port: int, warm: bool = True,
-          ready: Callable[[str], None] | None = None) -> int:
+def serve(cfg: PipelineConfig, run_command: CommandRunner, parse: Parse, host: str, port: int, warm: bool = True,
+          ready: Callable[[str], None] | None = None, pipelines_dir: str | None = None) -> int:
     """Listen, start the session, warm it up, then serve until interrupted (or the JVM
-    dies), running each request's command line with ``run_command``."""
+    dies), running each request's command line (vetted with ``parse``, for ``cfg``'s
+    pipeline or one in ``pipelines_dir``) with ``run_command``."""
+    from ipcount.server.vetting import Pipelines
     from ipcount.storage.spark import get_spark
 
-    server = EpochServer(run_command)
+    token_path = cfg.epoch_server_token_path
+    server = EpochServer(run_command, parse, Pipelines(cfg, pipelines_dir), auth.ensure_token(token_path),
+                         max_limit_seconds=cfg.command_timeout_seconds)
+    log.info("epoch server: requests must carry the token in %s", token_path)
     # Bound first, so that a taken port fails at once; until serve_forever runs, callers'
     # health checks time out and they spark-submit instead.
     try:
@@ -261,6 +277,7 @@ def _watch_jvm(server: EpochServer, httpd: ThreadingHTTPServer, gone: threading.
 def _handler_for(server: EpochServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"  # the run response streams until the connection closes
+        timeout = 60  # seconds a socket read or write may stall (a body announced and never sent)
 
         def log_message(self, fmt: str, *args) -> None:
             log.debug("%s %s", self.address_string(), fmt % args)
@@ -278,11 +295,34 @@ def _handler_for(server: EpochServer) -> type[BaseHTTPRequestHandler]:
                 return self._json(404, {"error": f"no such endpoint {self.path}; GET /health, POST /run"})
             self._json(200, server.health())
 
+        def _refusal(self, size: int) -> tuple[int, str] | None:
+            """Why a POST of ``size`` bytes is refused before its body is looked at, if it is."""
+            if not 0 <= size <= MAX_BODY_BYTES:
+                return 413, f"the body must have a Content-Length of at most {MAX_BODY_BYTES} bytes"
+            if self.headers.get("Origin") is not None:  # browsers send it; the DAGs' tasks do not
+                return 403, "requests from web pages are refused"
+            if self.headers.get_content_type() != "application/json":
+                return 415, "the body must be JSON (Content-Type: application/json)"
+            if not auth.authorized(self.headers.get("Authorization"), server.token):
+                return 401, "no or a wrong token: send Authorization: Bearer <the token in epoch_server_token_file>"
+            return None
+
         def do_POST(self) -> None:
             if self.path != "/run":
                 return self._json(404, {"error": f"no such endpoint {self.path}; GET /health, POST /run"})
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                size = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                size = -1
+            refused = self._refusal(size)
+            if refused is not None:
+                status, why = refused
+                log.warning("epoch server: refused a request from %s: %s", self.address_string(), why)
+                if status != 413:  # read (not used): closing on an unread body resets the connection
+                    self.rfile.read(size)
+                return self._json(status, {"error": why})
+            try:
+                body = json.loads(self.rfile.read(size) or b"{}")
                 args, limit = body["args"], body.get("limit_seconds")
                 if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
                     raise ValueError("args must be a list of strings")
@@ -294,7 +334,7 @@ def _handler_for(server: EpochServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(200)
             self.send_header("Content-Type", "application/x-ndjson")
             self.end_headers()
-            request = Request(limit)
+            request = Request(min(limit or server.max_limit_seconds, server.max_limit_seconds))
             writing = threading.Lock()  # the heartbeat thread and the command both write
 
             def send(item: dict) -> None:

@@ -41,7 +41,7 @@ def _wait_for(home, run_type, count, timeout=600):
 
 
 def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path, epoch_server):
-    cfg = cfg.replace(schedule="@daily", epoch_server=epoch_server)  # the runs' Spark jobs go to the server
+    cfg = epoch_server.serve(cfg.replace(schedule="@daily"))  # the runs' Spark jobs go to the server
     home = tmp_path / "airflow"
     home.mkdir()
     env = service_env(home, cfg, free_port())

@@ -130,10 +130,10 @@ def test_run_params_override_the_pipeline_config_for_one_run(airflow_home, cfg, 
     conf = json.dumps({"max_records_per_epoch": 90, "commit_offsets": False, "start_position": "specific",
                        "start_offsets": "1:40"})
     # Through the epoch server: the run's Params reach it as the same flags spark-submit gets.
-    cfg = cfg.replace(epoch_server=epoch_server)
+    cfg = epoch_server.serve(cfg)
     proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", "-c", conf, cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert f"running `epoch` in the epoch server at {epoch_server}" in proc.stdout + proc.stderr
+    assert f"running `epoch` in the epoch server at {epoch_server.url}" in proc.stdout + proc.stderr
     (ranges,) = epoch_ranges(cfg)
     assert ranges[1][0] == 40 and sum(u - f for f, u in ranges.values()) == 90
     assert broker_io.group_offsets(cfg) == {}  # commit_offsets was off for this run
@@ -155,7 +155,7 @@ def _ledger_rows(cfg):
 def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home, cfg, epoch_server):
     from tests.tables import lanes
 
-    cfg = cfg.replace(epoch_server=epoch_server)  # the backfill runs in the epoch server
+    cfg = epoch_server.serve(cfg)  # the backfill runs in the epoch server
 
     gen = TrafficGenerator(seed=33, events_per_second=50, malformed_share=0.03)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),

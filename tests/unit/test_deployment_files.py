@@ -43,3 +43,15 @@ def test_compose_epoch_server_is_what_the_airflow_tasks_point_at():
     assert url == f"http://{server['hostname']}:{port}"
     assert PipelineConfig.from_mapping({"epoch_server": url}).epoch_server == url
     assert "/data/warehouse" in " ".join(server["volumes"])  # the driver reads the tables' logs
+
+
+def test_compose_airflow_tasks_can_read_the_token_the_epoch_server_makes():
+    compose = _compose()
+    services = compose["services"]
+    token_file = compose["x-ipcount-env"]["IPCOUNT_EPOCH_SERVER_TOKEN_FILE"]
+    token_dir = token_file.rsplit("/", 1)[0]
+    for name in ("epoch-server", "airflow-scheduler", "airflow-apiserver"):
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in services[name]["volumes"]}
+        assert mounts.get(token_dir) == "secrets", name
+        assert services[name]["environment"]["IPCOUNT_EPOCH_SERVER_TOKEN_FILE"] == token_file
+
