@@ -19,3 +19,10 @@ COPY . .
 RUN echo /opt/ipcount > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ipcount-repo.pth"
 ENV SPARK_HOME=/usr/local/lib/python3.11/site-packages/pyspark \
     PYSPARK_PYTHON=python3
+# Every service runs as this user, not root. The directories the compose volumes mount are
+# made (and owned) here, so fresh named volumes take this owner.
+RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin ipcount \
+ && mkdir -p /data/warehouse /opt/airflow /run/ipcount \
+ && chown ipcount:ipcount /data/warehouse /opt/airflow /run/ipcount \
+ && chmod 700 /run/ipcount
+USER 10001

@@ -55,3 +55,45 @@ def test_compose_airflow_tasks_can_read_the_token_the_epoch_server_makes():
         assert mounts.get(token_dir) == "secrets", name
         assert services[name]["environment"]["IPCOUNT_EPOCH_SERVER_TOKEN_FILE"] == token_file
 
+
+def test_compose_holds_no_secret_and_publishes_ports_on_loopback_only():
+    text = (REPO_ROOT / "docker-compose.yml").read_text()
+    compose = _compose()
+    env = {}
+    for service in compose["services"].values():
+        env.update(service.get("environment") or {})
+    # Every secret is a reference to .env that fails when unset, never a value.
+    for name in ("POSTGRES_PASSWORD", "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD"):
+        assert env[name].startswith("${IPCOUNT_") and ":?" in env[name], name
+    assert ":${IPCOUNT_POSTGRES_PASSWORD:?" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    for leaked in ("change-me", '\\"admin\\": \\"admin', "airflow:airflow@", "PASSWORD: airflow"):
+        assert leaked not in text, leaked
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)
+
+
+def test_compose_env_makes_private_random_secrets_once(tmp_path):
+    import os
+    import re
+    import subprocess
+
+    env_file = tmp_path / ".env"
+    run = lambda: subprocess.run([str(REPO_ROOT / "bin" / "compose-env"), str(env_file)],  # noqa: E731
+                                 capture_output=True, text=True, check=True)
+    run()
+    first = env_file.read_text()
+    assert os.stat(env_file).st_mode & 0o777 == 0o600
+    values = dict(re.findall(r"^(IPCOUNT_[A-Z_]+)=(\S+)$", first, re.M))
+    compose = (REPO_ROOT / "docker-compose.yml").read_text()
+    assert set(values) == set(re.findall(r"\$\{(IPCOUNT_[A-Z_]+):\?", compose))  # exactly what compose needs
+    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == 3
+    assert "keeping it" in run().stdout and env_file.read_text() == first  # never overwrites
+
+
+def test_image_runs_as_a_user_of_its_own():
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    users = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0"), users
+    compose = _compose()
+    assert all(service.get("user") in (None, users[-1]) for service in compose["services"].values())
