@@ -35,6 +35,14 @@ EVENT_TIME_AHEAD = "event_time_ahead"    # later than the record's Kafka timesta
                                          # planning time) plus max_event_time_ahead_seconds
 REASONS = (NULL_VALUE, EMPTY_VALUE, TOO_LARGE, NOT_UTF8, BAD_JSON, BAD_SHAPE, UNRECOGNIZED,
            INVALID_IP, INVALID_TIMESTAMP, EVENT_TIME_AHEAD)
+# A too_large dead letter keeps this much of its value (with its size and SHA-256), so the
+# size cap caps storage too; its offset still points at the whole record while Kafka keeps it.
+DEAD_LETTER_PREFIX_BYTES = 1_024
+
+
+def dead_letter_prefix_bytes(max_value_bytes: int) -> int:
+    """How many bytes of a too_large value its dead letter keeps."""
+    return min(DEAD_LETTER_PREFIX_BYTES, max_value_bytes)
 
 # Spark's JSON parser (Jackson) stops at 1,000 levels of nesting, and the whole-value check
 # (jobs.transform) wraps the record in one more: 999 levels at most, the record's object included.

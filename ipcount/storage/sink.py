@@ -19,6 +19,7 @@ from pyspark.sql.types import (BinaryType, BooleanType, IntegerType, LongType, S
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
+from ipcount.rules.records import TOO_LARGE, dead_letter_prefix_bytes
 from ipcount.storage.delta import ensure_table, retry_on_conflict, version_with_metadata
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ DEAD_LETTER_SCHEMA = StructType([
     StructField("key", BinaryType(), True),
     StructField("value", BinaryType(), True),
     StructField("reason", StringType(), False),
+    StructField("value_bytes", LongType(), True),    # the whole value's size, and its hash
+    StructField("value_sha256", StringType(), True),  # (a too_large value keeps a prefix only)
 ])
 LATE_SCHEMA = StructType([
     StructField("epoch", LongType(), False),
@@ -89,9 +92,12 @@ class Sink:
         """
         epoch, watermark_ms = plan.epoch, plan.watermark_ms
         if malformed:
+            value, prefix = F.col("value"), dead_letter_prefix_bytes(self.cfg.max_value_bytes)
             self._append(epoch, self.cfg.dead_letter_path, classified.where(F.col("reason").isNotNull()).select(
                 F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset",
-                F.col("timestamp").alias("kafka_timestamp"), "key", "value", "reason"))
+                F.col("timestamp").alias("kafka_timestamp"), "key",
+                F.when(F.col("reason") == TOO_LARGE, F.substring(value, 1, prefix)).otherwise(value).alias("value"),
+                "reason", F.length(value).cast("long").alias("value_bytes"), F.sha2(value, 256).alias("value_sha256")))
         if late and watermark_ms is not None:  # before the first watermark nothing can be late
             self._append(epoch, self.cfg.late_path, classified.where(F.col("late")).select(
                 F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset", "ip",

@@ -169,8 +169,16 @@ def test_every_kind_of_bad_record_lands_in_the_dead_letter_table(cfg, spark):
     assert s.records_malformed == len(bad) == 9 and s.records_counted == 1
     assert dead_letters(cfg) == {(p.partition, p.offset, reason) for p, (reason, _) in zip(produced, bad)}
     assert sum(counts(cfg).values()) == 1
-    # the raw bytes are kept as they arrived
+    # The raw bytes are kept as they arrived, with their size and hash - but of a value over
+    # the size cap, only the first max_value_bytes (at most 1 KiB): the cap caps storage too.
+    import hashlib
+
     from deltalake import DeltaTable
 
-    raw = {(r["partition"], r["offset"]): r["value"] for r in DeltaTable(cfg.dead_letter_path).to_pyarrow_table().to_pylist()}
-    assert raw == {(p.partition, p.offset): r.value for p, (_, r) in zip(produced, bad)}
+    rows = {(r["partition"], r["offset"]): r for r in DeltaTable(cfg.dead_letter_path).to_pyarrow_table().to_pylist()}
+    for p, (reason, r) in zip(produced, bad):
+        row = rows[(p.partition, p.offset)]
+        assert row["value"] == (r.value[:200] if reason == "too_large" else r.value), reason
+        assert (row["value_bytes"], row["value_sha256"]) == ((None, None) if r.value is None else
+                                                             (len(r.value), hashlib.sha256(r.value).hexdigest()))
+    assert len(rows[(produced[-2].partition, produced[-2].offset)]["value"]) == 200 < len(bad[-1][1].value)
