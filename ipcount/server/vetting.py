@@ -99,7 +99,10 @@ class Pipelines:
         for suffix in (".toml", ".json"):
             path = Path(self.directory) / f"{pipeline_id}{suffix}"
             if path.is_file():
-                cfg = PipelineConfig.load(path, environ={})  # the file alone, not this process's IPCOUNT_*
+                try:  # the file alone, not this process's IPCOUNT_*
+                    cfg = PipelineConfig.load(path, environ={})
+                except ConfigError as e:
+                    raise BadRequestError(f"the epoch server's pipeline file is invalid: {e}") from None
                 if cfg.pipeline_id != pipeline_id:
                     raise BadRequestError(f"the epoch server's pipeline file {path.name} is for pipeline "
                                           f"{cfg.pipeline_id!r}, not {pipeline_id!r}")

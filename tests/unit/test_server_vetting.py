@@ -94,6 +94,9 @@ def test_pipelines_in_the_directory_are_served_and_read_at_each_request(tmp_path
     with pytest.raises(BadRequestError, match="is for pipeline 'p_other', not 'p_third'"):
         pipelines("p_third")
     assert pipelines("../p_other") is None and pipelines(".p_other") is None
+    (tmp_path / "p_bad.toml").write_text('window_seconds = "soon"\n')
+    with pytest.raises(BadRequestError, match="pipeline file is invalid: .*window_seconds"):
+        pipelines("p_bad")
 
 
 def test_the_token_file_is_made_private_and_refused_when_others_may_read_it(tmp_path):
