@@ -12,7 +12,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from ipcount.devtools.embedded_airflow import ADMIN_USER, admin_password, airflow_env, keep_passwords_private
+from ipcount.devtools.embedded_airflow import (ADMIN_USER, admin_password, airflow_env, keep_passwords_private,
+                                               passwords_file)
 from ipcount.rules.config import PipelineConfig
 
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
@@ -62,9 +63,11 @@ def airflow_services(home: Path, env: dict, services: tuple[str, ...] = ("api-se
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def access_token(base_url: str, home: Path) -> str:
-    """A JWT for the admin user, from the api-server's token endpoint."""
-    body = json.dumps({"username": ADMIN_USER, "password": admin_password(home)}).encode()
+def access_token(base_url: str, home: Path, user: str = ADMIN_USER) -> str:
+    """A JWT for ``user`` (its password as the simple auth manager generated it), from the
+    api-server's token endpoint."""
+    password = admin_password(home) if user == ADMIN_USER else json.loads(passwords_file(home).read_text())[user]
+    body = json.dumps({"username": user, "password": password}).encode()
     request = urllib.request.Request(f"{base_url}/auth/token", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:

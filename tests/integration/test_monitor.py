@@ -26,6 +26,7 @@ from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.rules.config import STATE_DIR, PipelineConfig
 from ipcount.storage import broker as broker_io
+from tests.airflow_auth import PATH as AUTH_MANAGER
 from tests.airflow_services import access_token, airflow, airflow_services, service_env
 from tests.conftest import free_port, run_until_idle
 from tests.ground_truth import expected_tables
@@ -34,6 +35,7 @@ from tests.tables import ledger
 pytestmark = pytest.mark.airflow
 BASE_MS = 1_795_255_200_000
 CHROMIUM = "/usr/bin/chromium"
+RESTRICTED = "epochs_only"  # may read ipcount_epoch, not ipcount_backfill
 ARTIFACTS = Path(os.environ.get("IPCOUNT_TEST_ARTIFACTS", STATE_DIR / "test-artifacts"))
 
 
@@ -90,6 +92,10 @@ def server(broker, tmp_path_factory):
     home.mkdir()
     port = free_port()
     env = service_env(home, cfg, port)
+    # A second user, who may read the epoch DAG but not the backfill DAG (per-DAG permissions,
+    # as FAB or Keycloak give them; the simple auth manager knows roles only).
+    env.update({"AIRFLOW__CORE__AUTH_MANAGER": AUTH_MANAGER, "IPCOUNT_TEST_DAG_DENY": f"{RESTRICTED}:ipcount_backfill",
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"admin:admin,{RESTRICTED}:viewer"})
     airflow(env, "db", "migrate")
     with airflow_services(home, env, services=("api-server",)):
         url = f"http://127.0.0.1:{port}"
@@ -321,3 +327,41 @@ def test_pages_in_headless_chromium_after_logging_in(server, pipeline):
         finally:
             browser.close()
     assert (ARTIFACTS / "monitor-epochs.png").stat().st_size > 10_000
+
+
+def test_a_user_who_may_read_only_the_epoch_dag_sees_nothing_of_backfills(server, pipeline, spark):
+    """Last in the file: it adds a backfill to the main ledger and a replay target."""
+    from ipcount.jobs.backfill import run_backfill
+    from ipcount.rules.requests import BackfillRequest, parse_offsets
+
+    cfg = server.cfg
+    before = server.api("/api/epochs?page_size=500")["total"]
+    _, end = broker_io.partition_offsets(cfg)
+    produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=47).records(60, BASE_MS + 180_000),
+            partition_of=lambda i, r: i % 3)
+    _, latest = broker_io.partition_offsets(cfg)
+    fresh = parse_offsets(",".join(f"{p}:{end[p]}-{latest[p]}" for p in sorted(latest)), cfg.topic)
+    run_backfill(cfg, spark, BackfillRequest(offsets=fresh))                    # into the main ledger
+    run_backfill(cfg, spark, BackfillRequest(target="audit", offsets=fresh))    # a replay target
+    admin = server.api("/api/epochs?page_size=500")
+    backfilled = [e["epoch"] for e in admin["epochs"] if e["kind"] == "backfill"]
+    assert backfilled and admin["total"] == before + len(backfilled)
+    assert server.api("/api/epochs?target=audit")["total"] >= 1
+
+    token = access_token(server.url, server.home, RESTRICTED)
+    status, body = server.get("/api/epochs?page_size=500", token=token)
+    assert status == 200 and body["total"] == before
+    assert {e["kind"] for e in body["epochs"]} == {"scheduled"}
+    status, body = server.get("/api/epochs?kind=backfill", token=token)
+    assert status == 200 and body["total"] == 0
+    for path in ("/api/epochs?target=audit", "/api/counts?target=audit", "/api/lag?target=audit",
+                 "/api/health?target=audit"):
+        status, body = server.get(path, token=token)
+        assert status == 403 and "needs read access to the DAG ipcount_backfill" in body["detail"], (path, body)
+    status, html = server.get("/runs/ipcount_backfill/manual__x", token=token)
+    assert status == 403 and "ipcount_backfill" in html
+    status, html = server.get("/epochs", token=token)
+    assert status == 200 and "audit" not in html and 'class="epoch"' in html
+    status, html = server.get("/epochs", token="default")  # the admin is offered the replay target
+    assert status == 200 and "audit" in html
+

@@ -152,3 +152,16 @@ def test_partition_lag_counts_from_the_chain_or_the_log_start():
     assert partition_lag(100, None, 10) == 90    # no chain yet: from the log start
     assert partition_lag(100, None, None) == 100
     assert partition_lag(None, 60, 10) is None   # the broker did not answer
+
+
+def test_access_without_the_backfill_dag_hides_backfills_and_refuses_replay_targets():
+    from ipcount.orchestration.monitor.model import Access, ForbiddenError
+
+    full, epochs_only = Access(backfills=True), Access(backfills=False)
+    assert full.visible_kinds() == ("scheduled", "backfill") and epochs_only.visible_kinds() == ("scheduled",)
+    full.check_target("audit", "main"), full.check_dag("ipcount_backfill")
+    epochs_only.check_target("main", "main"), epochs_only.check_dag("ipcount_epoch")
+    with pytest.raises(ForbiddenError, match="replay target 'audit' .* needs read access to the DAG ipcount_backfill"):
+        epochs_only.check_target("audit", "main")
+    with pytest.raises(ForbiddenError, match="runs of ipcount_backfill needs read access"):
+        epochs_only.check_dag("ipcount_backfill")

@@ -2,7 +2,9 @@
 ``plugins/ipcount_monitor.py``): HTML pages for people and the same data as JSON under
 ``/ipcount/api/`` for scripts. Every route needs an authenticated Airflow user allowed to
 read the epoch DAG, checked by Airflow's own security dependency (JWT in the
-``Authorization`` header, or the UI's session cookie)."""
+``Authorization`` header, or the UI's session cookie). Backfills - their epochs in the
+ledger, their DAG runs, the replay targets they make - are shown only to a user the auth
+manager also lets read the backfill DAG (:class:`model.Access`)."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
-from ipcount.orchestration.dags import EPOCH_DAG_ID
+from ipcount.orchestration.dags import BACKFILL_DAG_ID, EPOCH_DAG_ID
 from ipcount.orchestration.monitor import model
 from ipcount.orchestration.monitor.charts import bar_chart, line_chart
 from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, replay_targets
@@ -36,6 +38,23 @@ def _authorized():
     return Depends(requires_access_dag(method="GET", param_dag_id=EPOCH_DAG_ID))
 
 
+def _access():
+    """The caller's :class:`model.Access`, from Airflow's auth manager (per DAG: e.g. FAB's
+    or Keycloak's DAG permissions)."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+    from airflow.api_fastapi.core_api.security import get_user
+    from airflow.models.dag import DagModel
+
+    # (Depends as the default, not in an annotation: this module's annotations are strings,
+    # which FastAPI resolves in the module, where get_user is not.)
+    def access(user: Any = Depends(get_user)) -> model.Access:
+        details = DagDetails(id=BACKFILL_DAG_ID, team_name=DagModel.get_team_name(BACKFILL_DAG_ID))
+        allowed = get_auth_manager().is_authorized_dag(method="GET", details=details, user=user)
+        return model.Access(backfills=bool(allowed), backfill_dag_id=BACKFILL_DAG_ID)
+    return Depends(access)
+
+
 class Monitor:
     """What the routes share: the pipeline's configuration, the table reader, the broker probe."""
 
@@ -50,7 +69,11 @@ class Monitor:
             self._cfg = PipelineConfig.load()
         return self._cfg
 
-    def target(self, name: str) -> tuple[PipelineConfig, PipelineTables]:
+    def targets(self, access: model.Access) -> list[str]:
+        return [t for t in replay_targets(self.cfg) if t == MAIN_TARGET or access.backfills]
+
+    def target(self, name: str, access: model.Access) -> tuple[PipelineConfig, PipelineTables]:
+        access.check_target(name, MAIN_TARGET)
         targets = replay_targets(self.cfg)
         if name not in targets:
             raise model.BadQueryError(f"unknown target {name!r}; known: {', '.join(targets)}")
@@ -59,11 +82,11 @@ class Monitor:
 
     # -- the four views, as data ----------------------------------------------------------
     def epochs(self, target: str, status: str | None, kind: str | None, run_id: str | None,
-               page: int, page_size: int) -> dict[str, Any]:
-        _, tables = self.target(target)
+               page: int, page_size: int, access: model.Access) -> dict[str, Any]:
+        _, tables = self.target(target, access)
         status = model.check_choice("status", status, model.STATUSES)
         kind = model.check_choice("kind", kind, model.KINDS)
-        refs = tables.epoch_index()
+        refs = [r for r in tables.epoch_index() if r.kind in access.visible_kinds()]
         if run_id:
             refs = [r for r in refs if r.run_id == run_id]
         if kind:
@@ -80,9 +103,9 @@ class Monitor:
         return {"target": target, "total": pg.total, "page": pg.number, "pages": pg.pages, "page_size": pg.size,
                 "epochs": epochs, "page_info": pg}
 
-    def health(self, target: str) -> model.Health:
-        cfg, tables = self.target(target)
-        refs = tables.epoch_index()
+    def health(self, target: str, access: model.Access) -> model.Health:
+        cfg, tables = self.target(target, access)
+        refs = [r for r in tables.epoch_index() if r.kind in access.visible_kinds()]
         planned = [r for r in refs if r.planned]
         unfinished = model.epoch_rows(tables.epoch_rows([r.epoch for r in planned]),
                                       run_states(r.run_id for r in planned)) if planned else []
@@ -99,10 +122,10 @@ class Monitor:
             lag, unfinished, failed_since_success() if target == MAIN_TARGET else (), positions.error,
             watermark_ms=last[2] if last else None)
 
-    def lag(self, target: str, last: int) -> dict[str, Any]:
+    def lag(self, target: str, last: int, access: model.Access) -> dict[str, Any]:
         if not 1 <= last <= 1000:
             raise model.BadQueryError(f"epochs must be between 1 and 1000, got {last}")
-        cfg, tables = self.target(target)
+        cfg, tables = self.target(target, access)
         positions = self.broker.positions(cfg)
         chain = tables.chain_positions()
         partitions = []
@@ -117,10 +140,11 @@ class Monitor:
                 "group_id": cfg.group_id, "topic": cfg.topic,
                 "history": [{"epoch": e, "lag": {str(p): n for p, n in sorted(lags.items())}} for e, lags in history]}
 
-    def counts(self, target: str, start: str | None, until: str | None, top: int) -> dict[str, Any]:
+    def counts(self, target: str, start: str | None, until: str | None, top: int,
+               access: model.Access) -> dict[str, Any]:
         if not 1 <= top <= 1000:
             raise model.BadQueryError(f"top must be between 1 and 1000, got {top}")
-        cfg, tables = self.target(target)
+        cfg, tables = self.target(target, access)
         begin, end = model.counts_range(model.parse_instant("from", start), model.parse_instant("until", until),
                                         tables.latest_window_end(), cfg.window_seconds)
         return {"target": target, "from": begin.isoformat(), "until": end.isoformat(),
@@ -135,8 +159,9 @@ def create_app(cfg: PipelineConfig | None = None) -> FastAPI:
     app = FastAPI(title="ipcount monitor", description=__doc__, dependencies=[_authorized()],
                   docs_url=None, openapi_url=None, redoc_url=None)
     _add_error_handlers(app)
-    _add_api_routes(app, monitor)
-    _add_page_routes(app, monitor)
+    access = _access()
+    _add_api_routes(app, monitor, access)
+    _add_page_routes(app, monitor, access)
     app.state.monitor = monitor
     return app
 
@@ -145,6 +170,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(model.BadQueryError)
     async def bad_query(request: Request, e: model.BadQueryError):
         return _error(request, 400, str(e))
+
+    @app.exception_handler(model.ForbiddenError)
+    async def forbidden(request: Request, e: model.ForbiddenError):
+        return _error(request, 403, str(e))
 
     @app.exception_handler(ConfigError)
     async def bad_config(request: Request, e: ConfigError):
@@ -161,7 +190,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(request, e.status_code, str(e.detail), getattr(e, "headers", None))
 
 
-def _add_api_routes(app: FastAPI, monitor: Monitor) -> None:
+def _add_api_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
     """The same data as the pages, as JSON under ``/api/``, and its OpenAPI docs."""
     @app.get("/api/openapi.json", include_in_schema=False)
     def openapi() -> dict[str, Any]:
@@ -175,36 +204,37 @@ def _add_api_routes(app: FastAPI, monitor: Monitor) -> None:
                                    title="ipcount monitor API")
 
     @app.get("/api/health")
-    def api_health(target: str = "main") -> dict[str, Any]:
-        return monitor.health(target).to_dict()
+    def api_health(target: str = "main", who: model.Access = access) -> dict[str, Any]:
+        return monitor.health(target, who).to_dict()
 
     @app.get("/api/epochs")
     def api_epochs(target: str = "main", status: str | None = None, kind: str | None = None,
-                   run_id: str | None = None, page: int = 1, page_size: int = Query(50)) -> dict[str, Any]:
-        data = monitor.epochs(target, status, kind, run_id, page, page_size)
+                   run_id: str | None = None, page: int = 1, page_size: int = Query(50),
+                   who: model.Access = access) -> dict[str, Any]:
+        data = monitor.epochs(target, status, kind, run_id, page, page_size, who)
         data.pop("page_info")
         data["epochs"] = [e.to_dict() for e in data["epochs"]]
         return data
 
     @app.get("/api/lag")
-    def api_lag(target: str = "main", epochs: int = 50) -> dict[str, Any]:
-        return monitor.lag(target, epochs)
+    def api_lag(target: str = "main", epochs: int = 50, who: model.Access = access) -> dict[str, Any]:
+        return monitor.lag(target, epochs, who)
 
     @app.get("/api/counts")
     def api_counts(target: str = "main", start: str | None = Query(None, alias="from"),
-                   until: str | None = None, top: int = 20) -> dict[str, Any]:
-        return monitor.counts(target, start, until, top)
+                   until: str | None = None, top: int = 20, who: model.Access = access) -> dict[str, Any]:
+        return monitor.counts(target, start, until, top, who)
 
 
-def _add_page_routes(app: FastAPI, monitor: Monitor) -> None:
+def _add_page_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
     """The HTML pages: epochs (also per DAG run), lag, counts."""
-    def render(request: Request, template: str, **context: Any) -> HTMLResponse:
+    def render(request: Request, template: str, who: model.Access, **context: Any) -> HTMLResponse:
         target = context.get("target", "main")
         base = request.scope.get("root_path", "")
         try:
-            health = monitor.health(target)
-            targets = replay_targets(monitor.cfg)
-        except model.BadQueryError:
+            health = monitor.health(target, who)
+            targets = monitor.targets(who)
+        except (model.BadQueryError, model.ForbiddenError):
             health, targets = None, ["main"]
         return TEMPLATES.TemplateResponse(request, template, {
             "base": base, "health": health, "targets": targets, "cfg": monitor.cfg, "target": target,
@@ -216,37 +246,38 @@ def _add_page_routes(app: FastAPI, monitor: Monitor) -> None:
 
     @app.get("/epochs", response_class=HTMLResponse, name="epochs_page")
     def epochs_page(request: Request, target: str = "main", status: str | None = None, kind: str | None = None,
-                    run_id: str | None = None, page: int = 1, page_size: int = 50):
-        data = monitor.epochs(target, status, kind, run_id, page, page_size)
-        return render(request, "epochs.html", status=status or "", kind=kind or "", run_id=run_id or "",
+                    run_id: str | None = None, page: int = 1, page_size: int = 50, who: model.Access = access):
+        data = monitor.epochs(target, status, kind, run_id, page, page_size, who)
+        return render(request, "epochs.html", who, status=status or "", kind=kind or "", run_id=run_id or "",
                       chart=_epochs_chart(data["epochs"]), **data)
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
-    def run_page(request: Request, dag_id: str, run_id: str):
+    def run_page(request: Request, dag_id: str, run_id: str, who: model.Access = access):
+        who.check_dag(dag_id)
         target = run_target(dag_id, run_id)
         if target is None:
             raise HTTPException(404, f"no run {run_id!r} of DAG {dag_id!r}")
-        data = monitor.epochs(target, None, None, run_id, 1, 500)
-        return render(request, "epochs.html", status="", kind="", run_id=run_id, run_dag_id=dag_id,
+        data = monitor.epochs(target, None, None, run_id, 1, 500, who)
+        return render(request, "epochs.html", who, status="", kind="", run_id=run_id, run_dag_id=dag_id,
                       chart=_epochs_chart(data["epochs"]), **data)
 
     @app.get("/lag", response_class=HTMLResponse)
-    def lag_page(request: Request, target: str = "main", epochs: int = 50):
-        data = monitor.lag(target, epochs)
+    def lag_page(request: Request, target: str = "main", epochs: int = 50, who: model.Access = access):
+        data = monitor.lag(target, epochs, who)
         xs = [h["epoch"] for h in data["history"]]
         parts = sorted({p for h in data["history"] for p in h["lag"]}, key=int)
         chart = line_chart("lag-chart", "Lag after each epoch, per partition", xs,
                            {f"p{p}": [h["lag"].get(p) for h in data["history"]] for p in parts})
-        return render(request, "lag.html", chart=chart, epochs=epochs, **data)
+        return render(request, "lag.html", who, chart=chart, epochs=epochs, **data)
 
     @app.get("/counts", response_class=HTMLResponse)
     def counts_page(request: Request, target: str = "main", start: str | None = Query(None, alias="from"),
-                    until: str | None = None, top: int = 20):
-        data = monitor.counts(target, start, until, top)
+                    until: str | None = None, top: int = 20, who: model.Access = access):
+        data = monitor.counts(target, start, until, top, who)
         windows = data["windows"]
         chart = bar_chart("window-chart", "Requests per window", [w["window_start"][11:19] for w in windows],
                           [w["requests"] for w in windows], [not w["final"] for w in windows])
-        return render(request, "counts.html", chart=chart, top=top, this_from=data["from"], this_until=data["until"],
+        return render(request, "counts.html", who, chart=chart, top=top, this_from=data["from"], this_until=data["until"],
                       **data)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping
 
-from ipcount.rules.ledger import COMMITTED, EPOCH_KINDS, LOST, PLANNED, kind_of, metric_totals, rows_by_epoch
+from ipcount.rules.ledger import BACKFILL, COMMITTED, EPOCH_KINDS, LOST, PLANNED, kind_of, metric_totals, rows_by_epoch
 
 # An epoch's status on the pages. The ledger knows "planned" and "committed"; whether a
 # planned epoch is still running or was left behind by a failed run, only Airflow knows.
@@ -27,6 +27,30 @@ def epoch_status(planned: bool, run_state: str | None) -> str:
 
 class BadQueryError(ValueError):
     """A page parameter cannot be used; the message says which and why."""
+
+
+class ForbiddenError(PermissionError):
+    """The user may not read this: the message names the DAG whose read access it needs."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """What the user may see besides the epoch DAG's pipeline (which every route needs):
+    backfills - their epochs, runs and replay targets - need read access to the backfill DAG."""
+    backfills: bool
+    backfill_dag_id: str = "ipcount_backfill"
+
+    def visible_kinds(self) -> tuple[str, ...]:
+        return KINDS if self.backfills else tuple(k for k in KINDS if k != BACKFILL)
+
+    def check_target(self, target: str, main: str) -> None:
+        if target != main and not self.backfills:
+            raise ForbiddenError(f"replay target {target!r} is made by backfills: reading it needs read access to "
+                                 f"the DAG {self.backfill_dag_id}")
+
+    def check_dag(self, dag_id: str) -> None:
+        if dag_id == self.backfill_dag_id and not self.backfills:
+            raise ForbiddenError(f"reading runs of {dag_id} needs read access to that DAG")
 
 
 @dataclass(frozen=True)
