@@ -454,15 +454,13 @@ def _sessions() -> list[tuple[int, int]]:
 
 def _server_round(cfg: PipelineConfig, killer: _Killer) -> list[str]:
     """An epoch server with epochs sent to it, SIGKILLed mid-way."""
-    from ipcount.server import auth, client
+    from ipcount.server import client
 
     try:
-        server, url = _start_server(cfg, killer.procs)
+        server, url, token = _start_server(cfg, killer.procs)
     except Exception as e:  # noqa: BLE001 - a server that never came up is killed like the rest
         log.warning("chaos: the epoch server did not come up (%s)", str(e).splitlines()[0])
         return []
-
-    token = auth.read_token(cfg.epoch_server_token_path)
 
     def send() -> None:
         try:
@@ -476,8 +474,8 @@ def _server_round(cfg: PipelineConfig, killer: _Killer) -> list[str]:
     return phases
 
 
-def _start_server(cfg: PipelineConfig, procs: _Processes) -> tuple[subprocess.Popen, str]:
-    """``ipcount serve`` on a free port, ready; the process and its URL."""
+def _start_server(cfg: PipelineConfig, procs: _Processes) -> tuple[subprocess.Popen, str, str]:
+    """``ipcount serve`` on a free port, ready; the process, its URL and its token."""
     from ipcount.server import auth, client
 
     port = free_port()
@@ -488,7 +486,7 @@ def _start_server(cfg: PipelineConfig, procs: _Processes) -> tuple[subprocess.Po
     except BaseException:
         procs.kill(server)
         raise
-    return server, url
+    return server, url, auth.read_token(cfg.epoch_server_token_path)
 
 
 def _random_offsets(cfg: PipelineConfig, rng: random.Random) -> str:
@@ -512,12 +510,11 @@ def _wait_or_kill(procs: _Processes, proc: subprocess.Popen, seconds: float) -> 
 def _finish(cfg: PipelineConfig, procs: _Processes, backfills: list[str]) -> None:
     """No more kills: every backfill request again (each continues where it stopped), then
     the chain until nothing is left - in one epoch server, to start one JVM, not one each."""
-    from ipcount.server import auth, client
+    from ipcount.server import client
 
     args = cfg.to_args()
     commands = [["backfill", "--offsets", spec, *args] for spec in backfills] + [["epoch", *args, "--epochs", "1000"]]
-    server, url = _start_server(cfg, procs)
-    token = auth.read_token(cfg.epoch_server_token_path)
+    server, url, token = _start_server(cfg, procs)
     finish_log, server_log = procs.logs / "finish.log", procs.last_log
     try:
         with open(finish_log, "w") as out:
