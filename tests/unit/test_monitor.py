@@ -157,8 +157,14 @@ def test_partition_lag_counts_from_the_chain_or_the_log_start():
 def test_access_without_the_backfill_dag_hides_backfills_and_refuses_replay_targets():
     from ipcount.orchestration.monitor.model import Access, ForbiddenError
 
-    full, epochs_only = Access(backfills=True), Access(backfills=False)
-    assert full.visible_kinds() == ("scheduled", "backfill") and epochs_only.visible_kinds() == ("scheduled",)
+    from types import SimpleNamespace
+
+    full = Access(backfills=True, backfill_dag_id="ipcount_backfill")
+    epochs_only = Access(backfills=False, backfill_dag_id="ipcount_backfill")
+    refs = [SimpleNamespace(epoch=1, kind="scheduled"), SimpleNamespace(epoch=2, kind="backfill"),
+            SimpleNamespace(epoch=3, kind="scheduled")]
+    assert [r.epoch for r in full.visible(refs)] == [1, 2, 3]
+    assert [r.epoch for r in epochs_only.visible(refs)] == [1, 3]
     full.check_target("audit", "main"), full.check_dag("ipcount_backfill")
     epochs_only.check_target("main", "main"), epochs_only.check_dag("ipcount_epoch")
     with pytest.raises(ForbiddenError, match="replay target 'audit' .* needs read access to the DAG ipcount_backfill"):

@@ -86,7 +86,7 @@ class Monitor:
         _, tables = self.target(target, access)
         status = model.check_choice("status", status, model.STATUSES)
         kind = model.check_choice("kind", kind, model.KINDS)
-        refs = [r for r in tables.epoch_index() if r.kind in access.visible_kinds()]
+        refs = access.visible(tables.epoch_index())
         if run_id:
             refs = [r for r in refs if r.run_id == run_id]
         if kind:
@@ -105,7 +105,7 @@ class Monitor:
 
     def health(self, target: str, access: model.Access) -> model.Health:
         cfg, tables = self.target(target, access)
-        refs = [r for r in tables.epoch_index() if r.kind in access.visible_kinds()]
+        refs = access.visible(tables.epoch_index())
         planned = [r for r in refs if r.planned]
         unfinished = model.epoch_rows(tables.epoch_rows([r.epoch for r in planned]),
                                       run_states(r.run_id for r in planned)) if planned else []

@@ -38,10 +38,11 @@ class Access:
     """What the user may see besides the epoch DAG's pipeline (which every route needs):
     backfills - their epochs, runs and replay targets - need read access to the backfill DAG."""
     backfills: bool
-    backfill_dag_id: str = "ipcount_backfill"
+    backfill_dag_id: str
 
-    def visible_kinds(self) -> tuple[str, ...]:
-        return KINDS if self.backfills else tuple(k for k in KINDS if k != BACKFILL)
+    def visible(self, refs: Iterable[Any]) -> list[Any]:
+        """The epochs (anything with a ``kind``) this user may see."""
+        return [r for r in refs if self.backfills or r.kind != BACKFILL]
 
     def check_target(self, target: str, main: str) -> None:
         if target != main and not self.backfills:
