@@ -397,10 +397,11 @@ def _broker_round(cfg: PipelineConfig, killer: _Killer, kafka: EmbeddedKafka) ->
     phases = [killer.procs.phase(chain)] if chain.poll() is None else []
     try:
         os.kill(pid, signal.SIGKILL)
+        # A dying JVM loses its command line (so pid() says gone) before its port closes.
         gone = time.monotonic() + 30
-        while kafka.pid() is not None and time.monotonic() < gone:
+        while (kafka.pid() is not None or kafka.is_listening()) and time.monotonic() < gone:
             time.sleep(0.1)
-        if kafka.pid() is not None:
+        if kafka.pid() is not None or kafka.is_listening():
             raise RuntimeError(f"chaos: the broker (pid {pid}) still runs 30 s after SIGKILL")
         time.sleep(killer.rng.uniform(0.0, 5.0))
     finally:  # whatever happens, the broker (the user's, or the test suite's) comes back
