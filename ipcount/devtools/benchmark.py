@@ -380,11 +380,11 @@ def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, afte
     from kafka import KafkaProducer
 
     from ipcount.devtools.generator import TrafficGenerator
-    from ipcount.storage.broker import create_topic, partition_offsets
+    from ipcount.storage.broker import client_options, create_topic, partition_offsets
 
     create_topic(cfg, partitions)
     producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks=1, linger_ms=50,
-                             batch_size=512 * 1024, compression_type=None)
+                             batch_size=512 * 1024, compression_type=None, **client_options(cfg))
     gen = TrafficGenerator(seed=seed + after, events_per_second=2000)
     # 2000 events per second: records that follow ``after`` others follow them in time, too.
     start_ms = int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000) + after // 2

@@ -284,9 +284,11 @@ class _Source:
         self.clock_ms += n * 50 + self.rng.randrange(0, 5_000)
         parts = self.partitions
         plain, in_tx = records[: n * 4 // 5], records[n * 4 // 5:]
-        produce(self.cfg.bootstrap_servers, self.cfg.topic, plain, partition_of=lambda i, r: i % parts)
+        options = broker.client_options(self.cfg)
+        produce(self.cfg.bootstrap_servers, self.cfg.topic, plain, partition_of=lambda i, r: i % parts,
+                client_options=options)
         producer = KafkaProducer(bootstrap_servers=self.cfg.bootstrap_servers,
-                                 transactional_id=f"{self.cfg.topic}-{uuid.uuid4().hex}")
+                                 transactional_id=f"{self.cfg.topic}-{uuid.uuid4().hex}", **options)
         producer.init_transactions()
         half = max(1, len(in_tx) // 2)
         for k, chunk in enumerate((in_tx[:half], in_tx[half:])):

@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Iterator
+from typing import Iterator, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +108,15 @@ class Produced:
 
 
 def produce(bootstrap_servers: str, topic: str, records: Iterator[Record] | list[Record],
-            partition_of=None, timestamp_of=None) -> list[Produced]:
+            partition_of=None, timestamp_of=None, client_options: Mapping[str, object] | None = None) -> list[Produced]:
     """Send records (to ``partition_of(i, record)`` if given, else by key; with Kafka
     timestamp ``timestamp_of(i, record)`` if given) and return where each landed. Used by
-    tests to know the exact ground truth."""
+    tests to know the exact ground truth. ``client_options``: the security keyword arguments
+    (``storage.broker.client_options``)."""
     from kafka import KafkaProducer
 
     producer = KafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", linger_ms=5,
-                             batch_size=256 * 1024)
+                             batch_size=256 * 1024, **(client_options or {}))
     sent = []
     for i, rec in enumerate(records):
         partition = partition_of(i, rec) if partition_of else None
@@ -131,11 +132,12 @@ def produce(bootstrap_servers: str, topic: str, records: Iterator[Record] | list
     return out
 
 
-def stream(bootstrap_servers: str, topic: str, generator: TrafficGenerator, count: int | None = None) -> int:
+def stream(bootstrap_servers: str, topic: str, generator: TrafficGenerator, count: int | None = None,
+           client_options: Mapping[str, object] | None = None) -> int:
     """Produce in real time: event clocks follow the wall clock at ``events_per_second``."""
     from kafka import KafkaProducer
 
-    producer = KafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", linger_ms=20)
+    producer = KafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", linger_ms=20, **(client_options or {}))
     start_wall = time.time()
     sent = 0
     try:

@@ -13,6 +13,8 @@ from pyspark.sql import functions as F
 
 from ipcount.jobs import transform
 from ipcount.rules.config import PipelineConfig
+from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
+from ipcount.storage.broker import client_options
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -37,6 +39,7 @@ def run_peer(cfg: PipelineConfig, spark: SparkSession, table_path: str, checkpoi
            .option("startingOffsets", "earliest")
            .option("kafka.isolation.level", "read_committed")
            .option("failOnDataLoss", "true")
+           .options(**spark_kafka_options(cfg, sasl_password(cfg)))
            .load())
     parsed = (transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms)
               .where(F.col("reason").isNull()))
@@ -79,7 +82,8 @@ def spark_count(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]
     end = json.dumps({cfg.topic: {str(p): o for p, o in ending.items()}})
     return (spark.read.format("kafka").option("kafka.bootstrap.servers", cfg.bootstrap_servers)
             .option("subscribe", cfg.topic).option("startingOffsets", start).option("endingOffsets", end)
-            .option("kafka.isolation.level", "read_committed").load().count())
+            .option("kafka.isolation.level", "read_committed")
+            .options(**spark_kafka_options(cfg, sasl_password(cfg))).load().count())
 
 
 def drain(cfg: PipelineConfig, ending: dict[int, int]) -> int:
@@ -88,7 +92,7 @@ def drain(cfg: PipelineConfig, ending: dict[int, int]) -> int:
 
     consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, enable_auto_commit=False,
                              isolation_level="read_committed", max_partition_fetch_bytes=8 << 20,
-                             fetch_max_bytes=64 << 20)
+                             fetch_max_bytes=64 << 20, **client_options(cfg))
     try:
         tps = [TopicPartition(cfg.topic, p) for p, end in ending.items() if end > 0]
         consumer.assign(tps)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 from ipcount.jobs import transform
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import PlanConflict
+from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
 from ipcount.rules.ledger import EpochPlan, EpochSummary, LedgerState, PartitionMetrics
 from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
                                    skip_deleted)
@@ -303,6 +304,7 @@ def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan
            .option("endingOffsets", plan.ending_offsets_json())
            .option("kafka.isolation.level", "read_committed")
            .option("failOnDataLoss", "true")
+           .options(**spark_kafka_options(cfg, sasl_password(cfg)))
            .load())
     parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, plan.planned_at_ms)
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)

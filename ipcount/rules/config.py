@@ -23,6 +23,8 @@ ENV_PREFIX = "IPCOUNT_"
 START_POSITIONS = ("earliest", "latest", "timestamp", "group-offsets", "specific")
 RESET_POLICIES = ("earliest", "latest", "none")
 DATA_LOSS_POLICIES = ("fail", "skip")
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 EVENT_TIME_SOURCES = ("payload", "kafka")
 IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
@@ -75,6 +77,22 @@ SETTINGS_HELP = {
     "epoch_server": "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs' "
                     "Spark tasks send their command to; empty, or no answer within 3 s: a spark-submit per run "
                     "(bin/run starts one and sets this)",
+    "kafka_security_protocol": "how the pipeline talks to Kafka: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL "
+                               "(SASL login over TLS)",
+    "kafka_sasl_mechanism": "for SASL_*: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
+    "kafka_sasl_username": "for SASL_*: the user name",
+    "kafka_sasl_password_file": "for SASL_*: a file holding the password (mode 0600; the password is never a "
+                                "setting, so it is in no command line, environment, ledger or log)",
+    "kafka_ssl_cafile": "for SSL and SASL_SSL: PEM file of the CA(s) to trust (default: the system's)",
+    "kafka_ssl_client_pem": "for SSL and SASL_SSL with client certificates: one PEM file holding the unencrypted "
+                            "private key and the certificate chain (mode 0600)",
+    "kafka_ssl_check_hostname": "for SSL and SASL_SSL: check that the broker's certificate names the host "
+                                "connected to (turn off only for a test broker)",
+    "kafka_connection": "id of an Airflow connection of type kafka whose extra (librdkafka names: bootstrap.servers, "
+                        "security.protocol, sasl.mechanism, sasl.username, sasl.password, ssl.ca.location, "
+                        "ssl.certificate.location, ssl.key.location, ssl.endpoint.identification.algorithm) gives "
+                        "the Kafka settings to the DAGs' tasks and the monitor; they write its password to a private "
+                        "file for the task's run",
     "epoch_server_token_file": "file holding the epoch server's shared token (mode 0600; ipcount serve creates "
                                "it if missing); every request must carry it (default .local/epoch-server.token)",
 }
@@ -86,6 +104,9 @@ PER_RUN_SETTINGS = ("max_records_per_epoch", "start_position", "start_timestamp_
 # Settings that are the caller's business: where and how it runs a command, not what it does.
 CALLER_SETTINGS = ("spark_master", "schedule", "command_timeout_seconds", "dagrun_timeout_seconds",
                    "epoch_server", "epoch_server_token_file")
+# Files with the Kafka login's secrets. A caller has its own copies (a task writes them per
+# run from a connection); the epoch server always logs in with its own, never a request's.
+SECRET_FILE_SETTINGS = ("kafka_sasl_password_file", "kafka_ssl_client_pem")
 
 
 def flag(name: str) -> str:
@@ -100,7 +121,8 @@ def negated_flag(name: str) -> str:
 
 # Settings whose value must be one of a few words.
 CHOICES = {"start_position": START_POSITIONS, "event_time": EVENT_TIME_SOURCES,
-           "on_data_loss": DATA_LOSS_POLICIES, "group_offsets_reset": RESET_POLICIES}
+           "on_data_loss": DATA_LOSS_POLICIES, "group_offsets_reset": RESET_POLICIES,
+           "kafka_security_protocol": SECURITY_PROTOCOLS}
 # Integer settings and their least allowed value.
 MINIMUMS = {"window_seconds": 1, "max_records_per_epoch": 1, "max_value_bytes": 1,
             "kafka_timeout_seconds": 1, "allowed_lateness_seconds": 0,
@@ -141,6 +163,14 @@ class PipelineConfig:
     schedule: str = "* * * * *"
     command_timeout_seconds: int = 3_600
     dagrun_timeout_seconds: int = 7_200
+    kafka_security_protocol: str = "PLAINTEXT"
+    kafka_sasl_mechanism: str = ""
+    kafka_sasl_username: str = ""
+    kafka_sasl_password_file: str = ""
+    kafka_ssl_cafile: str = ""
+    kafka_ssl_client_pem: str = ""
+    kafka_ssl_check_hostname: bool = True
+    kafka_connection: str = ""
     epoch_server: str = ""
     epoch_server_token_file: str = ""
 
@@ -156,6 +186,30 @@ class PipelineConfig:
                               f"spark-submit); found {self.epoch_server!r}")
         if not self.warehouse:
             raise ConfigError("warehouse is empty; expected a directory for the Delta tables")
+        self._check_kafka_security()
+
+    def _check_kafka_security(self) -> None:
+        """Settings that fit together (the files are read when used)."""
+        sasl = self.kafka_security_protocol.startswith("SASL_")
+        tls = self.kafka_security_protocol.endswith("SSL")
+        if sasl:
+            if self.kafka_sasl_mechanism not in SASL_MECHANISMS:
+                raise ConfigError(f"kafka_security_protocol {self.kafka_security_protocol} needs kafka_sasl_mechanism, "
+                                  f"one of {', '.join(SASL_MECHANISMS)}; found {self.kafka_sasl_mechanism!r}")
+            if not self.kafka_sasl_username or not self.kafka_sasl_password_file:
+                raise ConfigError(f"kafka_security_protocol {self.kafka_security_protocol} needs kafka_sasl_username "
+                                  "and kafka_sasl_password_file (a file holding the password, mode 0600)")
+        else:
+            given = [n for n in ("kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password_file")
+                     if getattr(self, n)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} set, but kafka_security_protocol is "
+                                  f"{self.kafka_security_protocol}: SASL settings need SASL_SSL or SASL_PLAINTEXT")
+        if not tls:
+            given = [n for n in ("kafka_ssl_cafile", "kafka_ssl_client_pem") if getattr(self, n)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} set, but kafka_security_protocol is "
+                                  f"{self.kafka_security_protocol}: TLS settings need SSL or SASL_SSL")
 
     def _check_names(self) -> None:
         for name in ("pipeline_id", "group_id"):

@@ -6,12 +6,11 @@ benchmark, chaos) reads the same file and sends it as ``Authorization: Bearer <t
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
-import stat
 from pathlib import Path
 
 from ipcount.rules.errors import EpochServerError
+from ipcount.rules.private_files import open_to_others, write_private_file
 
 MIN_TOKEN_CHARS = 16
 
@@ -20,26 +19,24 @@ def ensure_token(path: Path) -> str:
     """The token in ``path``, made (random, mode 0600) if the file does not exist."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        write_private_file(path, secrets.token_urlsafe(32) + "\n", exclusive=True)
     except FileExistsError:
-        return read_token(path)
-    with os.fdopen(fd, "w") as out:
-        out.write(secrets.token_urlsafe(32) + "\n")
+        pass
     return read_token(path)
 
 
 def read_token(path: Path) -> str:
     """The token in ``path``; refused if the file is missing, empty, or others may read it."""
     try:
-        mode = path.stat().st_mode
+        mode = open_to_others(path)
         text = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         raise EpochServerError(f"no epoch server token at {path}: `ipcount serve` makes it on start; a client on "
                                "another machine needs a copy (mode 0600), named by epoch_server_token_file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise EpochServerError(f"the epoch server token file {path} cannot be read: {e}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise EpochServerError(f"the epoch server token file {path} is open to others (mode {stat.S_IMODE(mode):o}); "
+    if mode is not None:
+        raise EpochServerError(f"the epoch server token file {path} is open to others (mode {mode:o}); "
                                f"make it private: chmod 600 {path}")
     if len(text) < MIN_TOKEN_CHARS or any(c.isspace() for c in text):
         raise EpochServerError(f"the epoch server token file {path} must hold one token of at least "

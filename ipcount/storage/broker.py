@@ -2,38 +2,164 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import ssl
+import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, Mapping
 
 from kafka import IsolationLevel, KafkaAdminClient, OffsetSpec, TopicPartition
-from kafka.errors import KafkaConnectionError, KafkaTimeoutError, RetriableError, TopicAlreadyExistsError
+from kafka.errors import (KafkaConnectionError, KafkaTimeoutError, RetriableError, SaslAuthenticationFailedError,
+                          TopicAlreadyExistsError, UnsupportedSaslMechanismError)
 from kafka.structs import OffsetAndMetadata
 
-from ipcount.rules.config import PipelineConfig
+from ipcount.rules.config import REPO_ROOT, PipelineConfig
+from ipcount.rules.kafka_security import (SCRAM_MECHANISMS, check_resolved, java_client_properties,
+                                          kafka_python_options, properties_file_text, sasl_password, uses_sasl,
+                                          uses_tls)
 from ipcount.rules.errors import BrokerUnavailableError, StartPositionError, UnknownTopicError
 
 log = logging.getLogger(__name__)
 # kafka-python logs every connection at INFO; in task logs that buries the epoch's own lines.
+# Its admin client also logs its whole configuration, SASL password included, at DEBUG: pinned
+# here, so that a root logger at DEBUG never shows it.
 logging.getLogger("kafka").setLevel(logging.WARNING)
+logging.getLogger("kafka.admin.client").setLevel(logging.WARNING)
+
+
+def client_options(cfg: PipelineConfig) -> dict[str, object]:
+    """The security keyword arguments of every kafka-python client of ``cfg``."""
+    return kafka_python_options(cfg, sasl_password(cfg))
+
+
+class _BootstrapFailures(logging.Handler):
+    """kafka-python retries a failed bootstrap until its timeout and then raises only that it
+    timed out; why (a refused login, say) is in its log. This keeps the reasons."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[BaseException] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        self.seen += [a for a in args if isinstance(a, BaseException) and not isinstance(a, KafkaTimeoutError)]
+
+    @property
+    def reason(self) -> BaseException | None:
+        """A refused login outweighs the disconnects that follow it (the broker hangs up)."""
+        logins = [e for e in self.seen if isinstance(e, (SaslAuthenticationFailedError, UnsupportedSaslMechanismError))]
+        return (logins or self.seen or [None])[-1]
+
+    @classmethod
+    @contextmanager
+    def watching(cls) -> Iterator[_BootstrapFailures]:
+        handler, logger = cls(), logging.getLogger("kafka")
+        logger.addHandler(handler)
+        try:
+            yield handler
+        finally:
+            logger.removeHandler(handler)
 
 
 @contextmanager
 def admin_client(cfg: PipelineConfig) -> Iterator[KafkaAdminClient]:
     try:
-        client = KafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers.split(","),
-                                  client_id=f"{cfg.pipeline_id}-admin",
-                                  request_timeout_ms=cfg.kafka_timeout_seconds * 1000,
-                                  bootstrap_timeout_ms=cfg.kafka_timeout_seconds * 1000)
+        with _BootstrapFailures.watching() as failures:
+            client = KafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers.split(","),
+                                      client_id=f"{cfg.pipeline_id}-admin",
+                                      request_timeout_ms=cfg.kafka_timeout_seconds * 1000,
+                                      bootstrap_timeout_ms=cfg.kafka_timeout_seconds * 1000, **client_options(cfg))
     except (KafkaTimeoutError, KafkaConnectionError) as e:
-        raise BrokerUnavailableError(
-            f"no Kafka broker answered at {cfg.bootstrap_servers} (setting bootstrap_servers / "
-            "IPCOUNT_BOOTSTRAP_SERVERS); is it running? The embedded one starts with "
-            "`bin/ipcount kafka start`") from e
+        raise BrokerUnavailableError(_unreachable(cfg, failures.reason)) from e
     try:
         yield client
     finally:
         client.close()
+
+
+def _unreachable(cfg: PipelineConfig, failure: BaseException | None) -> str:
+    """Why no client of ``cfg`` got through, naming the settings to look at."""
+    if isinstance(failure, SaslAuthenticationFailedError):
+        reason = str(failure).rsplit(": ", 1)[-1]
+        return (f"the Kafka broker at {cfg.bootstrap_servers} refused the login of {cfg.kafka_sasl_username!r} "
+                f"({cfg.kafka_sasl_mechanism}): check kafka_sasl_username, kafka_sasl_password_file and "
+                f"kafka_sasl_mechanism ({reason})")
+    if isinstance(failure, UnsupportedSaslMechanismError):
+        return (f"the Kafka broker at {cfg.bootstrap_servers} does not take kafka_sasl_mechanism "
+                f"{cfg.kafka_sasl_mechanism} ({str(failure).rsplit(': ', 1)[-1]})")
+    tls_problem = tls_handshake_problem(cfg) if uses_tls(cfg) else None
+    if tls_problem:
+        return f"no TLS connection to the Kafka broker at {cfg.bootstrap_servers}: {tls_problem}"
+    if uses_sasl(cfg) and _accepts_connections(cfg):
+        # A broker that refuses a login hangs up; kafka-python often sees only the hang-up.
+        return (f"the Kafka broker at {cfg.bootstrap_servers} takes connections but closed each one while "
+                f"{cfg.kafka_sasl_username!r} logged in ({cfg.kafka_sasl_mechanism}): check kafka_sasl_username, "
+                f"kafka_sasl_password_file and kafka_sasl_mechanism, and that the port's listener is "
+                f"{cfg.kafka_security_protocol} (kafka_security_protocol)")
+    return (f"no Kafka broker answered at {cfg.bootstrap_servers} (setting bootstrap_servers / "
+            "IPCOUNT_BOOTSTRAP_SERVERS); is it running? The embedded one starts with `bin/ipcount kafka start`"
+            + (f" (last error: {failure})" if failure is not None else ""))
+
+
+def _first_bootstrap(cfg: PipelineConfig) -> tuple[str, str]:
+    host, _, port = cfg.bootstrap_servers.split(",")[0].strip().rpartition(":")
+    return host, port
+
+
+def _accepts_connections(cfg: PipelineConfig) -> bool:
+    host, port = _first_bootstrap(cfg)
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def tls_handshake_problem(cfg: PipelineConfig, timeout: float = 5.0) -> str | None:
+    """Why a TLS handshake with the first bootstrap server fails, naming the setting to look
+    at; None if it succeeds or nothing listens. kafka-python only logs the reason and then
+    times out, so the reason is found again here, the way it connects."""
+    host, port = _first_bootstrap(cfg)
+    try:
+        context = ssl.create_default_context(cafile=cfg.kafka_ssl_cafile or None)
+    except ssl.SSLError as e:
+        return f"kafka_ssl_cafile {cfg.kafka_ssl_cafile} holds no PEM certificate that loads ({e.reason or e})"
+    context.check_hostname = cfg.kafka_ssl_check_hostname
+    try:
+        if cfg.kafka_ssl_client_pem:
+            context.load_cert_chain(cfg.kafka_ssl_client_pem)
+    except ssl.SSLError as e:
+        return (f"kafka_ssl_client_pem {cfg.kafka_ssl_client_pem} must hold an unencrypted private key and its "
+                f"certificate chain, in PEM ({e.reason or e})")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as raw, \
+                context.wrap_socket(raw, server_hostname=host) as tls:
+            tls.settimeout(1.0)  # TLS 1.3 reports a refused client certificate only on the first read
+            try:
+                tls.recv(1)
+            except TimeoutError:
+                pass
+    except ssl.SSLCertVerificationError as e:
+        if "mismatch" in (e.verify_message or "").lower():  # "Hostname mismatch" or "IP address mismatch"
+            return (f"the broker's certificate does not name {host!r} ({e.verify_message}); connect by a name it "
+                    "holds, or (test brokers only) set kafka_ssl_check_hostname = false")
+        return (f"the broker's certificate is not trusted ({e.verify_message}); set kafka_ssl_cafile to the CA "
+                f"that signed it (now {cfg.kafka_ssl_cafile or 'the system CAs'!r})")
+    except ssl.SSLError as e:
+        if any(alert in str(e) for alert in ("CERTIFICATE_REQUIRED", "BAD_CERTIFICATE", "UNKNOWN_CA")):
+            if not cfg.kafka_ssl_client_pem:
+                return "the broker wants a client certificate: set kafka_ssl_client_pem"
+            return (f"the broker refused the client certificate in kafka_ssl_client_pem ({e.reason}); is it "
+                    "signed by a CA the broker trusts?")
+        return (f"the TLS handshake failed ({e.reason or e}); is {host}:{port} a TLS listener? "
+                f"(kafka_security_protocol is {cfg.kafka_security_protocol})")
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def partitions_of(client: KafkaAdminClient, topic: str) -> list[int]:
@@ -102,7 +228,7 @@ def read_range(cfg: PipelineConfig, partition: int, from_offset: int, until_offs
     consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=None,
                              enable_auto_commit=False, isolation_level="read_committed",
                              client_id=f"{cfg.pipeline_id}-verify", request_timeout_ms=cfg.kafka_timeout_seconds * 1000 + 1000,
-                             max_partition_fetch_bytes=8 * 1024 * 1024)
+                             max_partition_fetch_bytes=8 * 1024 * 1024, **client_options(cfg))
     try:
         tp = TopicPartition(cfg.topic, partition)
         consumer.assign([tp])
@@ -187,3 +313,42 @@ def group_offsets(cfg: PipelineConfig) -> dict[int, int]:
     return {tp.partition: meta.offset for tp, meta in dict(entries).items()
             if tp.topic == cfg.topic and meta.offset >= 0}
 
+
+@contextmanager
+def java_tool_config(cfg: PipelineConfig) -> Iterator[Path | None]:
+    """A private ``--command-config`` file for Kafka's Java tools holding ``cfg``'s security
+    settings (None for PLAINTEXT), removed afterwards: the password is in no command line."""
+    check_resolved(cfg)
+    if cfg.kafka_security_protocol == "PLAINTEXT":
+        yield None
+        return
+    fd, name = tempfile.mkstemp(prefix="ipcount-kafka-", suffix=".properties")  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="iso-8859-1") as f:
+            f.write(properties_file_text(java_client_properties(cfg, sasl_password(cfg))))
+        yield Path(name)
+    finally:
+        os.unlink(name)
+
+
+def consumer_groups_command(cfg: PipelineConfig, tool_args: list[str]) -> int:
+    """Run Kafka's kafka-consumer-groups against ``cfg``'s broker, logged in as ``cfg`` says;
+    its exit code."""
+    with java_tool_config(cfg) as command_config:
+        security = ["--command-config", str(command_config)] if command_config else []
+        return subprocess.run([str(REPO_ROOT / "bin" / "kafka-consumer-groups"),
+                               "--bootstrap-server", cfg.bootstrap_servers, *security, *tool_args]).returncode
+
+
+def upsert_scram_user(cfg: PipelineConfig, username: str, password: str) -> None:
+    """Give ``username`` SCRAM-SHA-256 and -512 credentials (an upsert: the same on every
+    call), through ``cfg``'s admin login. The password travels in the request only."""
+    from kafka.admin import UserScramCredentialUpsertion
+
+    with admin_client(cfg) as client:
+        for mechanism in SCRAM_MECHANISMS:  # one request each: the broker refuses a user twice in one
+            errors = client.alter_user_scram_credentials([UserScramCredentialUpsertion(username, mechanism, password)])
+            if errors.get(username):
+                raise BrokerUnavailableError(f"the broker at {cfg.bootstrap_servers} did not take {mechanism} "
+                                             f"credentials for {username!r}: {errors[username]}")
+    log.info("SCRAM credentials of %r set (%s)", username, ", ".join(SCRAM_MECHANISMS))
