@@ -9,7 +9,8 @@
     generate   produce access-log traffic to the source topic
     chaos      kill epochs, backfills and the epoch server at random on a topic of its own, then
                recount: duplicates and losses must be 0
-    kafka      start / stop / status of the embedded broker; create-topic
+    kafka      start / stop / status of the embedded broker (--secure: SASL and TLS too); create-topic
+    consumer-groups  Kafka's kafka-consumer-groups tool, logged in with the pipeline's settings
     config     print the effective configuration
 """
 from __future__ import annotations
@@ -344,11 +345,12 @@ def _generate_arguments(sub) -> None:
 
 def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.devtools.generator import TrafficGenerator, stream
+    from ipcount.storage.broker import client_options
 
     gen = TrafficGenerator(seed=args.seed, events_per_second=args.rate)
     log.info("generating %s records at %.0f/s to %s on %s", args.count or "unbounded", args.rate, cfg.topic,
              cfg.bootstrap_servers)
-    sent = stream(cfg.bootstrap_servers, cfg.topic, gen, args.count)
+    sent = stream(cfg.bootstrap_servers, cfg.topic, gen, args.count, client_options(cfg))
     log.info("generator sent %d records", sent)
     return EXIT_OK
 
@@ -410,22 +412,40 @@ def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 
 def _kafka_arguments(sub) -> None:
     p = sub.add_parser("kafka", help="manage the embedded Kafka broker",
-                       description="Start, stop or inspect the embedded single-node KRaft broker, or "
-                                   "create the source topic.")
-    p.add_argument("action", choices=("start", "stop", "status", "create-topic"))
+                       description="Start, stop or inspect the embedded single-node KRaft broker, create the "
+                                   "source topic, or give a user SCRAM credentials on any broker (scram-user: "
+                                   "--username and --password-file).")
+    p.add_argument("action", choices=("start", "stop", "status", "create-topic", "scram-user"))
     p.add_argument("--port", type=int, default=9092, help="broker port on 127.0.0.1 (default 9092)")
     p.add_argument("--state-dir", default=str(STATE_DIR / "kafka"), help="broker config, data and log")
+    p.add_argument("--secure", action="store_true",
+                   help="start: also serve SASL_SSL, SASL_PLAINTEXT and mutual-TLS SSL on the next three "
+                        "ports (a dev CA and a user's password under STATE_DIR/secure), and print the "
+                        "settings that reach each")
     p.add_argument("--partitions", type=int, default=3, help="partitions of a created topic (default 3)")
+    p.add_argument("--username", help="scram-user: the user to give SCRAM-SHA-256 and -512 credentials")
+    p.add_argument("--password-file", help="scram-user: a private file (mode 0600) holding the user's password")
     _add_config_flags(p)
 
 
 def _kafka(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.devtools.embedded_kafka import EmbeddedKafka
-    from ipcount.storage.broker import create_topic
+    from ipcount.devtools.embedded_kafka import EmbeddedKafka, SecureListeners
+    from ipcount.rules.kafka_security import read_private_file
+    from ipcount.storage.broker import create_topic, upsert_scram_user
 
-    broker = EmbeddedKafka(state_dir=Path(args.state_dir), port=args.port, controller_port=args.port + 1)
+    if args.action == "scram-user":
+        if not args.username or not args.password_file:
+            raise ConfigError("scram-user needs --username and --password-file")
+        upsert_scram_user(cfg, args.username, read_private_file(args.password_file, "--password-file"))
+        return EXIT_OK
+    secure = SecureListeners(args.port + 2, args.port + 3, args.port + 4) if args.secure else None
+    broker = EmbeddedKafka(state_dir=Path(args.state_dir), port=args.port, controller_port=args.port + 1,
+                           secure=secure)
     if args.action == "start":
         broker.start()
+        for protocol in (secure.ports() if secure else {}):
+            settings = broker.client_settings(protocol)
+            print(f"# {protocol}\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()))
     elif args.action == "stop":
         broker.stop()
     elif args.action == "status":
@@ -434,6 +454,23 @@ def _kafka(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     else:
         create_topic(cfg, args.partitions)
     return EXIT_OK
+
+
+def _consumer_groups_arguments(sub) -> None:
+    p = sub.add_parser("consumer-groups", help="Kafka's kafka-consumer-groups, logged in as the pipeline",
+                       description="Run Kafka's kafka-consumer-groups tool against the pipeline's broker with "
+                                   "its Kafka security settings (a private --command-config file, removed "
+                                   "afterwards), e.g. `bin/ipcount consumer-groups --config p.toml -- "
+                                   "--describe --group ipcount`.")
+    _add_config_flags(p)
+    p.add_argument("tool_args", nargs=argparse.REMAINDER, help="after --: the tool's own arguments")
+
+
+def _consumer_groups(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.storage.broker import consumer_groups_command
+
+    tool_args = args.tool_args[1:] if args.tool_args[:1] == ["--"] else args.tool_args
+    return consumer_groups_command(cfg, tool_args)
 
 
 def _airflow_arguments(sub) -> None:
@@ -485,6 +522,7 @@ COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
     "generate": (_generate_arguments, _generate),
     "chaos": (_chaos_arguments, _chaos),
     "kafka": (_kafka_arguments, _kafka),
+    "consumer-groups": (_consumer_groups_arguments, _consumer_groups),
     "airflow": (_airflow_arguments, _airflow),
     "config": (_config_arguments, _config),
 }

@@ -24,12 +24,22 @@ def run_until_idle(cfg: PipelineConfig, spark, limit: int = 20) -> list:
     raise AssertionError(f"still planning epochs after {limit}")
 
 
+# The secured listeners' password: quotes, a backslash, separators and a non-ASCII letter, so
+# every place that quotes or escapes it (JAAS, Java properties, SCRAM) is tried for real.
+BROKER_PASSWORD = 'p"w\\d;x y=z,\u00e9'
+
+
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory):
-    from ipcount.devtools.embedded_kafka import EmbeddedKafka
+    """The run's broker: PLAINTEXT for most tests, and SASL_SSL, SASL_PLAINTEXT and mutual-TLS
+    SSL listeners for the Kafka security tests."""
+    from ipcount.devtools.embedded_kafka import EmbeddedKafka, SecureListeners
 
-    port = free_port()
-    kafka = EmbeddedKafka(state_dir=tmp_path_factory.mktemp("kafka"), port=port, controller_port=free_port())
+    kafka = EmbeddedKafka(state_dir=tmp_path_factory.mktemp("kafka"), port=free_port(), controller_port=free_port(),
+                          secure=SecureListeners(free_port(), free_port(), free_port()))
+    kafka.password_file.parent.mkdir(mode=0o700)
+    kafka.password_file.write_text(BROKER_PASSWORD + "\n")
+    kafka.password_file.chmod(0o600)
     kafka.start()
     yield kafka
     kafka.stop()

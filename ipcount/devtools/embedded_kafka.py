@@ -1,7 +1,9 @@
 """A real single-node Kafka broker (KRaft, broker + controller in one JVM) on 127.0.0.1.
 
 Its jars come from Maven Central through bin/setup; its state (config, data, log, pid)
-lives under one directory, ``.local/kafka`` by default.
+lives under one directory, ``.local/kafka`` by default. With :class:`SecureListeners` it also
+serves SASL_SSL, SASL_PLAINTEXT and mutual-TLS SSL next to its PLAINTEXT port, for trying and
+testing the pipeline's Kafka security settings.
 """
 from __future__ import annotations
 
@@ -11,11 +13,15 @@ import signal
 import socket
 import subprocess
 import time
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from ipcount.devtools.dev_tls import DevTls
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.errors import BrokerStartError
+from ipcount.rules.kafka_security import JAAS_MODULES, SCRAM_MECHANISMS, jaas_quoted, property_value
+from ipcount.rules.private_files import read_private_file, write_private_file
 
 log = logging.getLogger(__name__)
 KAFKA_JARS_DIR = STATE_DIR / "jars" / "kafka"
@@ -50,11 +56,54 @@ def _is_zombie(pid: int) -> bool:
 
 
 @dataclass(frozen=True)
+class SecureListeners:
+    """Ports of the broker's secured listeners and the one user they know. The SSL listener
+    asks for a client certificate (mutual TLS); the SASL ones take PLAIN and both SCRAMs."""
+    sasl_ssl_port: int
+    sasl_plaintext_port: int
+    ssl_port: int
+    username: str = "ipcount"
+
+    def ports(self) -> dict[str, int]:
+        return {"SASL_SSL": self.sasl_ssl_port, "SASL_PLAINTEXT": self.sasl_plaintext_port, "SSL": self.ssl_port}
+
+
+@dataclass(frozen=True)
 class EmbeddedKafka:
     state_dir: Path = STATE_DIR / "kafka"
     port: int = 9092
     controller_port: int = 9093
     heap: str = "512m"
+    secure: SecureListeners | None = None
+
+    @property
+    def tls(self) -> DevTls:
+        """The dev CA and certificates of the secured listeners."""
+        return DevTls(self.state_dir / "secure")
+
+    @property
+    def password_file(self) -> Path:
+        """The secured listeners' user's password (mode 0600; made on the first start unless
+        written before it)."""
+        return self.state_dir / "secure" / "password"
+
+    def client_settings(self, protocol: str, mechanism: str = "SCRAM-SHA-512") -> dict[str, object]:
+        """The pipeline settings (``kafka_*``, ``bootstrap_servers``) that reach this broker
+        over ``protocol``: PLAINTEXT or one of the secured listeners."""
+        if protocol == "PLAINTEXT":
+            return {"bootstrap_servers": self.bootstrap_servers, "kafka_security_protocol": "PLAINTEXT"}
+        if self.secure is None:
+            raise ValueError("this broker has no secured listeners")
+        settings: dict[str, object] = {"bootstrap_servers": f"127.0.0.1:{self.secure.ports()[protocol]}",
+                                       "kafka_security_protocol": protocol}
+        if protocol.startswith("SASL_"):
+            settings.update(kafka_sasl_mechanism=mechanism, kafka_sasl_username=self.secure.username,
+                            kafka_sasl_password_file=str(self.password_file))
+        if protocol.endswith("SSL"):
+            settings["kafka_ssl_cafile"] = str(self.tls.ca_pem)
+        if protocol == "SSL":
+            settings["kafka_ssl_client_pem"] = str(self.tls.client_pem)
+        return settings
 
     @property
     def bootstrap_servers(self) -> str:
@@ -73,18 +122,45 @@ class EmbeddedKafka:
             raise BrokerStartError(f"no Kafka jars in {KAFKA_JARS_DIR}; run bin/setup to fetch them")
         return str(KAFKA_JARS_DIR / "*")
 
+    def _listener_lines(self) -> list[str]:
+        """Listeners: PLAINTEXT (clients, between broker and itself), CONTROLLER, and the
+        secured ones if asked for."""
+        served = {"PLAINTEXT": self.port, **(self.secure.ports() if self.secure else {})}
+        advertised = ",".join(f"{name}://127.0.0.1:{port}" for name, port in served.items())
+        lines = [f"listeners={advertised},CONTROLLER://127.0.0.1:{self.controller_port}",
+                 f"advertised.listeners={advertised}",
+                 "listener.security.protocol.map=CONTROLLER:PLAINTEXT," + ",".join(f"{n}:{n}" for n in served)]
+        if self.secure is None:
+            return lines
+        self.tls.ensure()
+        password = self._password()
+        lines += [f"sasl.enabled.mechanisms=PLAIN,{','.join(SCRAM_MECHANISMS)}",
+                  "ssl.keystore.type=PEM", f"ssl.keystore.location={self.tls.broker_pem}",
+                  "ssl.truststore.type=PEM", f"ssl.truststore.location={self.tls.ca_pem}",
+                  "listener.name.ssl.ssl.client.auth=required"]
+        for listener in ("sasl_ssl", "sasl_plaintext"):
+            # PLAIN users live in the JAAS line; SCRAM users in the cluster metadata (see _add_scram_user).
+            plain = f'{JAAS_MODULES["PLAIN"]} required user_{self.secure.username}={jaas_quoted(password)};'
+            lines.append(f"listener.name.{listener}.plain.sasl.jaas.config={property_value(plain)}")
+            lines += [f"listener.name.{listener}.{m.lower()}.sasl.jaas.config={JAAS_MODULES[m]} required;"
+                      for m in SCRAM_MECHANISMS]
+        return lines
+
+    def _password(self) -> str:
+        if not self.password_file.exists():
+            write_private_file(self.password_file, secrets.token_urlsafe(18) + "\n", exclusive=True)
+        return read_private_file(self.password_file, "the embedded broker's password file")
+
     def _write_config(self) -> Path:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         props = self.state_dir / "server.properties"
-        props.write_text("\n".join([
+        write_private_file(props, "\n".join([  # it may hold the PLAIN user's password
             "process.roles=broker,controller",
             "node.id=1",
             f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
-            f"listeners=PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+            *self._listener_lines(),
             "inter.broker.listener.name=PLAINTEXT",
             "controller.listener.names=CONTROLLER",
-            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
             f"log.dirs={self.state_dir / 'data'}",
             "num.partitions=3",
             # One broker: internal topics cannot have the default replication of 3.
@@ -173,12 +249,50 @@ class EmbeddedKafka:
                     client.describe_cluster()
                     client.close()
                     log.info("Kafka broker ready at %s", self.bootstrap_servers)
+                    if self.secure is not None:
+                        self._add_scram_user()
+                        self._wait_secure_ready(deadline)
                     return
                 except KafkaError:
                     pass
             time.sleep(0.5)
         self.stop()
         raise BrokerStartError(f"Kafka broker not ready within {timeout:.0f}s; see {self.log_file}")
+
+    def _add_scram_user(self) -> None:
+        """Give the user SCRAM credentials (over PLAINTEXT, so the password is on no command
+        line); an upsert, so it holds on every start."""
+        from ipcount.rules.config import PipelineConfig
+        from ipcount.storage.broker import upsert_scram_user
+
+        try:
+            upsert_scram_user(PipelineConfig(bootstrap_servers=self.bootstrap_servers), self.secure.username,
+                              self._password())
+        except Exception:
+            self.stop()
+            raise
+
+    def _wait_secure_ready(self, deadline: float) -> None:
+        """Wait until a SCRAM login over TLS works: new credentials reach the listeners through
+        the metadata log, a moment after they were accepted."""
+        from ipcount.rules.config import PipelineConfig
+        from ipcount.rules.errors import BrokerUnavailableError
+        from ipcount.storage.broker import admin_client
+
+        cfg = PipelineConfig(**self.client_settings("SASL_SSL"), kafka_timeout_seconds=5)
+        while True:
+            try:
+                with admin_client(cfg):
+                    pass
+                log.info("secured listeners ready: %s", ", ".join(f"{n} 127.0.0.1:{p}"
+                                                                 for n, p in self.secure.ports().items()))
+                return
+            except BrokerUnavailableError as e:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise BrokerStartError(f"no SCRAM login on the SASL_SSL listener: {e}; see {self.log_file}") \
+                        from None
+                time.sleep(0.5)
 
     def stop(self, timeout: float = 30.0) -> None:
         pid = self.pid()
