@@ -35,6 +35,7 @@ from ipcount.jobs import idle
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params, dagrun_timeout,
                                         epoch_summary, run_config, spark_submit_kwargs, task_defaults)
+from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.operators import EpochSubmitOperator
 from ipcount.rules.config import PipelineConfig
 
@@ -64,7 +65,8 @@ with DAG(
         run_type = getattr(dag_run.run_type, "value", dag_run.run_type)
         if run_type == "backfill":
             return "backfill_interval"
-        verdict = idle.check(run_config(CFG, params))
+        with resolved(run_config(CFG, params)) as cfg:
+            verdict = idle.check(cfg)
         log.info("%s: %s", "running the epoch" if verdict.run else "skipping the epoch", verdict.why)
         return "run_epoch" if verdict.run else None
 
@@ -75,7 +77,8 @@ with DAG(
     @task(trigger_rule="none_failed_min_one_success")
     def commit_offsets(params: dict | None = None) -> bool:
         """Ledger positions -> consumer group (warns, never fails, when the broker refuses)."""
-        return commit_group_offsets_from_ledger(run_config(CFG, params))
+        with resolved(run_config(CFG, params)) as cfg:
+            return commit_group_offsets_from_ledger(cfg)
 
     @task(outlets=[COUNTS])
     def publish_summary(run_id: str | None = None, outlet_events=None) -> dict:

@@ -7,6 +7,7 @@ from datetime import timedelta
 from difflib import get_close_matches
 from typing import Any, Mapping
 
+from ipcount.orchestration.kafka_connection import resolved
 from ipcount.rules.config import (DATA_LOSS_POLICIES, REPO_ROOT, RESET_POLICIES, SETTINGS_HELP, START_POSITIONS,
                                   PipelineConfig, flag, negated_flag)
 from ipcount.rules.errors import BadRequestError, ConfigError
@@ -120,7 +121,8 @@ def check_backfill_request(cfg: PipelineConfig, params: dict[str, Any]) -> dict[
 
     _refuse_unknown(params, BACKFILL_PARAMS, BadRequestError)
     request = request_from_fields({k: params.get(k) for k in REQUEST_FIELDS}, cfg.topic)
-    ranges = resolve(cfg, request).ranges
+    with resolved(cfg) as kafka:
+        ranges = resolve(kafka, request).ranges
     log.info("backfill request %s: %s -> %d offset range(s), %d offsets", request.request_id, request.describe(),
              len(ranges), sum(r.size for r in ranges))
     return {"request_id": request.request_id, "target": request.target, "request": request.describe(),
@@ -147,6 +149,8 @@ def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: 
         "epoch_server": cfg.epoch_server,
         "epoch_server_token_file": str(cfg.epoch_server_token_path),
         "server_timeout_seconds": cfg.command_timeout_seconds,
+        "kafka_connection": cfg.kafka_connection,
+        "bootstrap_servers": cfg.bootstrap_servers,
         "application": EPOCH_APPLICATION,
         "conn_id": "spark_default",
         "name": f"{cfg.pipeline_id}-{command}",

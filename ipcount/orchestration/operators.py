@@ -6,7 +6,9 @@ from pathlib import Path
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk.exceptions import AirflowException
 
+from ipcount.orchestration.kafka_connection import kafka_args, resolved
 from ipcount.orchestration.monitor.links import EpochPageLink
+from ipcount.rules.config import PipelineConfig
 from ipcount.server import auth, client
 
 
@@ -19,13 +21,32 @@ class EpochSubmitOperator(SparkSubmitOperator):
     operator_extra_links = (EpochPageLink(),)
 
     def __init__(self, *, epoch_server: str = "", epoch_server_token_file: str = "",
-                 server_timeout_seconds: float | None = None, **kwargs) -> None:
+                 server_timeout_seconds: float | None = None, kafka_connection: str = "",
+                 bootstrap_servers: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
         self.epoch_server = epoch_server
         self.epoch_server_token_file = epoch_server_token_file
         self.server_timeout_seconds = server_timeout_seconds
+        self.kafka_connection = kafka_connection
+        self.bootstrap_servers = bootstrap_servers
 
     def execute(self, context):
+        if not self.kafka_connection:
+            return self._execute(context)
+        # The connection's settings follow the DAG's flags (the last flag wins); its secrets
+        # are in private files until the command is done.
+        cfg = PipelineConfig(bootstrap_servers=self.bootstrap_servers, kafka_connection=self.kafka_connection)
+        with resolved(cfg) as kafka:
+            self.log.info("Kafka settings from connection %r: %s over %s", self.kafka_connection,
+                          kafka.bootstrap_servers, kafka.kafka_security_protocol)
+            own = list(self.application_args)
+            self.application_args = [*own, *kafka_args(kafka)]
+            try:
+                return self._execute(context)
+            finally:
+                self.application_args = own
+
+    def _execute(self, context):
         if self.epoch_server:
             state = client.health(self.epoch_server)
             if state is not None:

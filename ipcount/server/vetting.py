@@ -7,10 +7,12 @@ pipeline id and config files are the server's. So each setting flag of the reque
 
 * a per-run setting (:data:`PER_RUN_SETTINGS`, the epoch DAG's Params): taken;
 * the caller's business (:data:`CALLER_SETTINGS`, e.g. its own Spark master): ignored;
+* a file of the Kafka login's secrets (:data:`SECRET_FILE_SETTINGS`): replaced by the
+  server's own, so a request can neither read another file nor log in as someone else;
 * anything else: it must name the served pipeline's own value, or the request is refused.
 
-The command then runs with the served pipeline's settings first and the request's flags
-after them.
+The command then runs with the served pipeline's settings first, the request's flags after
+them and the server's secret files last.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ipcount.rules.config import CALLER_SETTINGS, IDENTIFIER, PER_RUN_SETTINGS, PipelineConfig, flag
+from ipcount.rules.config import (CALLER_SETTINGS, IDENTIFIER, PER_RUN_SETTINGS, SECRET_FILE_SETTINGS,
+                                  PipelineConfig, flag)
 from ipcount.rules.errors import BadRequestError, ConfigError
 
 SERVED_COMMANDS = ("epoch", "backfill", "rebuild")
@@ -50,7 +53,8 @@ def command_line(args: Sequence[str], parse: Parse, pipeline_of: PipelineOf) -> 
     served = pipeline_of(pipeline_id)
     if served is None:
         raise BadRequestError(f"this epoch server serves no pipeline {pipeline_id!r} (--pipeline-id)")
-    owned = {k: v for k, v in given.items() if k not in PER_RUN_SETTINGS and k not in CALLER_SETTINGS}
+    exempt = (*PER_RUN_SETTINGS, *CALLER_SETTINGS, *SECRET_FILE_SETTINGS)
+    owned = {k: v for k, v in given.items() if k not in exempt}
     try:
         wanted = served.replace(**owned)
     except ConfigError as e:
@@ -63,7 +67,8 @@ def command_line(args: Sequence[str], parse: Parse, pipeline_of: PipelineOf) -> 
                               f"({', '.join(flag(n) for n in PER_RUN_SETTINGS)})")
     if (getattr(ns, "epochs", None) or 0) > MAX_EPOCHS:
         raise BadRequestError(f"--epochs: at most {MAX_EPOCHS} in one request")
-    return [args[0], *served.to_args(), *args[1:]]
+    own_secrets = [a for name in SECRET_FILE_SETTINGS for a in (flag(name), str(getattr(served, name)))]
+    return [args[0], *served.to_args(), *args[1:], *own_secrets]
 
 
 def parser_of(build: Callable[[], argparse.ArgumentParser]) -> Parse:

@@ -15,7 +15,7 @@ from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.orchestration.monitor.links import run_page_path
 from ipcount.storage import broker as broker_io
 from ipcount.storage.ledger import committed_epochs
-from tests.conftest import free_port
+from tests.conftest import BROKER_PASSWORD, free_port
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
 
@@ -123,21 +123,36 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     assert [e.epoch for e in committed_epochs(cfg.ledger_path)] == [1]
 
 
-def test_run_params_override_the_pipeline_config_for_one_run(airflow_home, cfg, epoch_server):
+def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow_home, cfg, broker, epoch_server):
+    """The run's Params reach the epoch server as the same flags spark-submit gets. The
+    pipeline's Kafka settings come from an Airflow connection of type kafka (SASL_SSL, SCRAM):
+    every task logs in with it (the idle check, the epoch, whose server logs in with its own
+    copy of the password, and the group commit); the DAG's own brokers setting is unusable."""
+    secure = cfg.replace(**broker.client_settings("SASL_SSL"))
     gen = TrafficGenerator(seed=32, events_per_second=50)
-    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
-                       partition_of=lambda i, r: i % 3)
-    conf = json.dumps({"max_records_per_epoch": 90, "commit_offsets": False, "start_position": "specific",
+    produced = produce(secure.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
+                       partition_of=lambda i, r: i % 3, client_options=broker_io.client_options(secure))
+    conf = json.dumps({"max_records_per_epoch": 90, "commit_offsets": True, "start_position": "specific",
                        "start_offsets": "1:40"})
-    # Through the epoch server: the run's Params reach it as the same flags spark-submit gets.
-    cfg = epoch_server.serve(cfg)
-    proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", "-c", conf, cfg=cfg)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert f"running `epoch` in the epoch server at {epoch_server.url}" in proc.stdout + proc.stderr
+    served = epoch_server.serve(secure)  # the server's own copy of the settings: a password file
+    connection = {"conn_type": "kafka", "extra": {
+        "bootstrap.servers": secure.bootstrap_servers, "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "ipcount", "sasl.password": BROKER_PASSWORD,
+        "ssl.ca.location": secure.kafka_ssl_cafile}}
+    dag_cfg = cfg.replace(epoch_server=served.epoch_server, epoch_server_token_file=served.epoch_server_token_file,
+                          kafka_connection="ipcount_kafka", bootstrap_servers="127.0.0.1:1", commit_offsets=False)
+    env = {**_env(airflow_home, dag_cfg), "AIRFLOW_CONN_IPCOUNT_KAFKA": json.dumps(connection)}
+    proc = subprocess.run([str(Path(sys.executable).parent / "airflow"), "dags", "test", "ipcount_epoch", "-c", conf],
+                          env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert f"running `epoch` in the epoch server at {epoch_server.url}" in out
+    assert "Kafka settings from connection 'ipcount_kafka'" in out and BROKER_PASSWORD not in out
     (ranges,) = epoch_ranges(cfg)
     assert ranges[1][0] == 40 and sum(u - f for f, u in ranges.values()) == 90
-    assert broker_io.group_offsets(cfg) == {}  # commit_offsets was off for this run
     assert counts(cfg) == expected_tables(produced, [ranges]).counts
+    # commit_offsets: off in the pipeline's settings, on for this run (a Param).
+    assert broker_io.group_offsets(secure) == {p: u for p, (f, u) in ranges.items()}
 
 
 def test_invalid_run_params_are_refused_before_anything_runs(airflow_home, cfg):

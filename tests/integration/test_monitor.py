@@ -28,7 +28,7 @@ from ipcount.rules.config import STATE_DIR, PipelineConfig
 from ipcount.storage import broker as broker_io
 from tests.airflow_auth import PATH as AUTH_MANAGER
 from tests.airflow_services import access_token, airflow, airflow_services, service_env
-from tests.conftest import free_port, run_until_idle
+from tests.conftest import BROKER_PASSWORD, free_port, run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import ledger
 
@@ -96,6 +96,14 @@ def server(broker, tmp_path_factory):
     # as FAB or Keycloak give them; the simple auth manager knows roles only).
     env.update({"AIRFLOW__CORE__AUTH_MANAGER": AUTH_MANAGER, "IPCOUNT_TEST_DAG_DENY": f"{RESTRICTED}:ipcount_backfill",
                 "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"admin:admin,{RESTRICTED}:viewer"})
+    # The monitor asks the broker over SASL_SSL, logged in with an Airflow connection of type
+    # kafka, as in a secured deployment (the tests' own clients use PLAINTEXT).
+    secure = broker.client_settings("SASL_SSL")
+    env.update({"IPCOUNT_KAFKA_CONNECTION": "ipcount_kafka", "AIRFLOW_CONN_IPCOUNT_KAFKA": json.dumps(
+        {"conn_type": "kafka", "extra": {"bootstrap.servers": secure["bootstrap_servers"],
+                                         "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
+                                         "sasl.username": "ipcount", "sasl.password": BROKER_PASSWORD,
+                                         "ssl.ca.location": secure["kafka_ssl_cafile"]}})})
     airflow(env, "db", "migrate")
     with airflow_services(home, env, services=("api-server",)):
         url = f"http://127.0.0.1:{port}"
@@ -193,7 +201,8 @@ def test_lag_endpoint_matches_broker_and_ledger(server, pipeline):
     for r in ledger(server.cfg):
         if r["status"] == "committed":
             chain[r["partition"]] = max(chain.get(r["partition"], 0), r["until_offset"])
-    lag = server.api("/api/lag")
+    lag = server.api("/api/lag")  # the monitor's broker answers come over SASL_SSL (see the server fixture)
+    assert lag["broker_error"] is None
     assert {p["partition"]: (p["log_start"], p["log_end"], p["ledger_position"], p["group_offset"], p["lag"])
             for p in lag["partitions"]} == {
         p: (earliest[p], latest[p], chain[p], chain[p], latest[p] - chain[p]) for p in latest}

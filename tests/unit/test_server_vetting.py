@@ -25,7 +25,8 @@ def test_the_operator_s_command_runs_with_the_served_settings_first_and_the_requ
     # What a DAG task sends: the pipeline's own flags, the run's Params, the task's flags.
     request = ["epoch", *SERVED.to_args(), "--max-records-per-epoch=90", "--no-commit-offsets",
                "--run-id", "manual__1", "--skip-offset-commit"]
-    assert line(*request) == ["epoch", *SERVED.to_args(), *request[1:]]
+    own_secret_files = ["--kafka-sasl-password-file", "", "--kafka-ssl-client-pem", ""]
+    assert line(*request) == ["epoch", *SERVED.to_args(), *request[1:], *own_secret_files]
     # Flags left out are the served pipeline's, not the defaults.
     args = PARSE(line("backfill", "--pipeline-id", "web", "--offsets", "0:0-10"))
     assert (args.warehouse, args.topic, args.offsets) == ("/srv/warehouse", "access_log", "0:0-10")
@@ -45,6 +46,23 @@ def test_a_request_cannot_change_what_the_served_pipeline_is(flags, named):
         line("epoch", *SERVED.to_args(), *flags)
 
 
+def test_the_kafka_login_s_secret_files_are_always_the_server_s_own(tmp_path):
+    """A request names its caller's copies (a task writes them from a connection); the server
+    drops them, so no request can make it read another file or log in as another identity."""
+    own = tmp_path / "server.password"
+    own.write_text("pw\n")
+    own.chmod(0o600)
+    served = SERVED.replace(kafka_security_protocol="SASL_SSL", kafka_sasl_mechanism="SCRAM-SHA-512",
+                            kafka_sasl_username="web", kafka_sasl_password_file=str(own))
+    request = ["epoch", *served.to_args(), "--kafka-sasl-password-file", "/run/ipcount/epoch-server.token",
+               "--kafka-ssl-client-pem", "/home/someone/key.pem"]
+    args = PARSE(line(*request, pipelines=Pipelines(served)))
+    assert (args.kafka_sasl_password_file, args.kafka_ssl_client_pem) == (str(own), "")
+    # The login itself (user, mechanism, protocol) is the served pipeline's, as any setting.
+    with pytest.raises(BadRequestError, match="^--kafka-sasl-username: the epoch server runs pipeline 'web'"):
+        line(*request, "--kafka-sasl-username", "admin", pipelines=Pipelines(served))
+
+
 def test_the_same_value_spelt_differently_is_the_same():
     assert line("epoch", "--pipeline-id", "web", "--window-seconds", "05", "--commit-offsets")[0] == "epoch"
 
@@ -55,7 +73,7 @@ def test_per_run_and_caller_settings_may_differ():
     caller = ["--spark-master", "spark://elsewhere:7077", "--schedule", "@daily", "--epoch-server",
               "http://10.0.0.1:8765", "--command-timeout-seconds", "5", "--dagrun-timeout-seconds", "5",
               "--epoch-server-token-file", "/elsewhere/token"]
-    assert line("epoch", "--pipeline-id", "web", *per_run, *caller)[-len(caller):] == caller
+    assert line("epoch", "--pipeline-id", "web", *per_run, *caller)[-len(caller) - 4:-4] == caller
     # Every setting is one of the three kinds, and the DAG's Params are exactly the per-run ones.
     from ipcount.orchestration.dags import RUN_PARAMS
     assert tuple(RUN_PARAMS) == PER_RUN_SETTINGS and not set(PER_RUN_SETTINGS) & set(CALLER_SETTINGS)

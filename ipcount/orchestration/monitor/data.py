@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ipcount.orchestration.kafka_connection import resolved
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED
 from ipcount.rules.requests import MAIN_TARGET
@@ -137,14 +138,16 @@ class BrokerProbe:
         self._lock = threading.Lock()
 
     def positions(self, cfg: PipelineConfig) -> BrokerPositions:
-        key = f"{cfg.bootstrap_servers}/{cfg.topic}/{cfg.group_id}"
+        # Who asks is part of the answer: another login may see other topics.
+        key = "/".join((cfg.bootstrap_servers, cfg.kafka_connection, cfg.kafka_security_protocol,
+                        cfg.kafka_sasl_username, cfg.topic, cfg.group_id))
         with self._lock:
             if self._last and self._last[1] == key and time.monotonic() - self._last[0] < self.ttl_seconds:
                 return self._last[2]
-            quick = cfg.replace(kafka_timeout_seconds=3)
             try:
-                start, end = broker.partition_offsets(quick)
-                group = broker.group_offsets(quick)
+                with resolved(cfg.replace(kafka_timeout_seconds=3)) as quick:
+                    start, end = broker.partition_offsets(quick)
+                    group = broker.group_offsets(quick)
                 answer = BrokerPositions(start, end, group)
             except Exception as e:  # shown on the page; the tables are still worth seeing
                 log.warning("broker offsets unavailable: %s", e)
