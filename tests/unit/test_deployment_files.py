@@ -63,7 +63,8 @@ def test_compose_holds_no_secret_and_publishes_ports_on_loopback_only():
     for service in compose["services"].values():
         env.update(service.get("environment") or {})
     # Every secret is a reference to .env that fails when unset, never a value.
-    for name in ("POSTGRES_PASSWORD", "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD"):
+    for name in ("POSTGRES_PASSWORD", "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD",
+                 "KAFKA_EXTERNAL_PASSWORD"):
         assert env[name].startswith("${IPCOUNT_") and ":?" in env[name], name
     assert ":${IPCOUNT_POSTGRES_PASSWORD:?" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
     for leaked in ("change-me", '\\"admin\\": \\"admin', "airflow:airflow@", "PASSWORD: airflow"):
@@ -87,8 +88,14 @@ def test_compose_env_makes_private_random_secrets_once(tmp_path):
     values = dict(re.findall(r"^(IPCOUNT_[A-Z_]+)=(\S+)$", first, re.M))
     compose = (REPO_ROOT / "docker-compose.yml").read_text()
     assert set(values) == set(re.findall(r"\$\{(IPCOUNT_[A-Z_]+):\?", compose))  # exactly what compose needs
-    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == 3
-    assert "keeping it" in run().stdout and env_file.read_text() == first  # never overwrites
+    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == len(values) == 4
+    assert "0 secret(s) added" in run().stdout and env_file.read_text() == first  # never overwrites
+    # A file from an older release gets what it lacks, and keeps the rest.
+    env_file.write_text("".join(line + "\n" for line in first.splitlines() if "KAFKA_EXTERNAL" not in line))
+    assert "1 secret(s) added" in run().stdout
+    again = dict(re.findall(r"^(IPCOUNT_[A-Z_]+)=(\S+)$", env_file.read_text(), re.M))
+    assert set(again) == set(values) and all(again[k] == values[k] for k in values if "KAFKA_EXTERNAL" not in k)
+    assert os.stat(env_file).st_mode & 0o777 == 0o600
 
 
 def test_image_runs_as_a_user_of_its_own():
@@ -96,4 +103,38 @@ def test_image_runs_as_a_user_of_its_own():
     users = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0"), users
     compose = _compose()
-    assert all(service.get("user") in (None, users[-1]) for service in compose["services"].values())
+    for name, service in compose["services"].items():
+        # kafka-tls writes the broker's key as the Kafka image's user, who must read it.
+        assert service.get("user") in (None, users[-1], "1000:1000"), name
+    assert compose["services"]["kafka-tls"]["user"] == "1000:1000" and "chown 1000:1000 /run/kafka-tls" in dockerfile
+
+
+def _kafka_properties(env: dict) -> dict:
+    """The apache/kafka image's reading of KAFKA_* variables: "___" is "-", "__" is "_",
+    "_" is "."."""
+    return {k[len("KAFKA_"):].lower().replace("___", "-").replace("__", "\0").replace("_", ".").replace("\0", "_"): v
+            for k, v in env.items() if k.startswith("KAFKA_")}
+
+
+def test_compose_publishes_kafka_only_over_sasl_ssl_with_scram():
+    services = _compose()["services"]
+    props = _kafka_properties(services["kafka"]["environment"])
+    protocols = dict(item.split(":") for item in props["listener.security.protocol.map"].split(","))
+    published = {port.split(":")[2] for port in services["kafka"]["ports"]}
+    listening = {entry.split("://")[0]: entry.rsplit(":", 1)[1] for entry in props["listeners"].split(",")}
+    assert {name for name, port in listening.items() if port in published} == {"EXTERNAL"}
+    assert protocols["EXTERNAL"] == "SASL_SSL"
+    assert props["listener.name.external.sasl.enabled.mechanisms"] == "SCRAM-SHA-512,SCRAM-SHA-256"
+    for mechanism in ("scram-sha-512", "scram-sha-256"):
+        assert props[f"listener.name.external.{mechanism}.sasl.jaas.config"].startswith(
+            "org.apache.kafka.common.security.scram.ScramLoginModule required")
+    # The key store is the dev CA's broker certificate, for the names clients use.
+    assert (props["ssl.keystore.type"], props["ssl.keystore.location"]) == ("PEM", "/run/kafka-tls/broker.pem")
+    tls = services["kafka-tls"]["command"]
+    hosts = {tls[i + 1] for i, arg in enumerate(tls) if arg == "--host"}
+    advertised = {entry.split("://")[1].rsplit(":", 1)[0] for entry in props["advertised.listeners"].split(",")}
+    assert advertised <= hosts and tls[:4] == ["python", "-m", "ipcount.devtools.dev_tls", "/run/kafka-tls"]
+    assert services["kafka"]["depends_on"]["kafka-tls"] == {"condition": "service_completed_successfully"}
+    # kafka-init gives the external user its SCRAM credentials from .env, through a private file.
+    init = services["kafka-init"]["command"][-1]
+    assert "umask 077" in init and "kafka scram-user --username ipcount --password-file" in init
