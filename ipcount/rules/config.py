@@ -188,11 +188,19 @@ class PipelineConfig:
             raise ConfigError("warehouse is empty; expected a directory for the Delta tables")
         self._check_kafka_security()
 
+    @property
+    def uses_sasl(self) -> bool:
+        """Whether the pipeline logs in to Kafka (SASL_PLAINTEXT or SASL_SSL)."""
+        return self.kafka_security_protocol.startswith("SASL_")
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether the pipeline talks to Kafka over TLS (SSL or SASL_SSL)."""
+        return self.kafka_security_protocol.endswith("SSL")
+
     def _check_kafka_security(self) -> None:
         """Settings that fit together (the files are read when used)."""
-        sasl = self.kafka_security_protocol.startswith("SASL_")
-        tls = self.kafka_security_protocol.endswith("SSL")
-        if sasl:
+        if self.uses_sasl:
             if self.kafka_sasl_mechanism not in SASL_MECHANISMS:
                 raise ConfigError(f"kafka_security_protocol {self.kafka_security_protocol} needs kafka_sasl_mechanism, "
                                   f"one of {', '.join(SASL_MECHANISMS)}; found {self.kafka_sasl_mechanism!r}")
@@ -205,7 +213,7 @@ class PipelineConfig:
             if given:
                 raise ConfigError(f"{', '.join(given)} set, but kafka_security_protocol is "
                                   f"{self.kafka_security_protocol}: SASL settings need SASL_SSL or SASL_PLAINTEXT")
-        if not tls:
+        if not self.uses_tls:
             given = [n for n in ("kafka_ssl_cafile", "kafka_ssl_client_pem") if getattr(self, n)]
             if given:
                 raise ConfigError(f"{', '.join(given)} set, but kafka_security_protocol is "

@@ -22,14 +22,6 @@ JAAS_MODULES = {"PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModul
                 "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule"}
 
 
-def uses_sasl(cfg: PipelineConfig) -> bool:
-    return cfg.kafka_security_protocol.startswith("SASL_")
-
-
-def uses_tls(cfg: PipelineConfig) -> bool:
-    return cfg.kafka_security_protocol.endswith("SSL")
-
-
 def check_resolved(cfg: PipelineConfig) -> None:
     """A client is made from resolved settings only: ``kafka_connection`` names an Airflow
     connection, which the DAGs' tasks and the monitor resolve; anywhere else it would silently
@@ -62,7 +54,7 @@ def check_tls_files(cfg: PipelineConfig) -> None:
 
 def sasl_password(cfg: PipelineConfig) -> str | None:
     """The SASL password (read from ``kafka_sasl_password_file``), or None without SASL."""
-    return read_private_file(cfg.kafka_sasl_password_file, "kafka_sasl_password_file") if uses_sasl(cfg) else None
+    return read_private_file(cfg.kafka_sasl_password_file, "kafka_sasl_password_file") if cfg.uses_sasl else None
 
 
 def jaas_quoted(text: str) -> str:
@@ -81,10 +73,10 @@ def java_client_properties(cfg: PipelineConfig, password: str | None) -> dict[st
     check_resolved(cfg)
     check_tls_files(cfg)
     props = {"security.protocol": cfg.kafka_security_protocol}
-    if uses_sasl(cfg):
+    if cfg.uses_sasl:
         props["sasl.mechanism"] = cfg.kafka_sasl_mechanism
         props["sasl.jaas.config"] = jaas_config(cfg.kafka_sasl_mechanism, cfg.kafka_sasl_username, password or "")
-    if uses_tls(cfg):
+    if cfg.uses_tls:
         if cfg.kafka_ssl_cafile:
             props.update({"ssl.truststore.type": "PEM", "ssl.truststore.location": cfg.kafka_ssl_cafile})
         if cfg.kafka_ssl_client_pem:
@@ -119,10 +111,10 @@ def kafka_python_options(cfg: PipelineConfig, password: str | None) -> dict[str,
     check_resolved(cfg)
     check_tls_files(cfg)
     options: dict[str, object] = {"security_protocol": cfg.kafka_security_protocol}
-    if uses_sasl(cfg):
+    if cfg.uses_sasl:
         options.update(sasl_mechanism=cfg.kafka_sasl_mechanism, sasl_plain_username=cfg.kafka_sasl_username,
                        sasl_plain_password=password)
-    if uses_tls(cfg):
+    if cfg.uses_tls:
         options.update(ssl_cafile=cfg.kafka_ssl_cafile or None, ssl_check_hostname=cfg.kafka_ssl_check_hostname,
                        ssl_certfile=cfg.kafka_ssl_client_pem or None)
     return options

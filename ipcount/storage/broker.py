@@ -19,8 +19,7 @@ from kafka.structs import OffsetAndMetadata
 
 from ipcount.rules.config import REPO_ROOT, PipelineConfig
 from ipcount.rules.kafka_security import (SCRAM_MECHANISMS, check_resolved, java_client_properties,
-                                          kafka_python_options, properties_file_text, sasl_password, uses_sasl,
-                                          uses_tls)
+                                          kafka_python_options, properties_file_text, sasl_password)
 from ipcount.rules.errors import BrokerUnavailableError, StartPositionError, UnknownTopicError
 
 log = logging.getLogger(__name__)
@@ -91,10 +90,10 @@ def _unreachable(cfg: PipelineConfig, failure: BaseException | None) -> str:
     if isinstance(failure, UnsupportedSaslMechanismError):
         return (f"the Kafka broker at {cfg.bootstrap_servers} does not take kafka_sasl_mechanism "
                 f"{cfg.kafka_sasl_mechanism} ({str(failure).rsplit(': ', 1)[-1]})")
-    tls_problem = tls_handshake_problem(cfg) if uses_tls(cfg) else None
+    tls_problem = tls_handshake_problem(cfg) if cfg.uses_tls else None
     if tls_problem:
         return f"no TLS connection to the Kafka broker at {cfg.bootstrap_servers}: {tls_problem}"
-    if uses_sasl(cfg) and _accepts_connections(cfg):
+    if cfg.uses_sasl and _accepts_connections(cfg):
         # A broker that refuses a login hangs up; kafka-python often sees only the hang-up.
         return (f"the Kafka broker at {cfg.bootstrap_servers} takes connections but closed each one while "
                 f"{cfg.kafka_sasl_username!r} logged in ({cfg.kafka_sasl_mechanism}): check kafka_sasl_username, "
