@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _crash_hook():
-    from ipcount.jobs.epoch import crash_hook
+    from ipcount.jobs.crash import crash_hook
 
     return crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
 

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ipcount.jobs.epoch import Crash, EpochRunner, no_crash
+from ipcount.jobs.crash import Crash, no_crash
+from ipcount.jobs.epoch import EpochRunner
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.coverage import next_chunk
 from ipcount.rules.ledger import BACKFILL, EpochPlan, EpochSummary, LedgerState

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Callable
 
 from ipcount.jobs import transform
+from ipcount.jobs.crash import Crash, no_crash
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import PlanConflict
 from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
@@ -40,26 +39,6 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
-
-# Step boundaries where a crash can be injected (tests SIGKILL the process there).
-CRASH_POINTS = ("after_plan", "after_sink", "after_ledger", "before_kafka_commit")
-Crash = Callable[[str], None]
-
-
-def no_crash(point: str) -> None:
-    """The crash hook of a normal run: nothing happens at any step boundary."""
-
-
-def crash_hook(crash_at: str | None) -> Crash:
-    """A hook that kills this process with SIGKILL at the named step boundary."""
-    if crash_at is not None and crash_at not in CRASH_POINTS:
-        raise ValueError(f"crash point must be one of {', '.join(CRASH_POINTS)}; found {crash_at!r}")
-
-    def hook(point: str) -> None:
-        if point == crash_at:
-            log.warning("crash injected at %s: SIGKILL", point)
-            os.kill(os.getpid(), signal.SIGKILL)
-    return hook
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ipcount.jobs.epoch import Crash, EpochRunner, no_crash
+from ipcount.jobs.crash import Crash, no_crash
+from ipcount.jobs.epoch import EpochRunner
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import BadRequestError, DataLossError
 from ipcount.rules.ledger import COMMITTED

@@ -13,7 +13,7 @@ import pytest
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.jobs import group_commit
-from ipcount.jobs.epoch import CRASH_POINTS
+from ipcount.jobs.crash import CRASH_POINTS
 from ipcount.rules.config import PipelineConfig
 from ipcount.storage import broker as broker_io
 from ipcount.storage.ledger import committed_epochs

@@ -1,0 +1,32 @@
+"""Crash points: where a command can be made to kill itself (``IPCOUNT_CRASH_AT``), so the
+tests and the chaos command can prove a re-run after a crash at any step boundary ends
+where a crash-free run does. No Spark here: a command
+without a JVM can have crash points too."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+# An epoch's step boundaries (tests SIGKILL the process there).
+CRASH_POINTS = ("after_plan", "after_sink", "after_ledger", "before_kafka_commit")
+Crash = Callable[[str], None]
+
+
+def no_crash(point: str) -> None:
+    """The crash hook of a normal run: nothing happens at any step boundary."""
+
+
+def crash_hook(crash_at: str | None) -> Crash:
+    """A hook that kills this process with SIGKILL at the named step boundary."""
+    if crash_at is not None and crash_at not in CRASH_POINTS:
+        raise ValueError(f"crash point must be one of {', '.join(CRASH_POINTS)}; found {crash_at!r}")
+
+    def hook(point: str) -> None:
+        if point == crash_at:
+            log.warning("crash injected at %s: SIGKILL", point)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
