@@ -58,6 +58,11 @@ class PlanConflict(IpcountError, RuntimeError):
     """Another planner recorded offsets (or the epoch id) this plan wanted: plan again."""
 
 
+class PublisherFenced(IpcountError, RuntimeError):
+    """A newer publisher of the same pipeline took over (same ``transactional.id``): this one
+    stops; what it had not committed is aborted, and the newer one goes on from the cursor."""
+
+
 class TableSetMismatch(IpcountError, exit_code=EXIT_USAGE):
     """A run's settings, or one of its tables, do not belong to the table set it would write."""
 

@@ -1,0 +1,147 @@
+"""What the publisher sends to the sink topic, and the cursor that says how far it got (pure:
+no Kafka, no Delta).
+
+Each committed version of the counts table that an epoch's MERGE made is published as one
+Kafka transaction: one record per (window, ip) row the MERGE inserted or updated, with the
+row's full count after it and whether the window is final. The records are keyed by window
+and IP, so a compacted topic keeps the latest count of each; a consumer that folds the
+topic's last value per key (with ``isolation.level=read_committed``) has the counts table.
+
+The cursor is the counts-table version to publish next, committed as the offset of a
+publisher consumer group in the same transaction as the records: published versions and
+the cursor cannot disagree, whatever crashes when.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable, Mapping
+
+from ipcount.rules.errors import ConfigError
+
+CHANGE_DATA_FEED = "delta.enableChangeDataFeed"  # the counts table's property publishing needs
+INSERT, PREIMAGE, POSTIMAGE = "insert", "update_preimage", "update_postimage"
+# A record's kind: the scheduled chain; a backfill request; the table as it was when
+# publishing started (or restarted after a rebuild), before any change was published.
+LIVE, BACKFILL, SNAPSHOT = "live", "backfill", "snapshot"
+EPOCH_COMMIT = re.compile(r"^epoch=(\d+)$")  # the commit info of an epoch's counts MERGE (sink.py)
+CURSOR_FORMAT = 1
+VERSION_HEADER, TABLE_HEADER, EPOCH_HEADER = "ipcount-version", "ipcount-table", "ipcount-epoch"
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """The next counts-table version to publish, of which table (a rebuilt table swapped in
+    starts its versions again), and the epoch of the last one published."""
+
+    table_id: str
+    next_version: int
+    last_epoch: int | None = None
+
+    def metadata(self) -> str:
+        """The committed offset's metadata (the offset itself is ``next_version``)."""
+        return json.dumps({"format": CURSOR_FORMAT, "table_id": self.table_id, "last_epoch": self.last_epoch},
+                          separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_committed(cls, offset: int, metadata: str) -> Cursor:
+        try:
+            meta = json.loads(metadata)
+            return cls(str(meta["table_id"]), int(offset), meta.get("last_epoch"))
+        except (ValueError, TypeError, KeyError):
+            raise ConfigError(f"the publisher's committed cursor (offset {offset}) has metadata it does not "
+                              f"understand: {metadata[:200]!r}") from None
+
+    def check_table(self, table_id: str) -> None:
+        if table_id != self.table_id:
+            raise ConfigError(f"the publisher's cursor belongs to counts table {self.table_id}, but the table is "
+                              f"now {table_id} (a rebuild swapped in?): republish it with `ipcount publish --resync`")
+
+
+@dataclass(frozen=True)
+class SinkRecord:
+    key: bytes
+    value: bytes
+    headers: tuple[tuple[str, bytes], ...]
+
+
+def _utc_iso(value: Any) -> str:
+    """A CDF timestamp (datetime, naive = UTC, or epoch microseconds) as ISO-8601 in UTC."""
+    if isinstance(value, (int, float)):
+        value = datetime.fromtimestamp(value / 1_000_000, tz=timezone.utc)
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def changed_rows(cdf_rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The rows one version inserted or updated, as they are after it, in (window, ip) order.
+    ``correction``: the row was final before the change (a backfill counted into a closed
+    window); consumers that act once per final window should treat it as such."""
+    before: dict[tuple[Any, str], bool] = {}
+    after: list[Mapping[str, Any]] = []
+    for row in cdf_rows:
+        change = row["_change_type"]
+        if change == PREIMAGE:
+            before[(row["window_start"], row["ip"])] = bool(row.get("is_final"))
+        elif change in (INSERT, POSTIMAGE):
+            after.append(row)
+        # (deletes: the pipeline never deletes counts rows)
+    out = [{"window_start": _utc_iso(r["window_start"]), "window_end": _utc_iso(r["window_end"]), "ip": r["ip"],
+            "count": int(r["count"]), "is_final": bool(r.get("is_final")),
+            "correction": before.get((r["window_start"], r["ip"]), False)} for r in after]
+    return sorted(out, key=lambda r: (r["window_start"], r["ip"]))
+
+
+def snapshot_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A table's rows as :func:`changed_rows` gives changes (none a correction)."""
+    return changed_rows({**r, "_change_type": INSERT} for r in rows)
+
+
+def epoch_of_commit(user_metadata: str | None) -> int | None:
+    """The epoch whose counts MERGE made a commit with this commit info, or None (table
+    creation, property changes, fences: nothing to publish)."""
+    match = EPOCH_COMMIT.match(user_metadata or "")
+    return int(match.group(1)) if match else None
+
+
+def sink_records(rows: Iterable[Mapping[str, Any]], *, table_id: str, version: int, epoch: int | None, kind: str,
+                 request_id: str | None = None) -> list[SinkRecord]:
+    """The Kafka records of one published version: key = the row's identity, value = the row
+    after the version with where it came from (self-describing JSON, the same bytes whenever
+    the version is published again). The headers say which table version it was, so the
+    topic alone can tell how far publishing got (:func:`cursor_after`)."""
+    if kind not in (LIVE, BACKFILL, SNAPSHOT):
+        raise ValueError(f"kind must be {LIVE}, {BACKFILL} or {SNAPSHOT}; got {kind!r}")
+    headers = ((VERSION_HEADER, str(version).encode()), (TABLE_HEADER, table_id.encode()),
+               ("ipcount-kind", kind.encode()),
+               *(((EPOCH_HEADER, str(epoch).encode()),) if epoch is not None else ()))
+    records = []
+    for row in rows:
+        key = json.dumps({"window_start": row["window_start"], "ip": row["ip"]}, separators=(",", ":"),
+                         sort_keys=True).encode()
+        value = json.dumps({**row, "epoch": epoch, "kind": kind, "request_id": request_id,
+                            "counts_version": version}, separators=(",", ":"), sort_keys=True).encode()
+        records.append(SinkRecord(key, value, headers))
+    return records
+
+
+def cursor_after(headers: Iterable[Iterable[tuple[str, bytes]]]) -> Cursor | None:
+    """The cursor just past the newest version among published records (given their headers),
+    or None if there are none. Versions are published in order, so the newest record of the
+    topic's committed tail is the last version that sent any; later versions sent nothing and
+    publishing them again only moves the cursor."""
+    newest: tuple[int, str, int | None] | None = None
+    for record_headers in headers:
+        named = dict(record_headers)
+        try:
+            version, table_id = int(named[VERSION_HEADER]), named[TABLE_HEADER].decode()
+            epoch = int(named[EPOCH_HEADER]) if EPOCH_HEADER in named else None
+        except (KeyError, ValueError, UnicodeDecodeError):
+            raise ConfigError(f"the sink topic holds a record without the publisher's headers ({VERSION_HEADER}, "
+                              f"{TABLE_HEADER}): is another producer writing to it?") from None
+        if newest is None or version > newest[0]:
+            newest = (version, table_id, epoch)
+    return None if newest is None else Cursor(newest[1], newest[0] + 1, newest[2])

@@ -1,0 +1,77 @@
+"""What the publisher sends for one counts-table version, and its cursor."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+
+from ipcount.rules.errors import ConfigError
+from ipcount.rules.publish import BACKFILL, LIVE, Cursor, changed_rows, cursor_after, sink_records
+
+W0 = datetime(2026, 11, 21, 10, 0, 0)           # naive: Delta's timestamps are UTC
+W1 = datetime(2026, 11, 21, 10, 0, 5, tzinfo=timezone.utc)
+
+
+def cdf(change, start, ip, count, final, end=None):
+    return {"_change_type": change, "window_start": start, "window_end": end or start, "ip": ip, "count": count,
+            "is_final": final, "first_epoch": 1, "last_epoch": 2, "_commit_version": 7}
+
+
+def test_a_version_s_inserts_and_updates_are_published_as_they_are_after_it():
+    rows = changed_rows([
+        cdf("update_preimage", W0, "10.0.0.2", 3, False), cdf("update_postimage", W0, "10.0.0.2", 5, False),
+        cdf("insert", W1, "10.0.0.1", 1, False),
+        # a row only finalized (the watermark passed its window): count unchanged, now final
+        cdf("update_preimage", W0, "10.0.0.1", 4, False), cdf("update_postimage", W0, "10.0.0.1", 4, True),
+    ])
+    assert [(r["window_start"], r["ip"], r["count"], r["is_final"], r["correction"]) for r in rows] == [
+        ("2026-11-21T10:00:00.000Z", "10.0.0.1", 4, True, False),
+        ("2026-11-21T10:00:00.000Z", "10.0.0.2", 5, False, False),
+        ("2026-11-21T10:00:05.000Z", "10.0.0.1", 1, False, False)]
+
+
+def test_a_count_added_to_a_final_window_is_a_correction():
+    (row,) = changed_rows([cdf("update_preimage", W0, "10.0.0.9", 2, True),
+                           cdf("update_postimage", W0, "10.0.0.9", 3, True)])
+    assert row["correction"] and row["count"] == 3
+
+
+def test_records_are_keyed_by_window_and_ip_and_the_same_every_time():
+    rows = changed_rows([cdf("insert", W0, "10.0.0.1", 2, False, end=datetime(2026, 11, 21, 10, 0, 5))])
+    first = sink_records(rows, table_id="tbl-1", version=7, epoch=3, kind=LIVE)
+    assert first == sink_records(rows, table_id="tbl-1", version=7, epoch=3, kind=LIVE)  # a republish sends the same bytes
+    (record,) = first
+    assert json.loads(record.key) == {"window_start": "2026-11-21T10:00:00.000Z", "ip": "10.0.0.1"}
+    assert json.loads(record.value) == {
+        "window_start": "2026-11-21T10:00:00.000Z", "window_end": "2026-11-21T10:00:05.000Z", "ip": "10.0.0.1",
+        "count": 2, "is_final": False, "correction": False, "epoch": 3, "kind": "live", "request_id": None,
+        "counts_version": 7}
+    assert dict(record.headers) == {"ipcount-version": b"7", "ipcount-table": b"tbl-1", "ipcount-epoch": b"3",
+                                    "ipcount-kind": b"live"}
+    backfill = sink_records(rows, table_id="tbl-1", version=8, epoch=9, kind=BACKFILL, request_id="r1")
+    assert json.loads(backfill[0].value)["request_id"] == "r1" and backfill[0].key == record.key
+    with pytest.raises(ValueError, match="kind must be"):
+        sink_records(rows, table_id="tbl-1", version=7, epoch=3, kind="replay")
+
+
+def test_the_cursor_round_trips_through_the_offset_metadata_and_knows_its_table():
+    cursor = Cursor("tbl-1", next_version=12, last_epoch=5)
+    assert Cursor.from_committed(12, cursor.metadata()) == cursor
+    cursor.check_table("tbl-1")
+    with pytest.raises(ConfigError, match="belongs to counts table tbl-1, but the table is now tbl-2.*--resync"):
+        cursor.check_table("tbl-2")
+    with pytest.raises(ConfigError, match="metadata it does not understand"):
+        Cursor.from_committed(3, "epoch=3")
+
+
+def test_the_topic_alone_says_where_publishing_got_when_the_cursor_is_gone():
+    rows = changed_rows([cdf("insert", W0, "10.0.0.1", 2, False), cdf("insert", W1, "10.0.0.2", 1, False)])
+    published = [*sink_records(rows, table_id="tbl-1", version=9, epoch=4, kind=LIVE),
+                 *sink_records(rows[:1], table_id="tbl-1", version=3, epoch=None, kind="snapshot"),
+                 *sink_records(rows[1:], table_id="tbl-1", version=12, epoch=2, kind=BACKFILL, request_id="r")]
+    assert cursor_after(r.headers for r in published) == Cursor("tbl-1", next_version=13, last_epoch=2)
+    assert cursor_after(r.headers for r in published[:3]) == Cursor("tbl-1", next_version=10, last_epoch=4)
+    assert cursor_after([]) is None
+    with pytest.raises(ConfigError, match="without the publisher's headers"):
+        cursor_after([[("ipcount-version", b"3")], [("traceparent", b"00-ab")]])
