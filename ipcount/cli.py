@@ -6,6 +6,7 @@
     rebuild    replay a ledger's committed epochs into a fresh replay table set
     serve      keep one warm Spark session and run the DAGs' epochs in it (the epoch server)
     watch      print a line per epoch as epochs commit (reads the ledger, no JVM)
+    publish    publish committed counts to the sink topic, exactly once (no JVM)
     generate   produce access-log traffic to the source topic
     chaos      kill epochs, backfills and the epoch server at random on a topic of its own, then
                recount: duplicates and losses must be 0
@@ -120,6 +121,8 @@ def _epoch_arguments(sub) -> None:
     p.add_argument("--run-id", help="Airflow run id recorded in the ledger (set by the DAG)")
     p.add_argument("--skip-offset-commit", action="store_true",
                    help="stop after the ledger commit; the DAG commits offsets in its own task")
+    p.add_argument("--skip-publish", action="store_true",
+                   help="do not publish to publish_topic after each epoch; the DAG publishes in its own task")
     p.add_argument("--summary-json", action="store_true", help="print the epoch summary as JSON")
     p.add_argument("--epochs", type=_positive_int, default=1, metavar="N",
                    help="run up to N epochs one after another in one Spark session, stopping at the first "
@@ -129,6 +132,7 @@ def _epoch_arguments(sub) -> None:
 def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.jobs.epoch import run_epoch
     from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
+    from ipcount.jobs.publish import publish_step
     from ipcount.rules.ledger import EpochSummary
     from ipcount.storage.spark import get_spark
 
@@ -149,6 +153,8 @@ def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
             summary = summary.with_stages(kafka_commit=time.monotonic() - started)
         if args.summary_json:
             print(json.dumps(summary.to_dict()), flush=True)
+        if cfg.publish and not args.skip_publish:  # after the summary: a failed publish undoes no epoch
+            publish_step(cfg, crash)
         if summary.plan is None:
             break
     return EXIT_OK
@@ -299,6 +305,31 @@ def _serve(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     # The server runs each request through this module's main: the same code as spark-submit.
     return serve(cfg, main, parser_of(build_parser), args.host, args.port, warm=args.warm_up,
                  pipelines_dir=args.pipelines_dir)
+
+
+def _publish_arguments(sub) -> None:
+    p = sub.add_parser("publish", help="publish committed counts to the sink topic, exactly once",
+                       description="Publish every counts-table version not published yet to publish_topic: the "
+                                   "rows each epoch changed, one Kafka transaction per version holding the records "
+                                   "and the publisher's cursor (a first publish sends the table whole, unless its "
+                                   "change data feed was on from its creation). Runs "
+                                   "without Spark; needs publish = true (which turns on the counts table's change "
+                                   "data feed at the next epoch).")
+    _add_config_flags(p)
+    p.add_argument("--resync", action="store_true",
+                   help="the counts table was replaced (a rebuild swapped in): send it whole as a snapshot and "
+                        "publish on from it")
+
+
+def _publish(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.jobs.publish import publish_pending
+
+    if not cfg.publish:
+        raise ConfigError("publish is off for this pipeline; set publish = true (--publish or IPCOUNT_PUBLISH)")
+    report = publish_pending(cfg, _crash_hook(), resync=args.resync)
+    print(f"published {len(report.published)} counts version(s), {report.records} record(s), to "
+          f"{cfg.publish_topic}; next version {report.cursor.next_version if report.cursor else '-'}")
+    return EXIT_OK
 
 
 def _watch_arguments(sub) -> None:
@@ -514,6 +545,7 @@ Command = Callable[[argparse.Namespace, PipelineConfig], int]
 # name -> (adds its sub-parser, runs it), in the order --help lists them.
 COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
     "epoch": (_epoch_arguments, _epoch),
+    "publish": (_publish_arguments, _publish),
     "backfill": (_backfill_arguments, _backfill),
     "verify": (_verify_arguments, _verify),
     "rebuild": (_rebuild_arguments, _rebuild),

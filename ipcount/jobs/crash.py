@@ -1,7 +1,6 @@
 """Crash points: where a command can be made to kill itself (``IPCOUNT_CRASH_AT``), so the
 tests and the chaos command can prove a re-run after a crash at any step boundary ends
-where a crash-free run does. No Spark here: a command
-without a JVM can have crash points too."""
+where a crash-free run does. No Spark here: `ipcount publish` runs without a JVM."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +12,8 @@ log = logging.getLogger(__name__)
 
 # An epoch's step boundaries (tests SIGKILL the process there).
 CRASH_POINTS = ("after_plan", "after_sink", "after_ledger", "before_kafka_commit")
+# Where a publish can be killed: its records and cursor sent, uncommitted; committed.
+PUBLISH_CRASH_POINTS = ("publish_before_commit", "publish_after_commit")
 Crash = Callable[[str], None]
 
 
@@ -22,8 +23,9 @@ def no_crash(point: str) -> None:
 
 def crash_hook(crash_at: str | None) -> Crash:
     """A hook that kills this process with SIGKILL at the named step boundary."""
-    if crash_at is not None and crash_at not in CRASH_POINTS:
-        raise ValueError(f"crash point must be one of {', '.join(CRASH_POINTS)}; found {crash_at!r}")
+    if crash_at is not None and crash_at not in (*CRASH_POINTS, *PUBLISH_CRASH_POINTS):
+        raise ValueError(f"crash point must be one of {', '.join((*CRASH_POINTS, *PUBLISH_CRASH_POINTS))}; "
+                         f"found {crash_at!r}")
 
     def hook(point: str) -> None:
         if point == crash_at:

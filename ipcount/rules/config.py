@@ -88,6 +88,11 @@ SETTINGS_HELP = {
                             "private key and the certificate chain (mode 0600)",
     "kafka_ssl_check_hostname": "for SSL and SASL_SSL: check that the broker's certificate names the host "
                                 "connected to (turn off only for a test broker)",
+    "publish": "after each epoch, publish the counts rows it changed to publish_topic, exactly once (one Kafka "
+               "transaction per counts-table version, with the publisher's cursor); turns on the counts table's "
+               "change data feed",
+    "publish_topic": "the compacted Kafka topic the counts are published to (keyed by window and IP; "
+                     "read it with isolation.level=read_committed)",
     "kafka_connection": "id of an Airflow connection of type kafka whose extra (librdkafka names: bootstrap.servers, "
                         "security.protocol, sasl.mechanism, sasl.username, sasl.password, ssl.ca.location, "
                         "ssl.certificate.location, ssl.key.location, ssl.endpoint.identification.algorithm) gives "
@@ -171,6 +176,8 @@ class PipelineConfig:
     kafka_ssl_client_pem: str = ""
     kafka_ssl_check_hostname: bool = True
     kafka_connection: str = ""
+    publish: bool = False
+    publish_topic: str = "ip_count_sink"
     epoch_server: str = ""
     epoch_server_token_file: str = ""
 
@@ -226,8 +233,11 @@ class PipelineConfig:
                 raise ConfigError(
                     f"{name} must start with a letter and hold only letters, digits, '_', '.', '-' "
                     f"(at most 100 characters); found {value!r}")
-        if not re.match(r"^[A-Za-z0-9._-]{1,249}$", self.topic):
-            raise ConfigError(f"topic must be a legal Kafka topic name; found {self.topic!r}")
+        for name in ("topic", "publish_topic"):
+            if not re.match(r"^[A-Za-z0-9._-]{1,249}$", getattr(self, name)):
+                raise ConfigError(f"{name} must be a legal Kafka topic name; found {getattr(self, name)!r}")
+        if self.publish and self.publish_topic == self.topic:
+            raise ConfigError(f"publish_topic must not be the source topic {self.topic!r}")
         if not self.bootstrap_servers.strip():
             raise ConfigError("bootstrap_servers is empty; expected host:port[,host:port...]")
         for hostport in self.bootstrap_servers.split(","):

@@ -18,6 +18,7 @@ from pyspark.sql.types import (BinaryType, BooleanType, IntegerType, LongType, S
                                TimestampType)
 
 from ipcount.rules.config import PipelineConfig
+from ipcount.rules.publish import CHANGE_DATA_FEED
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
 from ipcount.rules.records import TOO_LARGE, dead_letter_prefix_bytes
 from ipcount.storage.delta import ensure_table, retry_on_conflict, version_with_metadata
@@ -75,7 +76,9 @@ class Sink:
 
     def ensure(self) -> None:
         for path, schema in self.tables():
-            ensure_table(self.spark, path, schema)
+            # Publishing reads each counts version's changes from Delta's change data feed.
+            publishing = self.cfg.publish and path == self.cfg.counts_path
+            ensure_table(self.spark, path, schema, {CHANGE_DATA_FEED: "true"} if publishing else None)
 
     def txn_app_id(self, epoch: int) -> str:
         return f"{self.cfg.pipeline_id}/epoch-{epoch}"

@@ -47,6 +47,15 @@ def test_epoch_rows_assemble_partitions_newest_first_and_sum_only_live_ranges():
     assert d["ranges"] == {"0": [0, 10], "1": [0, 20]} and d["committed_at"] == T0.isoformat()
 
 
+def test_epochs_are_published_below_the_publisher_s_next_version():
+    rows = [row(1, 0, 0, 10, sink_version=4), row(2, 0, 10, 20, sink_version=5), row(3, 0, 20, 30, sink_version=None),
+            row(4, 0, 30, 40, status="planned", run_id="r4", sink_version=None)]
+    epochs = model.epoch_rows(rows, {"r4": ("ipcount_epoch", "running")})
+    assert model.with_published(epochs, None) == epochs
+    assert {e.epoch: e.published for e in model.with_published(epochs, 5)} == {1: True, 2: False, 3: None, 4: None}
+    assert model.with_published(epochs, 6)[2].to_dict()["published"] is True
+
+
 def test_pages_and_their_bounds():
     p = model.page_of(101, 3, 50)
     assert (p.pages, p.start, p.has_prev, p.has_next) == (3, 100, True, False)

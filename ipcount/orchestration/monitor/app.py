@@ -20,7 +20,7 @@ from fastapi.templating import Jinja2Templates
 from ipcount.orchestration.dags import BACKFILL_DAG_ID, EPOCH_DAG_ID
 from ipcount.orchestration.monitor import model
 from ipcount.orchestration.monitor.charts import bar_chart, line_chart
-from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, replay_targets
+from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, publish_status, replay_targets
 from ipcount.orchestration.monitor.runs import failed_since_success, run_states, run_target
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
@@ -100,8 +100,10 @@ class Monitor:
         shown = refs[pg.start:pg.start + pg.size]
         rows = tables.epoch_rows([r.epoch for r in shown])
         epochs = model.epoch_rows(rows, run_states(r.run_id for r in shown))
+        published_until = self.broker.published_until(self.cfg) if target == MAIN_TARGET else None  # (replays: never)
+        epochs = model.with_published(epochs, published_until)
         return {"target": target, "total": pg.total, "page": pg.number, "pages": pg.pages, "page_size": pg.size,
-                "epochs": epochs, "page_info": pg}
+                "epochs": epochs, "page_info": pg, "published_column": published_until is not None}
 
     def health(self, target: str, access: model.Access) -> model.Health:
         cfg, tables = self.target(target, access)
@@ -213,12 +215,19 @@ def _add_api_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
                    who: model.Access = access) -> dict[str, Any]:
         data = monitor.epochs(target, status, kind, run_id, page, page_size, who)
         data.pop("page_info")
+        data.pop("published_column")
         data["epochs"] = [e.to_dict() for e in data["epochs"]]
         return data
 
     @app.get("/api/lag")
     def api_lag(target: str = "main", epochs: int = 50, who: model.Access = access) -> dict[str, Any]:
         return monitor.lag(target, epochs, who)
+
+    @app.get("/api/publish")
+    def api_publish(group: str | None = None, who: model.Access = access) -> dict[str, Any]:
+        """Publishing to the sink topic: the publisher's cursor against the counts versions,
+        and the lag of a consumer group of the sink topic (``group``)."""
+        return publish_status(monitor.cfg, group)
 
     @app.get("/api/counts")
     def api_counts(target: str = "main", start: str | None = Query(None, alias="from"),

@@ -14,14 +14,15 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage import broker
-from ipcount.storage.delta import DeltaReader, has_table, sql_identifier, sql_literal
+from ipcount.storage.delta import DeltaReader, has_table, sql_identifier, sql_literal, table_metadata
+from ipcount.storage.publisher import committed_cursor
 
 log = logging.getLogger(__name__)
 
@@ -128,29 +129,77 @@ class BrokerPositions:
     error: str | None = None
 
 
+def publish_status(cfg: PipelineConfig, group: str | None = None) -> dict[str, Any]:
+    """How far publishing got: the publisher's cursor against the counts table's versions,
+    and (for ``group``) how far a consumer of the sink topic is behind its end."""
+    from deltalake import DeltaTable
+
+    if not cfg.publish:
+        return {"publish": False}
+    out: dict[str, Any] = {"publish": True, "topic": cfg.publish_topic, "error": None}
+    try:
+        with resolved(cfg.replace(kafka_timeout_seconds=3)) as quick:
+            cursor = committed_cursor(quick, cfg.publish_topic)
+            latest = DeltaTable(cfg.counts_path).version() if has_table(cfg.counts_path) else None
+            out.update(counts_version=latest, next_version=cursor.next_version if cursor else None,
+                       last_epoch=cursor.last_epoch if cursor else None,
+                       versions_behind=None if latest is None else latest + 1 - (cursor.next_version if cursor else 0))
+            if group:
+                sink = quick.replace(topic=cfg.publish_topic, group_id=group, publish=False)
+                _, ends = broker.partition_offsets(sink)
+                consumed = broker.group_offsets(sink)
+                out["group"] = {"group_id": group, "partitions": [
+                    {"partition": p, "log_end": end, "group_offset": consumed.get(p),
+                     "lag": None if p not in consumed else end - consumed[p]} for p, end in sorted(ends.items())]}
+    except Exception as e:  # shown as it is; the rest of the monitor still works
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 class BrokerProbe:
-    """The broker's offsets, asked at most every ``ttl_seconds`` (pages poll; the broker
-    should not feel it). An unreachable broker is an answer, not an exception."""
+    """What the pages ask the broker, asked at most every ``ttl_seconds`` (pages poll; the
+    broker should not feel it). An unreachable broker is an answer, not an exception."""
 
     def __init__(self, ttl_seconds: float = 5.0) -> None:
         self.ttl_seconds = ttl_seconds
-        self._last: tuple[float, str, BrokerPositions] | None = None
+        self._last: dict[str, tuple[float, str, Any]] = {}   # question -> (when, who asked, answer)
         self._lock = threading.Lock()
 
     def positions(self, cfg: PipelineConfig) -> BrokerPositions:
-        # Who asks is part of the answer: another login may see other topics.
-        key = "/".join((cfg.bootstrap_servers, cfg.kafka_connection, cfg.kafka_security_protocol,
-                        cfg.kafka_sasl_username, cfg.topic, cfg.group_id))
-        with self._lock:
-            if self._last and self._last[1] == key and time.monotonic() - self._last[0] < self.ttl_seconds:
-                return self._last[2]
+        def ask() -> BrokerPositions:
             try:
                 with resolved(cfg.replace(kafka_timeout_seconds=3)) as quick:
                     start, end = broker.partition_offsets(quick)
                     group = broker.group_offsets(quick)
-                answer = BrokerPositions(start, end, group)
+                return BrokerPositions(start, end, group)
             except Exception as e:  # shown on the page; the tables are still worth seeing
                 log.warning("broker offsets unavailable: %s", e)
-                answer = BrokerPositions({}, {}, {}, error=f"{type(e).__name__}: {e}")
-            self._last = (time.monotonic(), key, answer)
+                return BrokerPositions({}, {}, {}, error=f"{type(e).__name__}: {e}")
+        return self._cached("positions", cfg, ask)
+
+    def published_until(self, cfg: PipelineConfig) -> int | None:
+        """The first counts version not published yet (None: publishing off, or unknown)."""
+        def ask() -> int | None:
+            if not cfg.publish or not has_table(cfg.counts_path):
+                return None
+            try:
+                with resolved(cfg.replace(kafka_timeout_seconds=3)) as quick:
+                    cursor = committed_cursor(quick, cfg.publish_topic)
+                table_id = table_metadata(cfg.counts_path)[0]
+            except Exception as e:  # the epochs page shows no Published column then
+                log.warning("publisher cursor unavailable: %s", e)
+                return None
+            return cursor.next_version if cursor and cursor.table_id == table_id else 0
+        return self._cached("published_until", cfg, ask)
+
+    def _cached(self, question: str, cfg: PipelineConfig, ask: Callable[[], Any]) -> Any:
+        # Who asks is part of the answer: another login may see other topics.
+        who = "/".join((cfg.bootstrap_servers, cfg.kafka_connection, cfg.kafka_security_protocol,
+                        cfg.kafka_sasl_username, cfg.topic, cfg.group_id, cfg.publish_topic, cfg.counts_path))
+        with self._lock:
+            last = self._last.get(question)
+            if last and last[1] == who and time.monotonic() - last[0] < self.ttl_seconds:
+                return last[2]
+            answer = ask()
+            self._last[question] = (time.monotonic(), who, answer)
             return answer

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping
 
@@ -117,6 +117,7 @@ class EpochRow:
     committed_at: datetime | None
     dag_id: str | None = None
     run_state: str | None = None
+    published: bool | None = None   # its counts version is in the sink topic (None: not published, or no version)
 
     def to_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "status": self.status, "kind": self.kind, "request_id": self.request_id,
@@ -126,7 +127,7 @@ class EpochRow:
                 "records_read": self.records_read, "records_counted": self.records_counted,
                 "records_late": self.records_late, "records_malformed": self.records_malformed,
                 "stage_seconds": dict(self.stage_seconds), "seconds": self.seconds,
-                "sink_version": self.sink_version, "planned_at": _iso(self.planned_at),
+                "sink_version": self.sink_version, "published": self.published, "planned_at": _iso(self.planned_at),
                 "committed_at": _iso(self.committed_at)}
 
 
@@ -151,6 +152,15 @@ def epoch_rows(rows: Iterable[Mapping[str, Any]], run_states: Mapping[str, tuple
             sink_version=first.get("sink_version"), planned_at=first.get("planned_at"),
             committed_at=first.get("committed_at"), dag_id=dag_id, run_state=run_state))
     return out
+
+
+def with_published(epochs: Iterable[EpochRow], published_until: int | None) -> list[EpochRow]:
+    """Marks each committed epoch that made a counts version published or not, given the
+    first version the publisher has not sent (None: publishing off or its cursor unknown)."""
+    if published_until is None:
+        return list(epochs)
+    return [replace(e, published=e.sink_version < published_until)
+            if e.status == COMMITTED and e.sink_version is not None else e for e in epochs]
 
 
 STAGE_ORDER = ("plan", "read", "parse", "aggregate", "merge", "ledger", "kafka_commit")

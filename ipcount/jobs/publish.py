@@ -1,0 +1,153 @@
+"""Publishing committed counts to the sink topic, exactly once (no JVM: delta-rs reads the
+counts table's change data feed, kafka-python writes the topic).
+
+The counts table's versions are published in order, each as one transaction with the cursor
+(:mod:`ipcount.storage.publisher`). Version order, not epoch order: backfill and scheduled
+epochs commit out of epoch order, and in version order the last record of each key is always
+its newest count. A version an epoch's MERGE made becomes the rows it inserted or updated
+(those it only finalized too); any other version (creation, properties, fences) only moves
+the cursor. The first publish of a table starts at its first version if the change data
+feed was on from its creation (as when publish was on then); otherwise it sends the table
+whole, as of one version (kind ``snapshot``), and continues from there.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ipcount.jobs.crash import Crash, no_crash
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import ConfigError
+from ipcount.rules.ledger import BACKFILL as BACKFILL_EPOCH
+from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, LIVE, SNAPSHOT, Cursor, changed_rows, epoch_of_commit,
+                                   sink_records, snapshot_rows)
+from ipcount.storage.delta import has_table, read_rows, table_metadata
+from ipcount.storage.publisher import Publisher, create_sink_topic
+
+log = logging.getLogger(__name__)
+COUNTS_COLUMNS = ("window_start", "window_end", "ip", "count", "is_final")
+
+
+@dataclass
+class PublishReport:
+    published: list[tuple[int, int | None, int]] = field(default_factory=list)  # (version, epoch, records)
+    cursor: Cursor | None = None
+
+    @property
+    def records(self) -> int:
+        return sum(n for _, _, n in self.published)
+
+
+def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool = False) -> PublishReport:
+    """Publish every committed counts version the cursor has not passed yet. ``resync``: send
+    the table whole and go on from it (after a rebuild was swapped in, or when the cursor is
+    gone and the table's early versions are no longer in its log)."""
+    from deltalake import DeltaTable
+
+    path = cfg.counts_path
+    table_id, properties = table_metadata(path)
+    if properties.get(CHANGE_DATA_FEED) != "true":
+        raise ConfigError(f"the counts table {path} has no change data feed ({CHANGE_DATA_FEED}); it is turned on "
+                          "by the next epoch run with publish = true")
+    create_sink_topic(cfg, cfg.publish_topic)
+    report = PublishReport()
+    publisher = None
+    try:
+        publisher = Publisher(cfg, cfg.publish_topic)  # fences any publisher before it
+        cursor = publisher.cursor()
+        table = DeltaTable(path)
+        latest = table.version()
+        if resync:
+            if cursor is not None:
+                log.warning("resync: the cursor is at version %d of counts table %s; sending table %s whole",
+                            cursor.next_version, cursor.table_id, table_id)
+            cursor = None
+        elif cursor is None and _feed_since_creation(path):
+            cursor = Cursor(table_id, 0)   # every version has its changes: publish them all
+        if cursor is None:
+            rows = DeltaTable(path, version=latest).to_pyarrow_table(columns=list(COUNTS_COLUMNS)).to_pylist()
+            cursor = Cursor(table_id, latest + 1)
+            records = sink_records(snapshot_rows(rows), table_id=table_id, version=latest, epoch=None, kind=SNAPSHOT)
+            report.published.append((latest, None, publisher.publish(records, cursor, crash)))
+            log.info("published counts version %d whole (%d rows) to %s", latest, len(records), cfg.publish_topic)
+        cursor.check_table(table_id)
+        if cursor.next_version <= latest:
+            cursor = _publish_versions(cfg, publisher, table, cursor, latest, report, crash)
+        report.cursor = cursor
+        return report
+    finally:
+        if publisher is not None:
+            publisher.close()
+
+
+def _publish_versions(cfg: PipelineConfig, publisher: Publisher, table, cursor: Cursor, latest: int,
+                      report: PublishReport, crash: Crash) -> Cursor:
+    """Versions ``cursor.next_version``..``latest``, one transaction each."""
+    import pyarrow
+
+    first = cursor.next_version
+    infos = {h["version"]: h for h in table.history(latest - first + 1)}
+    missing = [v for v in range(first, latest + 1) if v not in infos]
+    if missing:
+        raise ConfigError(f"the counts table's log lacks the commit info of version(s) {missing[:5]}; publishing "
+                          "cannot tell what they were (`ipcount publish --resync` sends the table whole)")
+    try:
+        feed = table.load_cdf(starting_version=first, ending_version=latest)  # both ends included
+    except Exception as e:  # e.g. the log of old versions cleaned up
+        raise ConfigError(f"the counts table's change data feed of versions {first}..{latest} cannot be read ({e}); "
+                          "`ipcount publish --resync` sends the table whole") from None
+    changes: dict[int, list[dict]] = {}
+    for row in pyarrow.table(feed.read_all()).to_pylist():
+        changes.setdefault(row["_commit_version"], []).append(row)
+    kinds = _epoch_kinds(cfg)
+    for version in range(first, latest + 1):
+        epoch = epoch_of_commit(infos[version].get("userMetadata"))
+        rows = changed_rows(changes.get(version, []))
+        if epoch is None and rows:  # only epochs change counts; anything else is not the pipeline's
+            raise ConfigError(f"counts version {version} changed {len(rows)} row(s) but no epoch made it "
+                              f"({infos[version].get('operation')}); published up to version {version - 1}")
+        records = []
+        if epoch is not None:
+            kind, request_id = kinds.get(epoch, (LIVE, None))
+            records = sink_records(rows, table_id=cursor.table_id, version=version, epoch=epoch, kind=kind, request_id=request_id)
+        cursor = Cursor(cursor.table_id, version + 1, epoch if epoch is not None else cursor.last_epoch)
+        report.published.append((version, epoch, publisher.publish(records, cursor, crash)))
+        if records:
+            log.info("published counts version %d (epoch %d): %d rows to %s", version, epoch, len(records),
+                     cfg.publish_topic)
+    return cursor
+
+
+def _feed_since_creation(path: str) -> bool:
+    """Whether version 0 already had the change data feed (False, too, if version 0 is no
+    longer in the log: then the table is sent whole)."""
+    from deltalake import DeltaTable
+
+    try:
+        return DeltaTable(path, version=0).metadata().configuration.get(CHANGE_DATA_FEED) == "true"
+    except Exception:
+        return False
+
+
+def publish_step(cfg: PipelineConfig, crash: Crash = no_crash) -> dict:
+    """What the DAGs' publish task does: publish what is pending when publishing is on; a
+    summary for the log and XCom either way."""
+    if not cfg.publish:
+        log.info("publishing is off (setting publish); nothing sent")
+        return {"publish": False}
+    if not has_table(cfg.counts_path) or table_metadata(cfg.counts_path)[1].get(CHANGE_DATA_FEED) != "true":
+        log.info("publishing waits for the counts table's change data feed (the next epoch turns it on)")
+        return {"publish": True, "waiting": "the counts table's change data feed"}
+    report = publish_pending(cfg, crash)
+    summary = {"publish": True, "topic": cfg.publish_topic, "versions": len(report.published),
+               "records": report.records, "next_version": report.cursor.next_version if report.cursor else None}
+    log.info("published %(versions)d counts version(s), %(records)d record(s), to %(topic)s", summary)
+    return summary
+
+
+def _epoch_kinds(cfg: PipelineConfig) -> dict[int, tuple[str, str | None]]:
+    """Each epoch's record kind (live or backfill) and backfill request, from the ledger."""
+    out: dict[int, tuple[str, str | None]] = {}
+    for row in read_rows(cfg.ledger_path, ("epoch", "kind", "request_id")):
+        out[row["epoch"]] = (BACKFILL, row["request_id"]) if row["kind"] == BACKFILL_EPOCH else (LIVE, None)
+    return out
