@@ -14,7 +14,9 @@ skipped. Trigger it from the form, or:
    before anything is written, with a message that says what to fix.
 2. `run_backfill` - spark-submit of `spark_jobs/epoch_job.py backfill` (or the same command in
    the epoch server, when `epoch_server` names one that answers).
-3. `publish_summary` - log the epochs, return them to XCom (and, for the main target, put
+3. `publish_counts` - when `publish` is on, send the main counts rows the backfill changed to
+   `publish_topic` (kind `backfill`), exactly once; replay targets are never published.
+4. `publish_summary` - log the epochs, return them to XCom (and, for the main target, put
    them in the counts Asset event).
 
 A failed run can simply be cleared and re-run: the same request finishes its unfinished
@@ -28,6 +30,7 @@ from airflow.sdk.exceptions import AirflowSkipException
 
 from ipcount.orchestration.dags import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, backfill_params, check_backfill_request,
                                         counts_asset, dagrun_timeout, epoch_summary, spark_submit_kwargs, task_defaults)
+from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.operators import EpochSubmitOperator
 from ipcount.rules.config import PipelineConfig
 
@@ -54,6 +57,15 @@ with DAG(
     run_backfill = EpochSubmitOperator(
         task_id="run_backfill", **spark_submit_kwargs(CFG, "backfill", REQUEST_BACKFILL_ARGS, run_params=False))
 
+    @task
+    def publish_counts() -> dict:
+        """The main counts' versions not published yet (this backfill's, as kind backfill) ->
+        the sink topic, exactly once (when publish is on). Replay targets are never published."""
+        from ipcount.jobs.publish import publish_step  # (Kafka and Delta clients: not at parse time)
+
+        with resolved(CFG) as cfg:
+            return publish_step(cfg)
+
     @task(outlets=[COUNTS])
     def publish_summary(run_id: str | None = None, params: dict | None = None, outlet_events=None) -> dict:
         """The epochs this run committed, to the log, XCom and (main target) the counts Asset."""
@@ -66,4 +78,4 @@ with DAG(
         outlet_events[COUNTS].extra = summary
         return summary
 
-    check_request() >> run_backfill >> publish_summary()
+    check_request() >> run_backfill >> publish_counts() >> publish_summary()

@@ -16,7 +16,10 @@ Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
    not own yet (an interval the chain already counted is a no-op, and says so).
 3. `commit_offsets` - copy the ledger's positions to the Kafka consumer group, for lag
    monitoring only; recovery never reads them.
-4. `publish_summary` - log the epoch, return it to XCom and put it in the counts Asset event.
+4. `publish_counts` - when `publish` is on, send the counts rows the epoch changed to
+   `publish_topic`, one Kafka transaction per counts version with the publisher's cursor
+   (exactly once; read it with `isolation.level=read_committed`).
+5. `publish_summary` - log the epoch, return it to XCom and put it in the counts Asset event.
 
 Configuration: `IPCOUNT_*` environment variables or the file named by `IPCOUNT_CONFIG`
 (see docs/configuration.md). `max_active_runs=1`: scheduled epochs never overlap (and backfills that
@@ -70,7 +73,8 @@ with DAG(
         log.info("%s: %s", "running the epoch" if verdict.run else "skipping the epoch", verdict.why)
         return "run_epoch" if verdict.run else None
 
-    run_epoch = EpochSubmitOperator(task_id="run_epoch", **spark_submit_kwargs(CFG, "epoch", ("--skip-offset-commit",)))
+    run_epoch = EpochSubmitOperator(task_id="run_epoch", **spark_submit_kwargs(CFG, "epoch", ("--skip-offset-commit",
+                                                                                               "--skip-publish")))
     backfill_interval = EpochSubmitOperator(task_id="backfill_interval",
                                             **spark_submit_kwargs(CFG, "backfill", INTERVAL_BACKFILL_ARGS))
 
@@ -79,6 +83,15 @@ with DAG(
         """Ledger positions -> consumer group (warns, never fails, when the broker refuses)."""
         with resolved(run_config(CFG, params)) as cfg:
             return commit_group_offsets_from_ledger(cfg)
+
+    @task
+    def publish_counts(params: dict | None = None) -> dict:
+        """Counts versions not published yet -> the sink topic, one Kafka transaction each with
+        the publisher's cursor (when publish is on; fails, and is retried, when Kafka refuses)."""
+        from ipcount.jobs.publish import publish_step  # (Kafka and Delta clients: not at parse time)
+
+        with resolved(run_config(CFG, params)) as cfg:
+            return publish_step(cfg)
 
     @task(outlets=[COUNTS])
     def publish_summary(run_id: str | None = None, outlet_events=None) -> dict:
@@ -89,4 +102,4 @@ with DAG(
         outlet_events[COUNTS].extra = summary
         return summary
 
-    choose_path() >> [run_epoch, backfill_interval] >> commit_offsets() >> publish_summary()
+    choose_path() >> [run_epoch, backfill_interval] >> commit_offsets() >> publish_counts() >> publish_summary()

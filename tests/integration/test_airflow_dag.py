@@ -6,9 +6,11 @@ import sqlite3
 import subprocess
 import sys
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import pytest
+from kafka import KafkaConsumer, TopicPartition
 
 from ipcount.devtools.embedded_airflow import airflow_env
 from ipcount.devtools.generator import TrafficGenerator, produce
@@ -20,6 +22,10 @@ from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
 
 pytestmark = pytest.mark.airflow
+
+
+def _iso_ms(text: str) -> int:
+    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
 
 
 def _env(home, cfg=None):
@@ -64,11 +70,11 @@ def test_dag_folder_imports_without_errors(airflow_home):
 
     assert info == {
         "errors": {},
-        "ipcount_epoch": {"tasks": ["backfill_interval", "choose_path", "commit_offsets", "publish_summary",
-                                    "run_epoch"],
+        "ipcount_epoch": {"tasks": ["backfill_interval", "choose_path", "commit_offsets", "publish_counts",
+                                    "publish_summary", "run_epoch"],
                           "max_active_runs": 1, "catchup": False, "retries": 2, "schedule": "* * * * *",
                           "periodic": True, "params": sorted(RUN_PARAMS)},
-        "ipcount_backfill": {"tasks": ["check_request", "publish_summary", "run_backfill"],
+        "ipcount_backfill": {"tasks": ["check_request", "publish_counts", "publish_summary", "run_backfill"],
                              "max_active_runs": 16, "catchup": False, "retries": 1, "schedule": "None",
                              "periodic": False, "params": sorted(BACKFILL_PARAMS)},
     }
@@ -79,7 +85,9 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(400, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
     # An epoch server is configured but nothing answers there: the task spark-submits.
-    cfg = cfg.replace(epoch_server=f"http://127.0.0.1:{free_port()}")
+    # Publishing is on: the epoch's counts reach the sink topic too.
+    cfg = cfg.replace(epoch_server=f"http://127.0.0.1:{free_port()}", publish=True,
+                      publish_topic=f"sink_{cfg.topic}")
 
     proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
@@ -92,6 +100,16 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
     assert epochs[0].records_read == len(produced)
     assert broker_io.group_offsets(cfg) == dict(Counter(p.partition for p in produced))
+    # The Spark MERGE's change data feed, published: a read_committed fold equals the table.
+    sink = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, isolation_level="read_committed",
+                         enable_auto_commit=False, consumer_timeout_ms=3000)
+    sink.assign([TopicPartition(cfg.publish_topic, p) for p in range(3)])
+    sink.seek_to_beginning()
+    values = [json.loads(m.value) for m in sink]
+    sink.close()
+    assert {v["kind"] for v in values} == {"live"} and {v["epoch"] for v in values} == {1}
+    assert Counter({(_iso_ms(v["window_start"]), v["ip"]): v["count"] for v in values}) == counts(cfg)
+    assert len(values) == len(counts(cfg))  # each row once
 
     db = sqlite3.connect(airflow_home / "airflow.db")
     (extra,) = db.execute("SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id "
@@ -119,7 +137,7 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     states = dict(db.execute("SELECT task_id, state FROM task_instance WHERE run_id = (SELECT run_id FROM dag_run "
                              "WHERE dag_id = 'ipcount_epoch' AND run_id != ?)", (run_id,)).fetchall())
     assert states == {"choose_path": "success", "run_epoch": "skipped", "backfill_interval": "skipped",
-                      "commit_offsets": "skipped", "publish_summary": "skipped"}
+                      "commit_offsets": "skipped", "publish_counts": "skipped", "publish_summary": "skipped"}
     assert [e.epoch for e in committed_epochs(cfg.ledger_path)] == [1]
 
 
