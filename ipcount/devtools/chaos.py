@@ -41,6 +41,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from ipcount.devtools.embedded_airflow import airflow_env
@@ -95,6 +96,7 @@ class ChaosReport:
     records: int = 0             # committed records in Kafka
     epochs: int = 0              # committed epochs in the ledger
     counted: int = 0
+    published: int = 0           # records in the sink topic (publish on), read_committed
     duplicates: int = 0
     losses: int = 0
     problems: list[str] = field(default_factory=list)
@@ -110,7 +112,9 @@ class ChaosReport:
         return (f"chaos {verdict}: {self.kills} kills survived in {self.rounds} rounds ({scenarios}; "
                 f"epochs killed while {phases}); "
                 f"{self.partitions_added} partition(s) added; {self.strays} stray process(es) killed; "
-                f"{self.records} records in Kafka, {self.epochs} epochs committed, {self.counted} counted; duplicates {self.duplicates}, losses {self.losses}")
+                f"{self.records} records in Kafka, {self.epochs} epochs committed, {self.counted} counted"
+                + (f", {self.published} published" if self.published else "")
+                + f"; duplicates {self.duplicates}, losses {self.losses}")
 
 
 class _Processes:
@@ -225,7 +229,8 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
                             start_position="earliest", on_data_loss="fail", epoch_server="",
                             epoch_server_token_file=str(workdir / "epoch-server.token"),
                             # Two batches an epoch: a chain that lost rounds to kills catches up soon.
-                            max_records_per_epoch=max_records_per_epoch or 2 * batch)
+                            max_records_per_epoch=max_records_per_epoch or 2 * batch,
+                            publish_topic=f"{name}_sink")
     report = ChaosReport(chaos_cfg.topic, chaos_cfg.warehouse)
     broker.create_topic(chaos_cfg, 3)
     log.info("chaos: topic %s, warehouse %s, logs %s", name, chaos_cfg.warehouse, workdir / "logs")
@@ -262,6 +267,8 @@ def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: i
     finally:  # an error or Ctrl-C leaves no JVM of the run behind (they are in sessions of their own)
         procs.kill_all()
     _recount(chaos_cfg, report)
+    if chaos_cfg.publish:
+        _recount_sink(chaos_cfg, report)
     log.info("%s", report.line())
     return report
 
@@ -593,11 +600,42 @@ def _recount(cfg: PipelineConfig, report: ChaosReport) -> None:
             report.problems.append(f"{what}: {over} more than the recount, {under} fewer")
 
 
+def _iso_ms(text: str) -> int:
+    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+
+
+def _recount_sink(cfg: PipelineConfig, report: ChaosReport) -> None:
+    """With publishing on: publish what the finish committed, then check the sink topic as a
+    read_committed consumer sees it: no (version, key) twice, and its last value per key is
+    the counts table's row."""
+    from ipcount.jobs.publish import publish_pending
+    from ipcount.storage.publisher import committed_records
+
+    publish_pending(cfg)
+    records = committed_records(cfg, cfg.publish_topic, timeout_seconds=300)
+    report.published = len(records)
+    sent = Counter((dict(r.headers).get("ipcount-version"), r.key) for r in records)
+    twice = sum(n - 1 for n in sent.values() if n > 1)
+    last: dict[bytes, dict] = {}
+    for r in records:
+        last[r.key] = json.loads(r.value)
+    got = Counter({(_iso_ms(v["window_start"]), v["ip"]): v["count"] for v in last.values()})
+    want = table_counts(cfg.counts_path)
+    over = sum(max(0, got[k] - want[k]) for k in got) + twice
+    under = sum(max(0, want[k] - got[k]) for k in want)
+    report.duplicates += over
+    report.losses += under
+    if over or under:
+        report.problems.append(f"sink topic: {twice} records sent twice, counts {over - twice} above the table, "
+                               f"{under} below")
+
+
 def report_json(report: ChaosReport) -> str:
     return json.dumps({"ok": report.ok, "kills": report.kills, "rounds": report.rounds,
                        "scenarios": dict(report.by_scenario), "phases": {p: report.by_phase[p] for p in PHASES},
                        "partitions_added": report.partitions_added,
                        "strays": report.strays,
                        "records": report.records, "epochs": report.epochs, "counted": report.counted,
+                       "published": report.published,
                        "duplicates": report.duplicates, "losses": report.losses, "problems": report.problems,
                        "topic": report.topic, "warehouse": report.warehouse})
