@@ -20,7 +20,7 @@ from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.ledger import BACKFILL as BACKFILL_EPOCH
 from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, LIVE, SNAPSHOT, Cursor, changed_rows, epoch_of_commit,
-                                   sink_records, snapshot_rows)
+                                   has_change_feed, sink_records, snapshot_rows)
 from ipcount.storage.delta import has_table, read_rows, table_metadata
 from ipcount.storage.publisher import Publisher, create_sink_topic
 
@@ -46,7 +46,7 @@ def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool =
 
     path = cfg.counts_path
     table_id, properties = table_metadata(path)
-    if properties.get(CHANGE_DATA_FEED) != "true":
+    if not has_change_feed(properties):
         raise ConfigError(f"the counts table {path} has no change data feed ({CHANGE_DATA_FEED}); it is turned on "
                           "by the next epoch run with publish = true")
     create_sink_topic(cfg, cfg.publish_topic)
@@ -65,7 +65,7 @@ def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool =
         elif cursor is None and _feed_since_creation(path):
             cursor = Cursor(table_id, 0)   # every version has its changes: publish them all
         if cursor is None:
-            rows = DeltaTable(path, version=latest).to_pyarrow_table(columns=list(COUNTS_COLUMNS)).to_pylist()
+            rows = table.to_pyarrow_table(columns=list(COUNTS_COLUMNS)).to_pylist()   # (as of latest)
             cursor = Cursor(table_id, latest + 1)
             records = sink_records(snapshot_rows(rows), table_id=table_id, version=latest, epoch=None, kind=SNAPSHOT)
             report.published.append((latest, None, publisher.publish(records, cursor, crash)))
@@ -109,7 +109,8 @@ def _publish_versions(cfg: PipelineConfig, publisher: Publisher, table, cursor: 
         records = []
         if epoch is not None:
             kind, request_id = kinds.get(epoch, (LIVE, None))
-            records = sink_records(rows, table_id=cursor.table_id, version=version, epoch=epoch, kind=kind, request_id=request_id)
+            records = sink_records(rows, table_id=cursor.table_id, version=version, epoch=epoch, kind=kind,
+                                   request_id=request_id)
         cursor = Cursor(cursor.table_id, version + 1, epoch if epoch is not None else cursor.last_epoch)
         report.published.append((version, epoch, publisher.publish(records, cursor, crash)))
         if records:
@@ -124,7 +125,7 @@ def _feed_since_creation(path: str) -> bool:
     from deltalake import DeltaTable
 
     try:
-        return DeltaTable(path, version=0).metadata().configuration.get(CHANGE_DATA_FEED) == "true"
+        return has_change_feed(DeltaTable(path, version=0).metadata().configuration)
     except Exception:
         return False
 
@@ -135,7 +136,7 @@ def publish_step(cfg: PipelineConfig, crash: Crash = no_crash) -> dict:
     if not cfg.publish:
         log.info("publishing is off (setting publish); nothing sent")
         return {"publish": False}
-    if not has_table(cfg.counts_path) or table_metadata(cfg.counts_path)[1].get(CHANGE_DATA_FEED) != "true":
+    if not has_table(cfg.counts_path) or not has_change_feed(table_metadata(cfg.counts_path)[1]):
         log.info("publishing waits for the counts table's change data feed (the next epoch turns it on)")
         return {"publish": True, "waiting": "the counts table's change data feed"}
     report = publish_pending(cfg, crash)

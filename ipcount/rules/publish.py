@@ -31,6 +31,11 @@ CURSOR_FORMAT = 1
 VERSION_HEADER, TABLE_HEADER, EPOCH_HEADER = "ipcount-version", "ipcount-table", "ipcount-epoch"
 
 
+def has_change_feed(table_properties: Mapping[str, str]) -> bool:
+    """Whether a counts table (its properties, or one version's) writes the change data feed."""
+    return table_properties.get(CHANGE_DATA_FEED) == "true"
+
+
 @dataclass(frozen=True)
 class Cursor:
     """The next counts-table version to publish, of which table (a rebuilt table swapped in

@@ -89,14 +89,12 @@ def newest_records(cfg: PipelineConfig, topic: str) -> list:
     from the end in growing steps (transaction markers and aborted records take offsets too)."""
     out = []
     with committed_reader(cfg) as consumer:
-        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        begins, ends = consumer.beginning_offsets(parts), consumer.end_offsets(parts)
-        for tp in parts:
+        for tp, (begin, end) in _partition_bounds(consumer, topic).items():
             step = 16
             while True:
-                start = max(begins[tp], ends[tp] - step)
-                records = read_range(consumer, tp, start, ends[tp], cfg.kafka_timeout_seconds)
-                if records or start == begins[tp]:
+                start = max(begin, end - step)
+                records = read_range(consumer, tp, start, end, cfg.kafka_timeout_seconds)
+                if records or start == begin:
                     out += records[-1:]
                     break
                 step *= 8
@@ -107,11 +105,16 @@ def committed_records(cfg: PipelineConfig, topic: str, timeout_seconds: float | 
     """Every committed record of ``topic`` (read_committed), partition by partition."""
     out = []
     with committed_reader(cfg) as consumer:
-        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        begins, ends = consumer.beginning_offsets(parts), consumer.end_offsets(parts)
-        for tp in parts:
-            out += read_range(consumer, tp, begins[tp], ends[tp], timeout_seconds or cfg.kafka_timeout_seconds * 10)
+        for tp, (begin, end) in _partition_bounds(consumer, topic).items():
+            out += read_range(consumer, tp, begin, end, timeout_seconds or cfg.kafka_timeout_seconds * 10)
     return out
+
+
+def _partition_bounds(consumer: KafkaConsumer, topic: str) -> dict[TopicPartition, tuple[int, int]]:
+    """Each partition's (log start, last stable offset), in partition order."""
+    parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+    begins, ends = consumer.beginning_offsets(parts), consumer.end_offsets(parts)
+    return {tp: (begins[tp], ends[tp]) for tp in parts}
 
 
 @contextmanager

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 import pytest
 
 from ipcount.rules.errors import ConfigError
-from ipcount.rules.publish import BACKFILL, LIVE, Cursor, changed_rows, cursor_after, sink_records
+from ipcount.rules.publish import BACKFILL, LIVE, Cursor, changed_rows, cursor_after, has_change_feed, sink_records
 
 W0 = datetime(2026, 11, 21, 10, 0, 0)           # naive: Delta's timestamps are UTC
 W1 = datetime(2026, 11, 21, 10, 0, 5, tzinfo=timezone.utc)
@@ -75,3 +75,8 @@ def test_the_topic_alone_says_where_publishing_got_when_the_cursor_is_gone():
     assert cursor_after([]) is None
     with pytest.raises(ConfigError, match="without the publisher's headers"):
         cursor_after([[("ipcount-version", b"3")], [("traceparent", b"00-ab")]])
+
+
+def test_only_the_property_true_turns_the_change_feed_on():
+    assert has_change_feed({"delta.enableChangeDataFeed": "true"})
+    assert not has_change_feed({"delta.enableChangeDataFeed": "false"}) and not has_change_feed({})
