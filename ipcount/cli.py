@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ipcount.rules.config import SETTINGS_HELP, STATE_DIR, PipelineConfig, flag
-from ipcount.rules.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError, IpcountError
+from ipcount.rules.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, BadRequestError, ConfigError, IpcountError
 
 log = logging.getLogger("ipcount")
 
@@ -189,7 +189,6 @@ def _backfill_arguments(sub) -> None:
 
 
 def _backfill_request(args: argparse.Namespace, cfg: PipelineConfig):
-    from ipcount.rules.errors import BadRequestError
     from ipcount.rules.requests import request_from_fields
 
     if args.request_json is not None:
@@ -397,18 +396,26 @@ def _chaos_arguments(sub) -> None:
                                    "broker under the chain, add a partition half way, then finish without "
                                    "kills and recount in plain Python. Exit code 0 when duplicates and "
                                    "losses are both 0, else 1.")
-    p.add_argument("--kills", type=_positive_int, default=20, help="kills to survive (default 20)")
-    p.add_argument("--records", type=_positive_int, default=3000,
+    p.add_argument("--kills", type=_positive_int, default=None,
+                   help="kills to survive (default 20; resumed: the paused run's, or this many in all)")
+    p.add_argument("--records", type=_positive_int, default=None,
                    help="about this many records, produced in batches of records/(kills+1): one batch before "
                         "the first round and one before each round (default 3000)")
-    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
-    p.add_argument("--max-minutes", type=_positive_int, default=60, help="stop killing after this (default 60)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default 1)")
+    p.add_argument("--max-minutes", type=_positive_int, default=60,
+                   help="stop killing after this, in this sitting (default 60)")
     p.add_argument("--scenarios", default=None,
                    help=f"which to take turns with, comma-separated (default all: {','.join(_chaos_scenarios())}; "
                         "broker only when the embedded broker serves bootstrap_servers)")
     p.add_argument("--broker-state-dir", default=str(STATE_DIR / "kafka"),
                    help="the embedded broker the broker scenario restarts (default .local/kafka, bin/run's)")
     p.add_argument("--workdir", default=None, help="for its tables and logs (default <warehouse>/../chaos)")
+    p.add_argument("--pause", action="store_true",
+                   help="at --kills or --max-minutes, stop without finishing: the run (topic, tables, state) "
+                        "is kept to go on with --resume, the verdict comes at its finish")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="go on with a paused run (the directory its report names), on the same broker; its "
+                        "records, seed and scenarios are the run's own")
     p.add_argument("--json", action="store_true", help="print the report as JSON too")
     _add_config_flags(p)
 
@@ -423,7 +430,14 @@ def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.devtools.chaos import embedded_broker, report_json, restartable, run_chaos
 
     kafka = embedded_broker(args.broker_state_dir, cfg.bootstrap_servers)
-    if args.scenarios is None:
+    if args.resume:
+        fixed = [flag for flag, value in (("--records", args.records), ("--seed", args.seed),
+                                          ("--scenarios", args.scenarios), ("--workdir", args.workdir))
+                 if value is not None]
+        if fixed:
+            raise BadRequestError(f"{', '.join(fixed)}: a resumed run keeps its own; leave them out")
+        scenarios = ()  # the run's own
+    elif args.scenarios is None:
         scenarios = _chaos_scenarios()
         if not restartable(kafka, cfg.bootstrap_servers):
             log.warning("chaos: no broker restarts: no embedded broker from %s serves %s", args.broker_state_dir,
@@ -431,14 +445,16 @@ def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
             scenarios = tuple(s for s in scenarios if s != "broker")
     else:
         scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
-    report = run_chaos(cfg, kills=args.kills, records=args.records, seed=args.seed, workdir=args.workdir,
-                       max_seconds=args.max_minutes * 60, scenarios=scenarios, broker_to_restart=kafka)
+    report = run_chaos(cfg, kills=args.kills, records=args.records or 3000,
+                       seed=1 if args.seed is None else args.seed, workdir=args.workdir,
+                       max_seconds=args.max_minutes * 60, scenarios=scenarios, broker_to_restart=kafka,
+                       pause=args.pause, resume=args.resume)
     print(report.line())
     for problem in report.problems:
         print(f"  {problem}")
     if args.json:
         print(report_json(report))
-    return EXIT_OK if report.ok else EXIT_FAILED
+    return EXIT_OK if report.ok or report.paused else EXIT_FAILED
 
 
 def _kafka_arguments(sub) -> None:

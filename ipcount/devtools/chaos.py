@@ -25,6 +25,10 @@ everything in plain Python from Kafka (:mod:`ipcount.rules.records`, not Spark):
 
 Both must be 0. Scenarios take turns (in a shuffled order), each at least once, so a run
 of ``n`` kills tries each of ``k`` scenarios at least once and about ``n / k`` times.
+
+A long run may take several sittings: ``pause`` stops it without finishing and keeps its
+state (:mod:`ipcount.devtools.chaos_state`) for ``resume``; the last sitting finishes and
+recounts everything.
 """
 from __future__ import annotations
 
@@ -41,14 +45,15 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
+from ipcount.devtools.chaos_state import STATE_FILE, RunState, round_rng
 from ipcount.devtools.embedded_airflow import airflow_env
 from ipcount.devtools.embedded_kafka import EmbeddedKafka, free_port, proc_stat
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.rules.config import REPO_ROOT, PipelineConfig
-from ipcount.rules.errors import ConfigError
+from ipcount.rules.errors import ConfigError, UnknownTopicError
 from ipcount.jobs.verify import LATE, MALFORMED, recount_record, table_counts
 from ipcount.rules.ledger import COMMITTED, LOST
 from ipcount.storage import broker
@@ -87,6 +92,10 @@ def phase_of(log_text: str) -> str:
 class ChaosReport:
     topic: str
     warehouse: str
+    run_dir: str = ""
+    paused: bool = False         # stopped to go on later (--pause): no finish, no recount yet
+    kills_wanted: int = 0
+    sittings: int = 1            # how many invocations the run took (paused and resumed between)
     kills: int = 0
     rounds: int = 0
     by_scenario: Counter = field(default_factory=Counter)
@@ -103,13 +112,18 @@ class ChaosReport:
 
     @property
     def ok(self) -> bool:
-        return self.duplicates == 0 and self.losses == 0
+        return not self.paused and self.duplicates == 0 and self.losses == 0
 
     def line(self) -> str:
         scenarios = ", ".join(f"{k} {v}" for k, v in sorted(self.by_scenario.items()))
         phases = ", ".join(f"{p} {self.by_phase[p]}" for p in PHASES)
+        if self.paused:
+            return (f"chaos paused: {self.kills} of {self.kills_wanted} kills in {self.rounds} rounds ({scenarios}; "
+                    f"epochs killed while {phases}); no verdict before the finish: go on with "
+                    f"`ipcount chaos --resume {self.run_dir}` (the same broker, running)")
         verdict = "OK" if self.ok else "FAILED"
-        return (f"chaos {verdict}: {self.kills} kills survived in {self.rounds} rounds ({scenarios}; "
+        sittings = f" in {self.sittings} sittings" if self.sittings > 1 else ""
+        return (f"chaos {verdict}: {self.kills} kills survived in {self.rounds} rounds{sittings} ({scenarios}; "
                 f"epochs killed while {phases}); "
                 f"{self.partitions_added} partition(s) added; {self.strays} stray process(es) killed; "
                 f"{self.records} records in Kafka, {self.epochs} epochs committed, {self.counted} counted"
@@ -123,7 +137,8 @@ class _Processes:
 
     def __init__(self, cfg: PipelineConfig, logs: Path) -> None:
         self.cfg, self.logs = cfg, logs
-        self.count = 0
+        # (Numbered on from an earlier sitting's logs, which stay.)
+        self.count = max((int(f.name[:4]) for f in logs.glob("[0-9][0-9][0-9][0-9]-*.log")), default=0)
         self.sessions: set[int] = set()  # each started process leads a session of its own
         self.started: list[subprocess.Popen] = []
         self.log_of: dict[int, Path] = {}
@@ -202,93 +217,162 @@ def restartable(kafka: EmbeddedKafka | None, bootstrap_servers: str) -> bool:
     return host in ("127.0.0.1", "localhost") and port == kafka.port
 
 
-def run_chaos(cfg: PipelineConfig, kills: int = 20, records: int = 3000, seed: int = 1,
+def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000, seed: int = 1,
               workdir: str | Path | None = None, max_seconds: float = 3600.0,
               scenarios: tuple[str, ...] = SCENARIOS, kill_window: tuple[float, float] = (2.0, 30.0),
               max_records_per_epoch: int | None = None, broker_to_restart: EmbeddedKafka | None = None,
-              write_window: float = 20.0) -> ChaosReport:
-    """Kill runners ``kills`` times and give each scenario a round (or stop at ``max_seconds``),
-    finish, recount; the report.
+              write_window: float = 20.0, pause: bool = False, resume: str | Path | None = None) -> ChaosReport:
+    """Kill runners ``kills`` times (default 20) and give each scenario a round (or stop at
+    ``max_seconds``), finish, recount; the report.
     A kill comes either ``kill_window`` seconds (uniformly random) after its process started,
     or up to ``write_window`` seconds after the process logged a recorded plan.
-    The ``broker`` scenario needs ``broker_to_restart``: the embedded broker serving ``cfg``."""
-    unknown = sorted(set(scenarios) - set(SCENARIOS))
-    if unknown or not scenarios:
-        raise ConfigError(f"chaos scenarios: unknown {', '.join(unknown) or '(none given)'}; choose from "
-                          f"{', '.join(SCENARIOS)}")
-    if "broker" in scenarios and not restartable(broker_to_restart, cfg.bootstrap_servers):
-        raise ConfigError(f"the broker scenario SIGKILLs and restarts the embedded broker, and none started by "
-                          f"`ipcount kafka start` serves {cfg.bootstrap_servers}; leave out broker")
-    rng = random.Random(seed)
-    name = f"chaos_{seed}_{uuid.uuid4().hex[:6]}"
-    workdir = Path(workdir or Path(cfg.warehouse).parent / "chaos") / name
-    (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    batch = max(10, records // (kills + 1))  # produced before the first round and before each
-    chaos_cfg = cfg.replace(topic=name, warehouse=str(workdir / "warehouse"), counts_table="", ledger_table="",
-                            dead_letter_table="", late_table="", pipeline_id=name, group_id=name,
-                            start_position="earliest", on_data_loss="fail", epoch_server="",
-                            epoch_server_token_file=str(workdir / "epoch-server.token"),
-                            # Two batches an epoch: a chain that lost rounds to kills catches up soon.
-                            max_records_per_epoch=max_records_per_epoch or 2 * batch,
-                            publish_topic=f"{name}_sink")
-    report = ChaosReport(chaos_cfg.topic, chaos_cfg.warehouse)
-    broker.create_topic(chaos_cfg, 3)
-    log.info("chaos: topic %s, warehouse %s, logs %s", name, chaos_cfg.warehouse, workdir / "logs")
-    source = _Source(chaos_cfg, rng, partitions=3)
-    source.produce(batch)
-    procs = _Processes(chaos_cfg, workdir / "logs")
-    killer = _Killer(procs, rng, kill_window, write_window)
-    backfills: list[str] = []
-    order = list(scenarios)
-    rng.shuffle(order)
+    The ``broker`` scenario needs ``broker_to_restart``: the embedded broker serving ``cfg``.
+    ``pause``: stop at ``kills`` or ``max_seconds`` without finishing, the run kept for a later
+    sitting; ``resume``: a paused run's directory, to go on with (its own settings, ``kills``
+    excepted, and the same broker)."""
+    if resume is None:
+        _check_scenarios(cfg, scenarios, broker_to_restart)
+        run_dir, state = _new_run(cfg, kills or 20, records, seed, workdir, scenarios, kill_window, write_window,
+                                  max_records_per_epoch)
+    else:
+        run_dir = Path(resume)
+        state = RunState.load(run_dir / STATE_FILE)
+        _check_scenarios(cfg, tuple(state.scenarios), broker_to_restart)
+        state.kills_wanted = kills or state.kills_wanted
+    chaos_cfg = _chaos_config(cfg, state, run_dir)
+    if resume is None:
+        source = _Source(chaos_cfg, state, partitions=3)
+        source.produce(state.batch, round_rng(state.seed, 0))
+    else:
+        source = _Source(chaos_cfg, state, partitions=_partitions(chaos_cfg, cfg.bootstrap_servers))
+        # (The broker's word: a partition added by a sitting killed before it saved.)
+        state.partitions_added = max(state.partitions_added, source.partitions - 3)
+    log.info("chaos: topic %s, warehouse %s, logs %s%s", state.name, chaos_cfg.warehouse, run_dir / "logs",
+             f"; resumed at {state.kills} kills after {state.rounds} rounds" if resume else "")
+    procs = _Processes(chaos_cfg, run_dir / "logs")
+    killer = _Killer(procs, tuple(state.kill_window), state.write_window)
+    sitting = {"started": _now(), "stopped": None, "kills": 0}
+    state.sittings.append(sitting)
     deadline = time.monotonic() + max_seconds
     try:
-        # Until enough kills, and every scenario has had its round (a round may kill more than one).
-        while (report.kills < kills or report.rounds < len(order)) and time.monotonic() < deadline:
-            if report.partitions_added == 0 and report.kills >= kills // 2:
+        while not state.enough(pause) and time.monotonic() < deadline:
+            rng = killer.rng = round_rng(state.seed, state.rounds + 1)
+            if state.partitions_added == 0 and state.kills >= state.kills_wanted // 2:
                 source.add_partition()
-                report.partitions_added += 1
-            source.produce(batch)
-            scenario = order[report.rounds % len(order)]
-            report.rounds += 1
-            report.by_scenario[scenario] += 1
+                state.partitions_added += 1
+            source.produce(state.batch, rng)
+            scenario = state.order[state.rounds % len(state.order)]
             if scenario == "broker":
                 phases = _broker_round(chaos_cfg, killer, broker_to_restart)
             elif scenario == "dag":
-                phases = _dag_round(chaos_cfg, killer, backfills, workdir / "airflow")
+                phases = _dag_round(chaos_cfg, killer, state.backfills, run_dir / "airflow")
             else:
-                phases = _round(scenario, chaos_cfg, killer, backfills)
-            report.kills += len(phases)
-            report.by_phase.update(phases)
-            report.strays += procs.kill_all()
-            log.info("chaos round %d (%s): %d kill(s) (%s), %d in all", report.rounds, scenario, len(phases),
-                     ", ".join(phases) or "-", report.kills)
-        _finish(chaos_cfg, procs, backfills)
+                phases = _round(scenario, chaos_cfg, killer, state.backfills)
+            state.rounds += 1
+            state.by_scenario[scenario] = state.by_scenario.get(scenario, 0) + 1
+            for phase in phases:
+                state.by_phase[phase] = state.by_phase.get(phase, 0) + 1
+            state.kills += len(phases)
+            sitting["kills"] += len(phases)
+            state.strays += procs.kill_all()
+            sitting["stopped"] = _now()
+            state.save(run_dir / STATE_FILE)
+            log.info("chaos round %d (%s): %d kill(s) (%s), %d in all", state.rounds, scenario, len(phases),
+                     ", ".join(phases) or "-", state.kills)
+        if not pause:
+            _finish(chaos_cfg, procs, state.backfills)
     finally:  # an error or Ctrl-C leaves no JVM of the run behind (they are in sessions of their own)
-        procs.kill_all()
-    _recount(chaos_cfg, report)
-    if chaos_cfg.publish:
-        _recount_sink(chaos_cfg, report)
+        state.strays += procs.kill_all()
+        sitting["stopped"] = _now()
+        state.save(run_dir / STATE_FILE)
+    report = _report(state, run_dir, chaos_cfg, paused=pause)
+    if not pause:
+        _recount(chaos_cfg, report)
+        if chaos_cfg.publish:
+            _recount_sink(chaos_cfg, report)
     log.info("%s", report.line())
     return report
 
 
+def _partitions(cfg: PipelineConfig, bootstrap_servers: str) -> int:
+    """How many partitions a paused run's topic has; a clear error if it is not there."""
+    try:
+        _, latest = broker.partition_offsets(cfg)
+    except UnknownTopicError:
+        raise ConfigError(f"the paused run's topic {cfg.topic} is not on {bootstrap_servers}: a run goes on on the "
+                          f"broker it started on (an embedded one: `bin/ipcount kafka start` with the same --port "
+                          f"and --state-dir)") from None
+    return len(latest)
+
+
+def _check_scenarios(cfg: PipelineConfig, scenarios: tuple[str, ...], kafka: EmbeddedKafka | None) -> None:
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown or not scenarios:
+        raise ConfigError(f"chaos scenarios: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                          f"{', '.join(SCENARIOS)}")
+    if "broker" in scenarios and not restartable(kafka, cfg.bootstrap_servers):
+        raise ConfigError(f"the broker scenario SIGKILLs and restarts the embedded broker, and none started by "
+                          f"`ipcount kafka start` serves {cfg.bootstrap_servers}; leave out broker")
+
+
+def _new_run(cfg: PipelineConfig, kills: int, records: int, seed: int, workdir: str | Path | None,
+             scenarios: tuple[str, ...], kill_window: tuple[float, float], write_window: float,
+             max_records_per_epoch: int | None) -> tuple[Path, RunState]:
+    """A run's directory, its topic (3 partitions) and its first state."""
+    name = f"chaos_{seed}_{uuid.uuid4().hex[:6]}"
+    run_dir = Path(workdir or Path(cfg.warehouse).parent / "chaos") / name
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    batch = max(10, records // (kills + 1))  # produced before the first round and before each
+    order = list(scenarios)
+    round_rng(seed, 0).shuffle(order)
+    state = RunState(name=name, seed=seed, kills_wanted=kills, scenarios=list(scenarios), order=order, batch=batch,
+                     clock_ms=BASE_MS, kill_window=list(kill_window), write_window=write_window,
+                     # Two batches an epoch: a chain that lost rounds to kills catches up soon.
+                     max_records_per_epoch=max_records_per_epoch or 2 * batch, publish=cfg.publish)
+    broker.create_topic(_chaos_config(cfg, state, run_dir), 3)
+    state.save(run_dir / STATE_FILE)
+    return run_dir, state
+
+
+def _chaos_config(cfg: PipelineConfig, state: RunState, run_dir: Path) -> PipelineConfig:
+    """The user's connection settings, with the run's own topic, tables and pipeline id."""
+    name = state.name
+    return cfg.replace(topic=name, warehouse=str(run_dir / "warehouse"), counts_table="", ledger_table="",
+                       dead_letter_table="", late_table="", pipeline_id=name, group_id=name,
+                       start_position="earliest", on_data_loss="fail", epoch_server="",
+                       epoch_server_token_file=str(run_dir / "epoch-server.token"),
+                       max_records_per_epoch=state.max_records_per_epoch, publish=state.publish,
+                       publish_topic=f"{name}_sink")
+
+
+def _report(state: RunState, run_dir: Path, cfg: PipelineConfig, paused: bool) -> ChaosReport:
+    return ChaosReport(cfg.topic, cfg.warehouse, run_dir=str(run_dir), paused=paused,
+                       kills_wanted=state.kills_wanted, sittings=len(state.sittings), kills=state.kills,
+                       rounds=state.rounds, by_scenario=Counter(state.by_scenario),
+                       by_phase=Counter(state.by_phase), partitions_added=state.partitions_added,
+                       strays=state.strays)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 class _Source:
     """The run's topic and what is produced to it: batches whose event-time clock moves on
-    from batch to batch, out of order within (5% late, 3% malformed)."""
+    from batch to batch, out of order within (5% late, 3% malformed). The clock lives in the
+    run's state; each batch's randomness comes from its round."""
 
-    def __init__(self, cfg: PipelineConfig, rng: random.Random, partitions: int) -> None:
-        self.cfg, self.rng, self.partitions = cfg, rng, partitions
-        self.gen = TrafficGenerator(seed=rng.randrange(1 << 30), events_per_second=20, late_share=0.05,
-                                    malformed_share=0.03)
-        self.clock_ms = BASE_MS
+    def __init__(self, cfg: PipelineConfig, state: RunState, partitions: int) -> None:
+        self.cfg, self.state, self.partitions = cfg, state, partitions
+        self.gen = TrafficGenerator(seed=state.seed, events_per_second=20, late_share=0.05, malformed_share=0.03)
 
-    def produce(self, n: int) -> None:
+    def produce(self, n: int, rng: random.Random) -> None:
         """``n`` records: four fifths plain, the rest in two transactions, the second aborted."""
         from kafka import KafkaProducer
 
-        records = list(self.gen.records(n, self.clock_ms))
-        self.clock_ms += n * 50 + self.rng.randrange(0, 5_000)
+        self.gen.reseed(rng.randrange(1 << 30))
+        records = list(self.gen.records(n, self.state.clock_ms))
+        self.state.clock_ms += n * 50 + rng.randrange(0, 5_000)
         parts = self.partitions
         plain, in_tx = records[: n * 4 // 5], records[n * 4 // 5:]
         options = broker.client_options(self.cfg)
@@ -326,9 +410,9 @@ class _Moment:
 class _Killer:
     """Picks each kill's moment and makes the kills of a round."""
 
-    def __init__(self, procs: _Processes, rng: random.Random, kill_window: tuple[float, float],
-                 write_window: float) -> None:
-        self.procs, self.rng, self.kill_window, self.write_window = procs, rng, kill_window, write_window
+    def __init__(self, procs: _Processes, kill_window: tuple[float, float], write_window: float) -> None:
+        self.procs, self.kill_window, self.write_window = procs, kill_window, write_window
+        self.rng = random.Random()  # each round sets its own (chaos_state.round_rng)
 
     def moment(self, start_delay: float = 0.0) -> _Moment:
         if self.rng.random() < 0.5:
@@ -631,7 +715,9 @@ def _recount_sink(cfg: PipelineConfig, report: ChaosReport) -> None:
 
 
 def report_json(report: ChaosReport) -> str:
-    return json.dumps({"ok": report.ok, "kills": report.kills, "rounds": report.rounds,
+    return json.dumps({"ok": None if report.paused else report.ok, "paused": report.paused,
+                       "sittings": report.sittings, "run_dir": report.run_dir, "kills": report.kills,
+                       "kills_wanted": report.kills_wanted, "rounds": report.rounds,
                        "scenarios": dict(report.by_scenario), "phases": {p: report.by_phase[p] for p in PHASES},
                        "partitions_added": report.partitions_added,
                        "strays": report.strays,

@@ -57,6 +57,12 @@ class TrafficGenerator:
         self._cum = list(itertools.accumulate(1.0 / (i + 1) ** 1.1 for i in range(self.ip_pool)))
         self._malformed = itertools.cycle(MALFORMED_SAMPLES)
 
+    def reseed(self, seed: int | str) -> None:
+        """Draw what follows from ``seed``, the same address pool kept: a run that pauses
+        between batches (chaos) produces the batches an unpaused run would."""
+        self._rng = random.Random(seed)
+        self._malformed = itertools.cycle(MALFORMED_SAMPLES)
+
     def _make_ip(self, i: int) -> str:
         r = self._rng
         if i % 10 == 9:

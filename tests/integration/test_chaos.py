@@ -1,11 +1,15 @@
 """The chaos command's short run: runners SIGKILLed at random, racing each other, the DAGs
 killed mid-run, the broker SIGKILLed and restarted under the chain, a partition added
-mid-run; the recount finds no duplicate and no loss."""
+mid-run, the run paused and resumed; the recount finds no duplicate and no loss."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
 from ipcount.devtools.chaos import PHASES, run_chaos
+from ipcount.devtools.chaos_state import STATE_FILE, RunState
 from ipcount.rules.errors import ConfigError
 
 pytestmark = pytest.mark.airflow  # the dag scenario runs `airflow dags test`
@@ -15,9 +19,17 @@ def test_random_kills_and_a_broker_restart_leave_no_duplicate_and_no_loss(cfg, b
     # Scenarios take turns, each at least once, however many a round kills. (The CLI backfill
     # scenario is left out for time; the DAG round races a backfill DAG run half the time.)
     # Publishing is on: the sink topic is checked too (no version twice, folds to the table).
-    report = run_chaos(cfg.replace(publish=True), kills=3, records=160, seed=3, workdir=tmp_path, max_seconds=420,
-                       scenarios=("race", "dag", "broker"), kill_window=(6.0, 20.0),
-                       max_records_per_epoch=100, broker_to_restart=broker)
+    # Two sittings, as a long run takes them: paused after the first kill, resumed for two more.
+    first = run_chaos(cfg.replace(publish=True), kills=1, records=80, seed=3, workdir=tmp_path, max_seconds=300,
+                      scenarios=("race", "dag", "broker"), kill_window=(6.0, 20.0),
+                      max_records_per_epoch=100, broker_to_restart=broker, pause=True)
+    assert first.paused and not first.ok and first.kills >= 1 and first.records == 0, first.line()
+    assert "--resume" in first.line() and Path(first.run_dir).parent == tmp_path
+    saved = json.loads((Path(first.run_dir) / STATE_FILE).read_text())
+    assert (saved["kills"], saved["rounds"]) == (first.kills, first.rounds) and saved["batch"] == 40
+
+    report = run_chaos(cfg, kills=first.kills + 2, max_seconds=420, broker_to_restart=broker, resume=first.run_dir)
+    assert report.sittings == 2 and report.rounds > first.rounds and not report.paused, report.line()
     assert report.kills >= 3, report.line()
     assert sum(report.by_phase.values()) == report.kills and set(report.by_phase) <= set(PHASES), report.line()
     assert all(report.by_scenario[s] >= 1 for s in ("race", "dag", "broker")), report.line()
@@ -33,3 +45,10 @@ def test_chaos_refuses_unknown_scenarios_and_broker_restarts_without_an_embedded
         run_chaos(cfg, scenarios=("chain", "tornado"), workdir=tmp_path)
     with pytest.raises(ConfigError, match="leave out broker"):
         run_chaos(cfg, scenarios=("broker",), workdir=tmp_path, broker_to_restart=None)
+
+
+def test_a_run_resumes_only_where_its_topic_is(cfg, tmp_path):
+    RunState(name="chaos_9_gone00", seed=9, kills_wanted=2, scenarios=["chain"], order=["chain"], batch=10,
+             clock_ms=0, max_records_per_epoch=20).save(tmp_path / STATE_FILE)
+    with pytest.raises(ConfigError, match="topic chaos_9_gone00 is not on .*the broker it started on"):
+        run_chaos(cfg, resume=tmp_path)

@@ -1,0 +1,75 @@
+"""A chaos run's state between sittings (``ipcount chaos --pause`` / ``--resume``).
+
+A run of 200 kills takes longer than one sitting (about 50 s a kill here), so it can pause and
+go on later on the same topic, warehouse and broker: this file holds what the next sitting
+needs. Randomness is drawn per round (:func:`round_rng`), so no generator state is saved and
+a resumed run makes the same choices an unpaused one would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ipcount.rules.errors import ConfigError
+
+STATE_FORMAT = 1
+STATE_FILE = "state.json"
+
+
+def round_rng(seed: int, round_no: int) -> random.Random:
+    """The random choices of round ``round_no`` (0: the run's set-up) of the run ``seed``."""
+    return random.Random(f"chaos/{seed}/{round_no}")
+
+
+@dataclass
+class RunState:
+    """Where a run's data is, what it was asked for, and how far it got."""
+
+    name: str                    # topic, pipeline id and directory of the run
+    seed: int
+    kills_wanted: int
+    scenarios: list[str]
+    order: list[str]             # the scenarios' turn order (shuffled once)
+    batch: int                   # records produced before each round
+    clock_ms: int                # the source's event-time clock
+    max_records_per_epoch: int
+    kill_window: list[float] = field(default_factory=lambda: [2.0, 30.0])
+    write_window: float = 20.0
+    publish: bool = False
+    backfills: list[str] = field(default_factory=list)   # every backfill request made (the finish completes them)
+    kills: int = 0
+    rounds: int = 0
+    by_scenario: dict[str, int] = field(default_factory=dict)
+    by_phase: dict[str, int] = field(default_factory=dict)
+    partitions_added: int = 0
+    strays: int = 0
+    sittings: list[dict] = field(default_factory=list)   # {"started", "stopped", "kills"}
+
+    def enough(self, pausing: bool) -> bool:
+        """Whether the kills wanted are made - and, for a run that is to finish now rather than
+        pause, every scenario has had its round (a round may kill more than one)."""
+        return self.kills >= self.kills_wanted and (pausing or self.rounds >= len(self.order))
+
+    def save(self, path: Path) -> None:
+        """Written whole or not at all (a kill of chaos itself leaves the last round's state)."""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"format": STATE_FORMAT, **asdict(self)}, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> RunState:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no chaos run to resume at {path.parent} (its state.json is missing)") from None
+        except ValueError as e:
+            raise ConfigError(f"the chaos run's state {path} is not JSON: {e}") from None
+        if data.pop("format", None) != STATE_FORMAT:
+            raise ConfigError(f"the chaos run's state {path} has another format; start a new run")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ConfigError(f"the chaos run's state {path} does not fit this version: {e}") from None

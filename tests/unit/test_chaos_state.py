@@ -1,0 +1,41 @@
+"""A paused chaos run's state: round trip, per-round randomness, clear errors."""
+from __future__ import annotations
+
+import pytest
+
+from ipcount.devtools.chaos_state import RunState, round_rng
+from ipcount.rules.errors import ConfigError
+
+
+def state(**extra) -> RunState:
+    return RunState(name="chaos_7_abc123", seed=7, kills_wanted=4, scenarios=["race", "dag"],
+                    order=["dag", "race"], batch=40, clock_ms=1_795_255_200_000,
+                    max_records_per_epoch=80, **extra)
+
+
+def test_the_state_round_trips_and_says_when_the_run_is_done(tmp_path):
+    s = state(backfills=["0:1-5"], kills=3, rounds=2, by_scenario={"dag": 1, "race": 1},
+              by_phase={"writing": 2, "starting": 1}, sittings=[{"started": "t0", "stopped": "t1", "kills": 3}])
+    s.save(tmp_path / "state.json")
+    assert RunState.load(tmp_path / "state.json") == s and not s.enough(pausing=True)
+    s.kills = 4
+    assert s.enough(pausing=True) and s.enough(pausing=False)
+    s.rounds = 1  # four kills in one round: a pause may come now, the finish waits for dag's and race's turns
+    assert s.enough(pausing=True) and not s.enough(pausing=False)
+    assert not (tmp_path / "state.json.tmp").exists()
+
+
+def test_each_round_draws_the_same_choices_however_the_run_was_paused():
+    assert [round_rng(7, 3).random() for _ in range(2)] == [round_rng(7, 3).random() for _ in range(2)]
+    assert round_rng(7, 3).random() != round_rng(7, 4).random() != round_rng(8, 3).random()
+
+
+def test_a_missing_or_foreign_state_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no chaos run to resume"):
+        RunState.load(tmp_path / "state.json")
+    (tmp_path / "state.json").write_text('{"format": 1, "name": "x"}')
+    with pytest.raises(ConfigError, match="does not fit this version"):
+        RunState.load(tmp_path / "state.json")
+    (tmp_path / "state.json").write_text("{")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        RunState.load(tmp_path / "state.json")
