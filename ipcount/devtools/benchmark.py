@@ -1,23 +1,23 @@
 """``bin/benchmark``: this pipeline side by side with Spark Structured Streaming (the peer)
-and with the read-only limits, on the same data and the same Spark settings.
+and with the read-only limits, on the same data and the same Spark settings, warm against
+warm and cold against cold.
 
-Each measurement is a process of its own, started the way it would run for real (the
-pipeline exactly as the DAG submits it: ``spark-submit spark_jobs/epoch_job.py epoch``),
-watched for its Spark driver's peak memory (the JVM's resident set; in local mode the
-driver is the whole of Spark). Two times per measurement:
+* **warm** (:mod:`ipcount.devtools.bench_rounds`): one ``spark-submit`` of
+  ``spark_jobs/bench_job.py rounds``, one JVM and Spark session for every contender, rounds
+  of [read-only count, peer, pipeline (and both again in several epochs)] in a rotated
+  order; round 1 is the cold session, the rounds after it are warm. Then series of small
+  epochs through both, for the per-epoch cost and its growth with history.
+* **cold**: each contender as a fresh process, the way a scheduler starts it (the pipeline
+  exactly as the DAG submits it: ``spark-submit spark_jobs/epoch_job.py epoch``), repeated.
+  Two times each: **wall** (the whole process, JVM start included) and **work** (from a
+  ready Spark session to done), and the driver's peak resident memory.
+* **paths**: the DAG's fixed costs: the epoch server's start, a small epoch and an empty one
+  sent to it, and the DAG's JVM-free idle check.
+* **kafka_python**: a plain consumer draining the range, the limit without Spark.
 
-* **wall**: the whole process, JVM start included - what a DAG run costs;
-* **work**: from a ready Spark session to done - what the approach itself costs.
-
-``pipeline_server`` runs the same epoch in the epoch server (``epoch_job.py serve``, started
-once per benchmark and warmed up; its start is reported as ``server_start``), on tables of its
-own. ``small_epochs`` adds the fixed overhead (an empty epoch through spark-submit, through the
-epoch server, and the DAG's JVM-free idle check) and history growth (an epoch after a few
-committed epochs against one after ``--history-epochs``, with every table grown by the epochs
-between), both through spark-submit and through the server.
-
-Ratios compare work times (and wall times beside them); the figures go to a table on stdout
-and to a JSON file.
+Every figure is a median with its min and max (:mod:`ipcount.devtools.bench_stats`), every
+ratio is taken run by run, and every total is read back from its Delta table and checked
+against the others. The figures go to a table on stdout and to a JSON file.
 """
 from __future__ import annotations
 
@@ -37,14 +37,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
+from ipcount.devtools import bench_rounds, bench_stats
 from ipcount.devtools.embedded_kafka import free_port
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig
 from ipcount.rules.ledger import EpochSummary, summaries_in
 from ipcount.server import auth, client
 from ipcount.server.vetting import Pipelines
+from ipcount.storage.delta import DeltaReader
 from ipcount.storage.spark import DRIVER_ENV
 
-MEASUREMENTS = ("pipeline", "pipeline_server", "peer", "spark_count", "kafka_python", "small_epochs")
+MEASUREMENTS = ("warm", "cold", "paths", "kafka_python")
+COLD = ("spark_count", "peer", "pipeline")
+# Ratios, as (label, the pipeline's contender, the other): throughput ratios, > 1 when the pipeline is faster.
+WARM_RATIOS = (("pipeline / peer", "pipeline", "peer"), ("pipeline / read limit", "pipeline", "spark_count"),
+               ("pipeline_epochs / peer_epochs", "pipeline_epochs", "peer_epochs"),
+               ("pipeline_epochs / read limit", "pipeline_epochs", "spark_count"))
 BENCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "bench_job.py")
 
 
@@ -134,25 +141,6 @@ def _last_json(stdout: str) -> dict:
     raise RuntimeError(f"no JSON summary in the output: {stdout[-2000:]}")
 
 
-def measure_pipeline(cfg: PipelineConfig, records: int, logs: Path, server: EpochServerProcess | None = None
-                     ) -> Measurement:
-    """One epoch over the whole range: through spark-submit, or in the epoch server (on a
-    warehouse of its own, so both start from empty tables)."""
-    if server is None:
-        name, what = "pipeline", "this pipeline: one epoch over the whole range (spark-submit, as the DAG)"
-        wall, peak, summaries = submit_epoch(cfg, logs, name)
-    else:
-        name, what = "pipeline_server", "this pipeline: the same epoch in the warm epoch server (the DAG's fast path)"
-        cfg = cfg.replace(warehouse=str(Path(cfg.warehouse).parent / name), pipeline_id=f"{cfg.pipeline_id}_{name}")
-        wall, peak, summaries = server.epoch(cfg, name)
-    summary = summaries[-1]
-    if summary.records_read != records:
-        raise RuntimeError(f"the epoch did not read all {records} records: {summary}")
-    stages = {k: round(v, 3) for k, v in summary.stage_seconds.items()}
-    return Measurement(name, what, records, round(wall, 3), round(sum(stages.values()), 3), peak, stages,
-                       summary.records_counted)
-
-
 class EpochServerProcess:
     """``spark-submit spark_jobs/epoch_job.py serve`` for the benchmark: started (and warmed
     up) once, then sent epochs the way the DAG's operator sends them."""
@@ -224,78 +212,6 @@ def submit_epoch(cfg: PipelineConfig, logs: Path, name: str, *extra: str
     return wall, peak, summaries
 
 
-def measure_small_epochs(servers: str, epochs: int, per_epoch: int, partitions: int, seed: int, logs: Path,
-                         workdir: Path, server: EpochServerProcess) -> tuple[dict[str, Measurement], dict]:
-    """Fixed overhead and history growth, on a pipeline of ``per_epoch``-record epochs.
-
-    Epoch 1 runs in the epoch server, epoch 2 through spark-submit (after 1 committed epoch);
-    epoch 3 in the server again (after 2), and epochs 4..N there in one request. Then an empty
-    epoch in the server, one through spark-submit, and the DAG's idle check (no JVM). After
-    ``per_epoch`` more records epoch N+1 is submitted (after N committed epochs, the tables
-    grown accordingly), and after as many again epoch N+2 runs in the server.
-    """
-    topic = f"bench_{uuid.uuid4().hex[:8]}_small"
-    cfg = PipelineConfig(bootstrap_servers=servers, topic=topic, group_id=f"g_{topic}", pipeline_id=f"p_{topic}",
-                         warehouse=str(workdir / "small_epochs"), spark_master="local[*]",
-                         max_records_per_epoch=per_epoch)
-    say(f"  generating {epochs} epochs of {per_epoch:,} records on {topic}")
-    generate(cfg, epochs * per_epoch, partitions, seed)
-    out: dict[str, Measurement] = {}
-
-    def epoch_measurement(name: str, what: str, run: tuple[float, float | None, list[EpochSummary]], epoch: int | None,
-                          records: int) -> Measurement:
-        wall, peak, summaries = run
-        summary = summaries[-1]
-        if summary.epoch != epoch or summary.records_read != records:
-            raise RuntimeError(f"{name}: expected epoch {epoch} of {records} records, got {summary}")
-        stages = {k: round(v, 3) for k, v in summary.stage_seconds.items()}
-        return Measurement(name, what, records, round(wall, 3), round(summary.seconds, 3), peak, stages,
-                           summary.records_counted if summary.plan is not None else None)
-
-    say("  epoch 1 (epoch server), epoch 2 (spark-submit)")
-    epoch_measurement("epoch 1", "", server.epoch(cfg, "small-epoch-1"), 1, per_epoch)
-    out["epoch_after_1"] = epoch_measurement("epoch_after_1", "an epoch after 1 committed epoch (spark-submit)",
-                                             submit_epoch(cfg, logs, "small-epoch-2"), 2, per_epoch)
-    say("  epoch 3 (epoch server)")
-    out["server_epoch_after_2"] = epoch_measurement(
-        "server_epoch_after_2", "an epoch after 2 committed epochs (epoch server)",
-        server.epoch(cfg, "small-epoch-3"), 3, per_epoch)
-    if epochs > 3:
-        say(f"  epochs 4..{epochs} (epoch server, one request)")
-        started = time.monotonic()
-        _, _, summaries = server.epoch(cfg, "small-epochs-grow", "--epochs", str(epochs - 3))
-        if [s_.epoch for s_ in summaries] != list(range(4, epochs + 1)):
-            raise RuntimeError(f"expected epochs 4..{epochs}: {summaries}")
-        say(f"    done in {time.monotonic() - started:.1f} s")
-    say("  an empty epoch (epoch server)")
-    out["empty_server"] = epoch_measurement("empty_server", "an empty epoch in the epoch server (request round trip)",
-                                            server.epoch(cfg, "small-epoch-empty-server"), None, 0)
-    say("  an empty epoch (spark-submit)")
-    out["empty_submit"] = epoch_measurement("empty_submit", "an empty epoch through spark-submit (the DAG without "
-                                            "its idle check or server)", submit_epoch(cfg, logs, "small-epoch-empty"),
-                                            None, 0)
-    say("  the DAG's idle check (no JVM)")
-    command = [sys.executable, BENCH_APPLICATION, "idle_check", "--bootstrap-servers", servers, "--topic", topic,
-               "--ending", "{}", "--workdir", cfg.warehouse]
-    wall, _, text = run_process(command, logs / "idle_check.log")
-    result = _last_json(text)
-    if result["run"]:
-        raise RuntimeError(f"the idle check wants to run an epoch although nothing is new: {result['why']}")
-    out["idle_check"] = Measurement("idle_check", "the DAG's idle check: ledger by delta-rs, log ends by kafka-python",
-                                    0, round(wall, 3), round(result["seconds"], 3), None)
-    generate(cfg, per_epoch, partitions, seed, after=epochs * per_epoch)
-    say(f"  epoch {epochs + 1} (spark-submit)")
-    out[f"epoch_after_{epochs}"] = epoch_measurement(
-        f"epoch_after_{epochs}", f"an epoch after {epochs} committed epochs (spark-submit)",
-        submit_epoch(cfg, logs, f"small-epoch-{epochs + 1}"), epochs + 1, per_epoch)
-    generate(cfg, per_epoch, partitions, seed, after=(epochs + 1) * per_epoch)
-    say(f"  epoch {epochs + 2} (epoch server)")
-    out[f"server_epoch_after_{epochs + 1}"] = epoch_measurement(
-        f"server_epoch_after_{epochs + 1}", f"an epoch after {epochs + 1} committed epochs (epoch server)",
-        server.epoch(cfg, f"small-epoch-{epochs + 2}"), epochs + 2, per_epoch)
-    return out, {"epochs": epochs + 2, "records_per_epoch": per_epoch, "tables": table_sizes(cfg)}
-
-
 def table_sizes(cfg: PipelineConfig) -> dict[str, dict[str, int]]:
     """Rows, data files and log versions of the pipeline's tables (read with delta-rs)."""
     import pyarrow as pa
@@ -311,34 +227,156 @@ def table_sizes(cfg: PipelineConfig) -> dict[str, dict[str, int]]:
     return sizes
 
 
-def measure_job(cfg: PipelineConfig, job: str, what: str, records: int, logs: Path, workdir: Path,
-                ending: dict[int, int]) -> Measurement:
+def measure_job(cfg: PipelineConfig, job: str, records: int, logs: Path, where: Path, ending: dict[int, int],
+                label: str) -> Measurement:
+    """``bench_job.py JOB`` (the peer or a read-only limit) as a process of its own."""
     args = [job, "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
-            "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(workdir / job),
+            "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(where),
             "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds",
             str(cfg.allowed_lateness_seconds)]
     if job == "kafka_python":
         command = [sys.executable, BENCH_APPLICATION, *args]
     else:
-        command = spark_submit(cfg, BENCH_APPLICATION, args, f"bench-{job}")
-    wall, peak, out = run_process(command, logs / f"{job}.log", DRIVER_ENV)
+        command = spark_submit(cfg, BENCH_APPLICATION, args, f"bench-{label}")
+    wall, peak, out = run_process(command, logs / f"{label}.log", DRIVER_ENV)
     result = _last_json(out)
-    if job != "peer" and result["records"] != records:
-        raise RuntimeError(f"{job} read {result['records']} records, not {records}")
-    return Measurement(job, what, records, round(wall, 3), round(result["seconds"], 3),
-                       peak if job != "kafka_python" else None, result.get("stages", {}), result.get("counted"))
+    if result["records"] != records:
+        raise RuntimeError(f"{label} read {result['records']} records, not {records}")
+    counted = sum_count(str(where / "counts")) if job == "peer" else None
+    return Measurement(job, label, records, round(wall, 3), round(result["seconds"], 3),
+                       peak if job != "kafka_python" else None, result.get("stages", {}), counted)
+
+
+def sum_count(counts_path: str) -> int:
+    """sum(count) of a counts table, read with delta-rs."""
+    rows = DeltaReader().query(counts_path, "SELECT coalesce(sum(count), 0) AS n FROM t")
+    return int(rows[0]["n"]) if rows else 0
+
+
+def measure_warm(cfg: PipelineConfig, ending: dict[int, int], small_cfg: PipelineConfig,
+                 small_ending: dict[int, int], args: argparse.Namespace, logs: Path, workdir: Path) -> dict:
+    """The warm rounds and small-epoch series in one spark-submit (:mod:`bench_rounds`)."""
+    command = spark_submit(cfg, BENCH_APPLICATION, [
+        "rounds", "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
+        "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(workdir / "warm"),
+        "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds", str(cfg.allowed_lateness_seconds),
+        "--rounds", str(args.rounds), "--epochs", str(args.epochs), "--small-topic", small_cfg.topic,
+        "--small-ending", json.dumps({str(p): o for p, o in small_ending.items()}),
+        "--small-per-epoch", str(args.epoch_records)], "bench-warm")
+    wall, peak, out = run_process(command, logs / "warm.log", DRIVER_ENV)
+    result = _last_json(out)
+    runs = result["runs"]
+    contenders = [c for c in (*bench_rounds.CONTENDERS, *bench_rounds.EPOCH_CONTENDERS)
+                  if any(r["contender"] == c for r in runs)]
+    small = {name: {"seconds": series, "steady": bench_stats.steady(series), "growth": bench_stats.growth(series)}
+             for name, series in result["small"].items()}
+    if result["small"]:  # the small pipeline's tables after its series (bench_rounds.small_epochs)
+        small["tables"] = table_sizes(cfg.replace(warehouse=str(workdir / "warm" / "small" / "pipeline")))
+    return {"rounds": args.rounds, "epochs": args.epochs, "wall_seconds": round(wall, 3), "peak_rss_mb": peak,
+            "memory": result["memory"], "runs": runs,
+            "contenders": {c: bench_stats.contender_summary(runs, c) for c in contenders},
+            "ratios": {label: bench_stats.paired_ratio(runs, mine, other, first_round=2)
+                       for label, mine, other in WARM_RATIOS if mine in contenders and other in contenders},
+            "small": {"records_per_epoch": args.epoch_records, **small}}
+
+
+def measure_cold(cfg: PipelineConfig, ending: dict[int, int], records: int, repeats: int, logs: Path,
+                 workdir: Path) -> dict:
+    """Each contender as a fresh process, ``repeats`` times in a rotated order."""
+    runs: list[dict] = []
+    for rep in range(1, repeats + 1):
+        shift = (rep - 1) % len(COLD)
+        for name in COLD[shift:] + COLD[:shift]:
+            where = workdir / "cold" / f"{name}_{rep}"
+            label = f"cold-{name}-{rep}"
+            say(f"  cold {name}, run {rep} of {repeats}")
+            if name == "pipeline":
+                run_cfg = cfg.replace(warehouse=str(where), pipeline_id=f"{cfg.pipeline_id}_cold_{rep}",
+                                      group_id=f"{cfg.group_id}_cold_{rep}", max_records_per_epoch=records)
+                wall, peak, summaries = submit_epoch(run_cfg, logs, label)
+                summary = summaries[-1]
+                if summary.records_read != records:
+                    raise RuntimeError(f"the cold epoch read {summary.records_read} records, not {records}")
+                m = Measurement(name, label, records, round(wall, 3), round(sum(summary.stage_seconds.values()), 3),
+                                peak, dict(summary.stage_seconds), sum_count(run_cfg.counts_path))
+            else:
+                m = measure_job(cfg, name, records, logs, where, ending, label)
+            say(f"    wall {m.wall_seconds:.1f} s, work {m.work_seconds:.1f} s, driver peak {m.peak_driver_mb} MB")
+            runs.append({"contender": name, "round": rep, "seconds": m.work_seconds, "wall_seconds": m.wall_seconds,
+                         "peak_driver_mb": m.peak_driver_mb, "counted": m.counted, "stages": m.stages})
+    wall_runs = [{**r, "seconds": r["wall_seconds"]} for r in runs]
+    return {"repeats": repeats, "runs": runs,
+            "contenders": {c: {"work": bench_stats.spread(r["seconds"] for r in runs if r["contender"] == c),
+                               "wall": bench_stats.spread(r["wall_seconds"] for r in runs if r["contender"] == c),
+                               "peak_driver_mb": max(r["peak_driver_mb"] or 0 for r in runs if r["contender"] == c),
+                               "counted": next(r["counted"] for r in runs if r["contender"] == c)}
+                           for c in COLD},
+            "ratios": {f"{label} ({kind})": bench_stats.paired_ratio(rs, mine, other)
+                       for label, mine, other in WARM_RATIOS if mine in COLD and other in COLD
+                       for kind, rs in (("work", runs), ("wall", wall_runs))}}
+
+
+def measure_paths(cfg: PipelineConfig, per_epoch: int, partitions: int, seed: int, logs: Path,
+                  workdir: Path) -> dict:
+    """The DAG's fixed costs: the epoch server's start; on a table set of their own, a
+    ``per_epoch``-record epoch sent to it (after a first one) and an empty one; the idle
+    check."""
+    topic = f"bench_{uuid.uuid4().hex[:8]}_paths"
+    paths_cfg = cfg.replace(topic=topic, group_id=f"g_{topic}", pipeline_id=f"p_{topic}",
+                            warehouse=str(workdir / "paths"), max_records_per_epoch=per_epoch)
+    generate(paths_cfg, 2 * per_epoch, partitions, seed)
+    say("  starting the epoch server (spark-submit epoch_job.py serve; warm-up epoch on scratch tables)")
+    server = EpochServerProcess(cfg, logs)
+    try:
+        out = {"server_start": server.start.to_dict()}
+        for n, name in ((1, "first_epoch"), (2, "epoch"), (None, "empty_epoch")):
+            wall, _, summaries = server.epoch(paths_cfg, f"paths-{name}")
+            summary = summaries[-1]
+            if summary.epoch != n:
+                raise RuntimeError(f"paths: expected epoch {n}, got {summary}")
+            out[name] = {"wall_seconds": round(wall, 3), "work_seconds": round(summary.seconds, 3),
+                         "stages": {k: round(v, 3) for k, v in summary.stage_seconds.items()}}
+    finally:
+        server.stop()
+    command = [sys.executable, BENCH_APPLICATION, "idle_check", "--bootstrap-servers", cfg.bootstrap_servers,
+               "--topic", topic, "--ending", "{}", "--workdir", paths_cfg.warehouse]
+    wall, _, text = run_process(command, logs / "idle_check.log")
+    result = _last_json(text)
+    if result["run"]:
+        raise RuntimeError(f"the idle check wants to run an epoch although nothing is new: {result['why']}")
+    out["idle_check"] = {"wall_seconds": round(wall, 3), "work_seconds": round(result["seconds"], 3)}
+    out["records_per_epoch"] = per_epoch
+    return out
+
+
+def check_totals(report: dict) -> None:
+    """Warm and cold, the pipeline and the peer counted the same requests over one batch."""
+    counted = {}
+    for mode in ("warm", "cold"):
+        for name in ("peer", "pipeline"):
+            c = report.get(mode, {}).get("contenders", {}).get(name)
+            if c:
+                counted[f"{mode} {name}"] = c["counted"]
+    if len(set(counted.values())) > 1:
+        raise RuntimeError(f"requests counted differ: {counted}; they do not compute the same thing")
 
 
 def job_main(argv: Sequence[str] | None = None) -> int:
-    """The peer and the limits as jobs (``spark_jobs/bench_job.py``); prints a JSON line."""
+    """The peer, the limits and the warm rounds as jobs (``spark_jobs/bench_job.py``);
+    prints a JSON line."""
     p = argparse.ArgumentParser(prog="bench_job.py", description="one benchmark measurement (used by bin/benchmark)")
-    p.add_argument("job", choices=("peer", "spark_count", "kafka_python", "idle_check"))
+    p.add_argument("job", choices=("peer", "spark_count", "kafka_python", "idle_check", "rounds"))
     p.add_argument("--bootstrap-servers", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--ending", required=True, help="JSON: partition -> end offset")
     p.add_argument("--workdir", required=True)
     p.add_argument("--window-seconds", type=int, default=5)
     p.add_argument("--allowed-lateness-seconds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=4, help="rounds: how many")
+    p.add_argument("--epochs", type=int, default=4, help="rounds: epochs of the multi-epoch contenders")
+    p.add_argument("--small-topic", help="rounds: the topic of the small-epoch series")
+    p.add_argument("--small-ending", default="{}", help="rounds: JSON, partition -> end offset of --small-topic")
+    p.add_argument("--small-per-epoch", type=int, default=2000, help="rounds: records per small epoch")
     args = p.parse_args(argv)
     ending = {int(k): v for k, v in json.loads(args.ending).items()}
     cfg = PipelineConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic, window_seconds=args.window_seconds,
@@ -360,17 +398,32 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     from ipcount.storage.spark import get_spark
 
     spark = get_spark(cfg, app_name=f"bench-{args.job}")
+    if args.job == "rounds":
+        return _rounds_job(spark, cfg, ending, args)
     started = time.monotonic()
     if args.job == "spark_count":
         n = peer.spark_count(cfg, spark, ending)
         print(json.dumps({"records": n, "seconds": time.monotonic() - started}), flush=True)
         return 0
     table = str(Path(args.workdir) / "counts")
-    batches = peer.run_peer(cfg, spark, table, str(Path(args.workdir) / "checkpoint"), ending)
-    seconds = time.monotonic() - started
-    rows = spark.read.format("delta").load(table).selectExpr("coalesce(sum(count), 0) AS n").first().n
-    print(json.dumps({"records": sum(ending.values()), "counted": rows, "batches": batches, "seconds": seconds}),
-          flush=True)
+    result = peer.run_peer(cfg, spark, table, str(Path(args.workdir) / "checkpoint"), ending)
+    print(json.dumps({"records": sum(result.reached.values()), "batches": result.batches,
+                      "seconds": time.monotonic() - started}), flush=True)
+    return 0
+
+
+def _rounds_job(spark, cfg: PipelineConfig, ending: dict[int, int], args: argparse.Namespace) -> int:
+    workdir = Path(args.workdir)
+    say(f"warm rounds: {args.rounds} rounds over {sum(ending.values()):,} records")
+    runs = bench_rounds.warm_rounds(spark, cfg, ending, workdir, args.rounds, args.epochs, say=say)
+    small: dict[str, list[float]] = {}
+    if args.small_topic:
+        small_ending = {int(k): v for k, v in json.loads(args.small_ending).items()}
+        say(f"small epochs: {sum(small_ending.values()):,} records in epochs of {args.small_per_epoch:,}")
+        small = bench_rounds.small_epochs(spark, cfg.replace(topic=args.small_topic), small_ending, workdir,
+                                          args.small_per_epoch)
+    print(json.dumps({"runs": bench_rounds.runs_json(runs), "small": small,
+                      "memory": bench_rounds.jvm_memory(spark)}), flush=True)
     return 0
 
 
@@ -398,67 +451,68 @@ def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, afte
     return latest
 
 
-def ratios(results: dict[str, Measurement]) -> dict[str, float]:
-    out = {}
-
-    def ratio(name: str, a: Measurement, b: Measurement) -> None:
-        # Throughput ratios: > 1 means the first is faster.
-        out[f"{name} (work)"] = round(b.work_seconds / a.work_seconds, 3)
-        out[f"{name} (wall)"] = round(b.wall_seconds / a.wall_seconds, 3)
-
-    for pipe in ("pipeline", "pipeline_server"):
-        for other, label in (("peer", "peer"), ("spark_count", "spark read limit"),
-                             ("kafka_python", "kafka-python drain")):
-            if pipe in results and other in results:
-                ratio(f"{pipe} / {label}", results[pipe], results[other])
-
-    def growth(label: str, prefix: str) -> None:
-        # Time ratios: 1.0 means the later epoch costs what the early one did.
-        early, *later = sorted((m for name, m in results.items() if name.startswith(prefix)),
-                               key=lambda m: int(m.name.rsplit("_", 1)[1]))
-        if later:
-            n, k = later[-1].name.rsplit("_", 1)[1], early.name.rsplit("_", 1)[1]
-            out[f"{label}epoch after {n} / after {k} (work)"] = round(later[-1].work_seconds / early.work_seconds, 3)
-            out[f"{label}epoch after {n} / after {k} (wall)"] = round(later[-1].wall_seconds / early.wall_seconds, 3)
-
-    if any(name.startswith("epoch_after_") for name in results):
-        growth("", "epoch_after_")
-    if any(name.startswith("server_epoch_after_") for name in results):
-        growth("epoch server: ", "server_epoch_after_")
-    for fast in ("idle_check", "empty_server"):
-        if "empty_submit" in results and fast in results:
-            out[f"empty epoch: spark-submit / {fast.replace('_', ' ')} (wall)"] = round(
-                results["empty_submit"].wall_seconds / results[fast].wall_seconds, 1)
-    return out
+def _range(sp: dict, unit: str = "") -> str:
+    """'median [min-max]' of a spread."""
+    if not sp:
+        return "-"
+    return f"{sp['median']:.2f}{unit} [{sp['min']:.2f}-{sp['max']:.2f}]"
 
 
-def overhead_lines(results: dict[str, Measurement]) -> list[str]:
-    """What an empty epoch costs, and what dominates it."""
-    if not {"empty_submit", "empty_server", "idle_check"} <= set(results):
-        return []
-    submit, warm, idle = results["empty_submit"], results["empty_server"], results["idle_check"]
-    return [f"empty epoch through spark-submit: {submit.wall_seconds:.1f} s wall, of which the epoch's own checks "
-            f"{submit.work_seconds:.1f} s (in a fresh JVM) and JVM + Spark start the rest "
-            f"({submit.wall_seconds - submit.work_seconds:.1f} s)",
-            f"the same in the epoch server: {warm.wall_seconds:.2f} s wall ({warm.work_seconds:.2f} s checking); "
-            f"the DAG's idle check, which skips the Spark job when nothing is new: {idle.wall_seconds:.2f} s wall "
-            f"({idle.work_seconds:.2f} s checking)"]
-
-
-def table(results: dict[str, Measurement], rs: dict[str, float]) -> str:
-    lines = [f"{'measurement':<24} {'records':>9} {'wall s':>8} {'work s':>8} {'records/s (work)':>17} "
-             f"{'driver peak MB':>15}  stages (s)"]
-    for m in results.values():
-        stages = " ".join(f"{k} {v:.2f}" for k, v in m.stages.items())
-        peak = "-" if m.peak_driver_mb is None else f"{m.peak_driver_mb:.0f}"
-        lines.append(f"{m.name:<24} {m.records:>9} {m.wall_seconds:>8.1f} {m.work_seconds:>8.1f} "
-                     f"{m.records_per_second:>17,.0f} {peak:>15}  {stages}")
-    lines.append("")
-    lines += [f"{k:<56} {v:>6.2f}" for k, v in rs.items()]
-    overhead = overhead_lines(results)
-    if overhead:
-        lines += ["", *overhead]
-    return "\n".join(lines)
+def render(report: dict) -> str:
+    """The report as the table bin/benchmark prints."""
+    lines = []
+    warm = report.get("warm")
+    if warm:
+        lines += [f"warm: one Spark session, {report['records']:,} records over {report['partitions']} partitions; "
+                  f"round 1 of {warm['rounds']} is the cold session, rounds 2-{warm['rounds']} warm "
+                  f"(seconds: median [min-max])",
+                  f"{'contender':<16} {'round 1':>8} {'warm':>22} {'records/s':>11} {'counted':>10} {'late':>7} "
+                  f"{'malformed':>9} {'batches':>7}  stages (warm medians, s)"]
+        for name, c in warm["contenders"].items():
+            stages = " ".join(f"{k} {v:.2f}" for k, v in c["stages"].items())
+            cold = "-" if c["cold_seconds"] is None else f"{c['cold_seconds']:.2f}"
+            late = c["late"] if name.startswith("pipeline") else "-"
+            malformed = c["malformed"] if name.startswith("pipeline") else "-"
+            lines.append(f"{name:<16} {cold:>8} {_range(c['warm']):>22} {c['records_per_second'] or 0:>11,} "
+                         f"{c['counted']:>10,} {late:>7} {malformed:>9} {c['batches']:>7}  {stages}")
+        lines.append("ratios (throughput, > 1: the pipeline is faster), round by round over the warm rounds:")
+        lines += [f"  {label:<34} {_range(sp)}" for label, sp in warm["ratios"].items()]
+        memory = warm["memory"]
+        lines.append(f"driver JVM: peak heap {memory['peak_heap_mb']} MB, GC {memory['gc_seconds']} s in all; "
+                     f"largest spill of a warm run "
+                     f"{max((c['spill_bytes_max'] for c in warm['contenders'].values()), default=0):,} bytes")
+        small = warm["small"]
+        for name in ("pipeline", "peer"):
+            if name in small:
+                sm = small[name]
+                growth = "-" if sm["growth"] is None else f"{sm['growth']:.2f}"
+                lines.append(f"small epochs of {small['records_per_epoch']:,} records, {name}: "
+                             f"{len(sm['seconds'])} epochs, from the 4th on {_range(sm['steady'], ' s')}; "
+                             f"the last 3 / epochs 4-6: {growth}")
+        lines.append("")
+    cold = report.get("cold")
+    if cold:
+        lines += [f"cold: each contender a fresh spark-submit process, {cold['repeats']} time(s) "
+                  f"(seconds: median [min-max])",
+                  f"{'contender':<16} {'work':>22} {'wall':>22} {'driver peak MB':>15} {'counted':>10}"]
+        for name, c in cold["contenders"].items():
+            lines.append(f"{name:<16} {_range(c['work']):>22} {_range(c['wall']):>22} {c['peak_driver_mb']:>15.0f} "
+                         f"{'-' if c['counted'] is None else format(c['counted'], ','):>10}")
+        lines += [f"  {label:<34} {_range(sp)}" for label, sp in cold["ratios"].items()]
+        lines.append("")
+    paths = report.get("paths")
+    if paths:
+        start = paths["server_start"]
+        lines.append(f"paths: epoch server start {start['wall_seconds']:.1f} s (its warm-up epoch "
+                     f"{start['work_seconds']:.1f} s); sent to it, a {paths['records_per_epoch']:,}-record epoch "
+                     f"{paths['epoch']['wall_seconds']:.2f} s (after a first one, "
+                     f"{paths['first_epoch']['wall_seconds']:.2f} s), an empty epoch "
+                     f"{paths['empty_epoch']['wall_seconds']:.2f} s; the DAG's idle check (no JVM) "
+                     f"{paths['idle_check']['wall_seconds']:.2f} s")
+    drain = report.get("kafka_python")
+    if drain:
+        lines.append(f"kafka_python: a plain consumer draining the range: {_range(drain['seconds'], ' s')}")
+    return "\n".join(lines).rstrip("\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -469,21 +523,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bootstrap-servers", help="use this broker instead of starting an embedded one")
     p.add_argument("--only", default=",".join(MEASUREMENTS),
                    help=f"comma-separated measurements to run (default all: {','.join(MEASUREMENTS)})")
+    p.add_argument("--rounds", type=int, default=4, help="warm: rounds in the one session (default 4, at least 2)")
+    p.add_argument("--epochs", type=int, default=4,
+                   help="warm: epochs (micro-batches) of the multi-epoch contenders (default 4; 1: none)")
+    p.add_argument("--small-epochs", type=int, default=100,
+                   help="warm: small epochs in the series through each (default 100, at least 2; growth "
+                        "from 9)")
+    p.add_argument("--epoch-records", type=int, default=2000, help="records per small epoch (default 2000)")
+    p.add_argument("--cold-repeats", type=int, default=3, help="cold: runs of each contender (default 3)")
     p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--history-epochs", type=int, default=100,
-                   help="small_epochs: committed epochs before the last spark-submit one is timed (default 100, "
-                        "at least 3)")
-    p.add_argument("--epoch-records", type=int, default=2000,
-                   help="small_epochs: records per epoch (default 2000)")
     args = p.parse_args(argv)
-    if args.history_epochs < 3:
-        p.error("--history-epochs must be at least 3")
+    for flag, value, least in (("--records", args.records, 1), ("--rounds", args.rounds, 2),
+                               ("--epochs", args.epochs, 1), ("--small-epochs", args.small_epochs, 2),
+                               ("--cold-repeats", args.cold_repeats, 1)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}")
     if args.epoch_records < args.partitions:
         p.error("--epoch-records must be at least --partitions")
-    if args.records < 1:
-        p.error("--records must be at least 1")
     if not 1 <= args.partitions <= 64:
         p.error("--partitions must be between 1 and 64")
     only = [m.strip() for m in args.only.split(",") if m.strip()]
@@ -495,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
-    broker = server = None
+    broker = None
     if args.bootstrap_servers:
         servers = args.bootstrap_servers
     else:
@@ -514,52 +572,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.monotonic()
         ending = generate(cfg, args.records, args.partitions, args.seed)
         say(f"generated in {time.monotonic() - started:.1f} s: log ends {ending}")
-        results: dict[str, Measurement] = {}
-        what = {"peer": "Structured Streaming, AvailableNow, foreachBatch MERGE with txnAppId/txnVersion",
-                "spark_count": "limit: Spark batch Kafka read of the range, count only",
-                "kafka_python": "limit: a plain kafka-python consumer draining the range"}
-        history = None
-        if {"pipeline_server", "small_epochs"} & set(only):
-            say("starting the epoch server (spark-submit epoch_job.py serve; warm-up epoch on scratch tables)")
-            server = EpochServerProcess(cfg, logs)
-            results["server_start"] = server.start
-            say(f"  ready at {server.url} after {server.start.wall_seconds:.1f} s "
-                f"(warm-up {server.start.work_seconds:.1f} s)")
-        for name in only:
-            say(f"measuring {name} ...")
-            if name in ("pipeline", "pipeline_server"):
-                measured = {name: measure_pipeline(cfg, args.records, logs,
-                                                   server if name == "pipeline_server" else None)}
-            elif name == "small_epochs":
-                measured, history = measure_small_epochs(servers, args.history_epochs, args.epoch_records,
-                                                         args.partitions, args.seed, logs, workdir, server)
-            else:
-                measured = {name: measure_job(cfg, name, what[name], args.records, logs, workdir, ending)}
-            results.update(measured)
-            for m in measured.values():
-                say(f"  {m.name}: wall {m.wall_seconds:.1f} s, work {m.work_seconds:.1f} s, "
-                    f"{m.records_per_second:,.0f} records/s, driver peak {m.peak_driver_mb} MB")
-        counted = {name: results[name].counted for name in ("pipeline", "pipeline_server", "peer") if name in results}
-        if len(set(counted.values())) > 1:
-            raise RuntimeError(f"requests counted differ: {counted}; they do not compute the same thing")
-        rs = ratios(results)
-        print(table(results, rs), flush=True)
-        report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-                  "records": args.records, "partitions": args.partitions, "spark_master": cfg.spark_master,
-                  "measurements": {k: m.to_dict() for k, m in results.items()}, "ratios": rs,
-                  "small_epochs": history}
-        if history is not None:
-            say("tables after the small epochs: " + ", ".join(
-                f"{t} {v['rows']:,} rows in {v['files']} files (version {v['version']})"
-                for t, v in history["tables"].items()))
+        report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+                        "records": args.records, "partitions": args.partitions, "spark_master": cfg.spark_master}
+        if "warm" in only:
+            small_cfg = cfg.replace(topic=f"{topic}_small")
+            small_records = args.small_epochs * args.epoch_records
+            say(f"generating {small_records:,} records for the small epochs on {small_cfg.topic}")
+            small_ending = generate(small_cfg, small_records, args.partitions, args.seed + 1)
+            say(f"measuring warm: {args.rounds} rounds in one session (spark-submit bench_job.py rounds; "
+                f"log {logs / 'warm.log'})")
+            report["warm"] = measure_warm(cfg, ending, small_cfg, small_ending, args, logs, workdir)
+        if "cold" in only:
+            say(f"measuring cold: each contender a fresh process, {args.cold_repeats} time(s)")
+            report["cold"] = measure_cold(cfg, ending, args.records, args.cold_repeats, logs, workdir)
+        if "paths" in only:
+            say("measuring paths: the epoch server and the DAG's idle check")
+            report["paths"] = measure_paths(cfg, args.epoch_records, args.partitions, args.seed, logs, workdir)
+        if "kafka_python" in only:
+            say(f"measuring kafka_python, {args.cold_repeats} time(s)")
+            seconds = [measure_job(cfg, "kafka_python", args.records, logs, workdir / "kafka_python", ending,
+                                   f"kafka_python-{n}").work_seconds for n in range(1, args.cold_repeats + 1)]
+            report["kafka_python"] = {"seconds": bench_stats.spread(seconds)}
+        check_totals(report)
+        print(render(report), flush=True)
         out = args.json or STATE_DIR / "benchmark" / f"{datetime.now():%Y%m%d-%H%M%S}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
         say(f"figures written to {out}")
         return 0
     finally:
-        if server is not None:
-            server.stop()
         if broker is not None:
             broker.stop()
         if args.workdir is None:

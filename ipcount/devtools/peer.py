@@ -7,6 +7,7 @@ Used by the benchmark only; it is not part of the pipeline.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pyspark.sql import functions as F
@@ -22,18 +23,36 @@ if TYPE_CHECKING:
 PEER_APP_ID = "ipcount-peer"
 
 
-def run_peer(cfg: PipelineConfig, spark: SparkSession, table_path: str, checkpoint: str,
-             ending: dict[int, int]) -> int:
-    """Count everything available now into ``table_path``; the number of micro-batches.
-    ``ending`` (partition -> offset) is only checked: AvailableNow stops at what was there
-    when it started."""
+@dataclass
+class PeerRun:
+    batches: int
+    batch_seconds: list[float] = field(default_factory=list)  # each trigger's execution
+    reached: dict[int, int] = field(default_factory=dict)     # partition -> the offset it stopped at
+
+
+def create_table(spark: SparkSession, table_path: str) -> None:
+    """The peer's counts table, if it is not there."""
     from delta.tables import DeltaTable
 
     if not DeltaTable.isDeltaTable(spark, table_path):
         (DeltaTable.createIfNotExists(spark).location(table_path)
          .addColumn("window_start", "timestamp").addColumn("window_end", "timestamp")
          .addColumn("ip", "string").addColumn("count", "bigint").execute())
-    raw = (spark.readStream.format("kafka")
+
+
+def run_peer(cfg: PipelineConfig, spark: SparkSession, table_path: str, checkpoint: str,
+             ending: dict[int, int], max_offsets_per_trigger: int | None = None) -> PeerRun:
+    """Count everything available now into ``table_path`` (created if missing), in
+    micro-batches of at most ``max_offsets_per_trigger`` offsets if given. ``ending``
+    (partition -> offset) is only checked: AvailableNow stops at what was there when it
+    started."""
+    from delta.tables import DeltaTable
+
+    create_table(spark, table_path)
+    reader = spark.readStream.format("kafka")
+    if max_offsets_per_trigger:
+        reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
+    raw = (reader
            .option("kafka.bootstrap.servers", cfg.bootstrap_servers)
            .option("subscribe", cfg.topic)
            .option("startingOffsets", "earliest")
@@ -73,7 +92,10 @@ def run_peer(cfg: PipelineConfig, spark: SparkSession, table_path: str, checkpoi
     reached = {int(p): o for p, o in (end.get(cfg.topic) or {}).items()}
     if ending and reached and reached != ending:
         raise RuntimeError(f"the peer stopped at {reached}, not at the log end {ending}")
-    return len(batches)
+    # (recentProgress keeps the last 100 triggers: spark.sql.streaming.numRecentProgressUpdates.)
+    seconds = [p["durationMs"]["triggerExecution"] / 1000 for p in query.recentProgress
+               if p.get("numInputRows", 0) > 0]
+    return PeerRun(len(batches), seconds, reached)
 
 
 def spark_count(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]) -> int:

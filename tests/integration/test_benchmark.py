@@ -1,58 +1,75 @@
-"""Smoke test of bin/benchmark at a tiny size: every measurement runs, the pipeline and the
-peer count the same requests, and the JSON holds the figures and ratios. Not a timed test:
-it asserts what was measured, never how fast."""
+"""Smoke test of bin/benchmark at a tiny size: every measurement runs, every contender's
+total is read back from its table and agrees with the others, and the JSON holds the
+figures. Not a timed test: it asserts what was measured, never how fast."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
-from ipcount.devtools.benchmark import MEASUREMENTS
+from ipcount.devtools.bench_rounds import CONTENDERS, EPOCH_CONTENDERS
 
 
 def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", "--records", "3000", "--history-epochs", "3",
-                           "--epoch-records", "300", "--bootstrap-servers", broker.bootstrap_servers,
-                           "--json", str(out), "--workdir", str(tmp_path / "work")],
+    proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", "--records", "3000", "--rounds", "2",
+                           "--epochs", "2", "--small-epochs", "2", "--epoch-records", "150", "--cold-repeats", "1",
+                           "--bootstrap-servers", broker.bootstrap_servers, "--json", str(out),
+                           "--workdir", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     assert report["records"] == 3000 and report["partitions"] == 3 and report["machine"]["cpus"] >= 1
-    measured = report["measurements"]
-    small = ["epoch_after_1", "server_epoch_after_2", "empty_server", "empty_submit", "idle_check", "epoch_after_3",
-             "server_epoch_after_4"]
-    assert list(measured) == ["server_start", *MEASUREMENTS[:-1], *small]
-    sizes = {"server_start": 0, **{m: 3000 for m in MEASUREMENTS[:-1]},
-             **{m: 0 if m.startswith(("empty", "idle")) else 300 for m in small}}
-    for name, m in measured.items():
-        assert m["records"] == sizes[name] and m["wall_seconds"] >= m["work_seconds"] > 0, name
-        assert (m["records_per_second"] > 0) == (sizes[name] > 0)
-    for spark_run in ("pipeline", "pipeline_server", "peer", "spark_count", "epoch_after_1", "empty_submit",
-                      "epoch_after_3", "server_epoch_after_2", "server_epoch_after_4"):
-        assert measured[spark_run]["peak_driver_mb"] > 50, spark_run  # a JVM was watched
-    stages = {"plan", "read", "aggregate", "merge", "ledger", "kafka_commit"}
-    for epoch in ("pipeline", "pipeline_server", "epoch_after_3", "server_epoch_after_4"):
-        assert set(measured[epoch]["stages"]) == stages, epoch
-    # The same epoch through spark-submit and through the server counts the same, as does the peer.
-    assert 0 < measured["pipeline"]["counted"] == measured["pipeline_server"]["counted"] \
-        == measured["peer"]["counted"] < 3000  # some late/malformed
-    pairs = [f"{p} / {o}" for p in ("pipeline", "pipeline_server")
-             for o in ("peer", "spark read limit", "kafka-python drain")]
-    pairs += ["epoch after 3 / after 1", "epoch server: epoch after 4 / after 2"]
-    assert set(report["ratios"]) == {f"{r} ({kind})" for r in pairs for kind in ("work", "wall")} | {
-        "empty epoch: spark-submit / idle check (wall)", "empty epoch: spark-submit / empty server (wall)"}
-    tables = report["small_epochs"]["tables"]
-    assert report["small_epochs"]["epochs"] == 5 and tables["counts"]["rows"] > 0
-    assert 5 <= tables["ledger"]["rows"] <= 5 * 3  # a row per epoch and partition read
-    assert "pipeline / peer (work)" in proc.stdout and "records/s (work)" in proc.stdout
-    assert "empty epoch through spark-submit" in proc.stdout
+
+    warm = report["warm"]
+    assert [(r["round"], r["contender"]) for r in warm["runs"]] == [
+        (1, "spark_count"), (1, "peer"), (1, "pipeline"), (1, "peer_epochs"), (1, "pipeline_epochs"),
+        (2, "peer"), (2, "pipeline"), (2, "peer_epochs"), (2, "pipeline_epochs"), (2, "spark_count")]  # rotated
+    c = warm["contenders"]
+    assert set(c) == {*CONTENDERS, *EPOCH_CONTENDERS}
+    for name, summary in c.items():
+        assert summary["records"] == 3000 and summary["cold_seconds"] > 0 and summary["warm"]["n"] == 1, name
+    # Read back from the tables: one batch counts the same either way; in two epochs the
+    # watermark moves and the pipeline keeps every record it finds late in its late table.
+    # (What Spark's watermark drops is its own affair: counted, not asserted.)
+    assert c["spark_count"]["counted"] == 3000
+    assert 0 < c["pipeline"]["counted"] == c["peer"]["counted"] < 3000 and c["pipeline"]["late"] == 0
+    assert c["pipeline"]["counted"] + c["pipeline"]["malformed"] == 3000
+    assert c["pipeline_epochs"]["batches"] == 2 and c["peer_epochs"]["batches"] >= 2  # (+ a no-data batch)
+    assert c["pipeline_epochs"]["late"] > 0
+    assert c["pipeline_epochs"]["counted"] + c["pipeline_epochs"]["late"] == c["pipeline"]["counted"]
+    assert 0 < c["peer_epochs"]["counted"] <= c["peer"]["counted"]
+    assert set(c["pipeline"]["stages"]) == {"plan", "read", "aggregate", "merge", "ledger", "kafka_commit"}
+    assert set(warm["ratios"]) == {"pipeline / peer", "pipeline / read limit", "pipeline_epochs / peer_epochs",
+                                   "pipeline_epochs / read limit"}
+    assert all(r["n"] == 1 and r["median"] > 0 for r in warm["ratios"].values())
+    assert warm["memory"]["peak_heap_mb"] > 50 and warm["peak_rss_mb"] > 50
+    small = warm["small"]
+    assert len(small["pipeline"]["seconds"]) == 2 and len(small["peer"]["seconds"]) >= 2
+    assert small["pipeline"]["steady"]["n"] == 2 and small["pipeline"]["growth"] is None  # too few to say
+    assert small["tables"]["ledger"]["version"] >= 2 and small["tables"]["counts"]["rows"] > 0
+
+    cold = report["cold"]["contenders"]
+    assert set(cold) == set(CONTENDERS)
+    for name, summary in cold.items():
+        assert summary["wall"]["median"] > summary["work"]["median"] > 0 and summary["peak_driver_mb"] > 50, name
+    assert cold["pipeline"]["counted"] == cold["peer"]["counted"] == c["pipeline"]["counted"]
+    assert {"pipeline / peer (work)", "pipeline / peer (wall)"} <= set(report["cold"]["ratios"])
+
+    paths = report["paths"]
+    assert paths["server_start"]["wall_seconds"] > 0 and paths["epoch"]["wall_seconds"] > 0
+    assert paths["empty_epoch"]["stages"] == {"kafka_commit": paths["empty_epoch"]["stages"]["kafka_commit"]}
+    assert paths["idle_check"]["wall_seconds"] > 0 and report["kafka_python"]["seconds"]["n"] == 1
+    for text in ("warm: one Spark session", "pipeline / peer", "cold: each contender", "paths: epoch server start",
+                 "kafka_python: a plain consumer"):
+        assert text in proc.stdout, text
 
 
 def test_benchmark_refuses_bad_arguments():
     for args, message in ((["--records", "0"], "--records must be at least 1"),
                           (["--only", "pipeline,nope"], "--only takes names from"),
-                          (["--history-epochs", "2"], "--history-epochs must be at least 3")):
+                          (["--rounds", "1"], "--rounds must be at least 2"),
+                          (["--small-epochs", "1"], "--small-epochs must be at least 2")):
         proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", *args], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

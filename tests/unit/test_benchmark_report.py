@@ -1,44 +1,70 @@
-"""The benchmark's report arithmetic: throughput ratios and the printed table."""
+"""The benchmark's arithmetic and its printed report: medians with their spread, ratios
+taken round by round, the cold round kept apart."""
 from __future__ import annotations
 
-from ipcount.devtools.benchmark import Measurement, ratios, table
+from ipcount.devtools.bench_stats import contender_summary, growth, paired_ratio, spread, steady
+from ipcount.devtools.benchmark import render
 
 
-def m(name, wall, work, records=1000, peak=512.0):
-    return Measurement(name, name, records, wall, work, peak, {"read": work / 2} if name == "pipeline" else {})
+def run(contender, rnd, seconds, **extra):
+    return {"contender": contender, "round": rnd, "seconds": seconds, "records": 1000, "counted": 990, "late": 0,
+            "malformed": 10, "batches": 1, "stages": {}, "spill_bytes": 0, **extra}
 
 
-def test_ratios_are_throughput_ratios():
-    results = {"pipeline": m("pipeline", 20.0, 10.0), "peer": m("peer", 30.0, 20.0),
-               "spark_count": m("spark_count", 8.0, 2.0), "kafka_python": m("kafka_python", 4.0, 4.0, peak=None)}
-    rs = ratios(results)
-    assert rs["pipeline / peer (work)"] == 2.0 and rs["pipeline / peer (wall)"] == 1.5
-    assert rs["pipeline / spark read limit (work)"] == 0.2
-    assert rs["pipeline / kafka-python drain (work)"] == 0.4
-    assert ratios({"peer": m("peer", 1, 1)}) == {}  # nothing to compare without the pipeline
+def test_spread_is_the_median_with_min_and_max():
+    assert spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "n": 4}
+    assert spread([]) == {}
 
 
-def test_table_lists_each_measurement_and_ratio():
-    results = {"pipeline": m("pipeline", 20.0, 10.0), "kafka_python": m("kafka_python", 4.0, 4.0, peak=None)}
-    text = table(results, ratios(results))
-    lines = text.splitlines()
-    assert lines[0].split()[:2] == ["measurement", "records"]
-    assert lines[1].split()[:6] == ["pipeline", "1000", "20.0", "10.0", "100", "512"] and "read 5.00" in lines[1]
-    assert lines[2].split()[:6] == ["kafka_python", "1000", "4.0", "4.0", "250", "-"]
-    assert "pipeline / kafka-python drain (work)" in text
-    assert m("x", 1, 0).records_per_second == 0.0
+def test_ratios_are_taken_round_by_round_before_the_median():
+    # Round 3 is slow for both: per-round ratios stay 2.0; a ratio of medians would not.
+    runs = [run("pipeline", 2, 5.0), run("peer", 2, 10.0), run("pipeline", 3, 50.0), run("peer", 3, 100.0),
+            run("pipeline", 4, 6.0), run("peer", 4, 12.0), run("pipeline", 1, 1.0), run("peer", 1, 99.0)]
+    assert paired_ratio(runs, "pipeline", "peer", first_round=2) == {"median": 2.0, "min": 2.0, "max": 2.0, "n": 3}
+    assert paired_ratio(runs, "pipeline", "peer")["max"] == 99.0  # round 1 only when asked for
+    assert paired_ratio(runs, "pipeline", "nobody") == {}
 
 
-def test_history_growth_and_empty_epoch_ratios():
-    results = {"epoch_after_1": m("epoch_after_1", 40.0, 20.0), "epoch_after_100": m("epoch_after_100", 44.0, 24.0),
-               "server_epoch_after_2": m("server_epoch_after_2", 5.0, 4.0),
-               "server_epoch_after_101": m("server_epoch_after_101", 6.0, 5.0),
-               "empty_submit": m("empty_submit", 12.0, 0.5, records=0), "empty_server": m("empty_server", 0.2, 0.1, 0),
-               "idle_check": m("idle_check", 1.5, 0.3, records=0, peak=None)}
-    rs = ratios(results)
-    # Time ratios (later / earlier), the server's measured from its own first epoch.
-    assert rs["epoch after 100 / after 1 (work)"] == 1.2 and rs["epoch after 100 / after 1 (wall)"] == 1.1
-    assert rs["epoch server: epoch after 101 / after 2 (work)"] == 1.25
-    assert rs["empty epoch: spark-submit / idle check (wall)"] == 8.0
-    assert rs["empty epoch: spark-submit / empty server (wall)"] == 60.0
-    assert "empty epoch through spark-submit: 12.0 s wall" in table(results, rs)
+def test_a_contender_summary_keeps_round_1_apart_and_takes_stage_medians_of_the_warm_rounds():
+    runs = [run("pipeline", 1, 20.0, stages={"read": 9.0}), run("pipeline", 2, 10.0, stages={"read": 4.0}),
+            run("pipeline", 3, 12.0, stages={"read": 6.0}, spill_bytes=7), run("pipeline", 4, 11.0, stages={"read": 5.0})]
+    s = contender_summary(runs, "pipeline")
+    assert s["cold_seconds"] == 20.0 and s["warm"] == {"median": 11.0, "min": 10.0, "max": 12.0, "n": 3}
+    assert s["stages"] == {"read": 5.0} and s["records_per_second"] == round(1000 / 11.0)
+    assert (s["counted"], s["malformed"], s["spill_bytes_max"]) == (990, 10, 7)
+    assert contender_summary(runs, "peer") == {}
+
+
+def test_small_epoch_series_skip_their_first_three_and_growth_compares_the_last_three_with_4_to_6():
+    series = [9.0, 5.0, 4.0, 2.0, 2.0, 2.0, 2.5, 3.0, 3.0, 3.0]
+    assert steady(series) == {"median": 2.5, "min": 2.0, "max": 3.0, "n": 7}
+    assert growth(series) == 1.5
+    assert growth(series[:8]) is None  # too short to say
+    assert steady([4.0, 2.0]) == spread([4.0, 2.0])
+
+
+def test_the_report_prints_warm_cold_paths_and_the_drain():
+    runs = [run(c, r, s) for r in (1, 2, 3) for c, s in (("spark_count", 2.0), ("peer", 10.0), ("pipeline", 8.0))]
+    contenders = {c: contender_summary(runs, c) for c in ("spark_count", "peer", "pipeline")}
+    report = {"records": 1000, "partitions": 3,
+              "warm": {"rounds": 3, "contenders": contenders,
+                       "ratios": {"pipeline / peer": paired_ratio(runs, "pipeline", "peer", 2)},
+                       "memory": {"peak_heap_mb": 812.5, "gc_seconds": 1.2},
+                       "small": {"records_per_epoch": 2000,
+                                 "pipeline": {"seconds": [3.0] * 9, "steady": steady([3.0] * 9), "growth": 1.0}}},
+              "cold": {"repeats": 1, "contenders": {"pipeline": {"work": spread([30.0]), "wall": spread([41.0]),
+                                                                 "peak_driver_mb": 900.0, "counted": 990}},
+                       "ratios": {"pipeline / peer (work)": spread([0.8])}},
+              "paths": {"records_per_epoch": 2000, "server_start": {"wall_seconds": 50.0, "work_seconds": 30.0},
+                        "first_epoch": {"wall_seconds": 9.0}, "epoch": {"wall_seconds": 4.0},
+                        "empty_epoch": {"wall_seconds": 0.1}, "idle_check": {"wall_seconds": 1.2}},
+              "kafka_python": {"seconds": spread([3.0, 4.0, 5.0])}}
+    text = render(report)
+    warm_line, cold_line = (line.split() for line in text.splitlines() if line.startswith("pipeline "))
+    assert warm_line[:5] == ["pipeline", "8.00", "8.00", "[8.00-8.00]", "125"]
+    assert cold_line == ["pipeline", "30.00", "[30.00-30.00]", "41.00", "[41.00-41.00]", "900", "990"]
+    assert "pipeline / peer                    1.25 [1.25-1.25]" in text
+    assert "peak heap 812.5 MB" in text and "small epochs of 2,000 records, pipeline: 9 epochs" in text
+    assert "pipeline / peer (work)             0.80 [0.80-0.80]" in text
+    assert "a 2,000-record epoch 4.00 s" in text and "idle check (no JVM) 1.20 s" in text
+    assert "kafka_python: a plain consumer draining the range: 4.00 s [3.00-5.00]" in text
