@@ -58,7 +58,7 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
         raise BadRequestError(f"target {source!r} has no ledger at {src_cfg.ledger_path}; nothing to rebuild")
     # The rebuilt tables mean what the source's mean, whatever today's settings say.
     dst_cfg = cfg.for_target(into).replace(**recorded_settings(tableset_io.recorded(src_cfg)))
-    src = Ledger(spark, src_cfg.ledger_path)
+    src = Ledger(src_cfg.ledger_path)
     epochs = src.epochs(cfg.topic)
     earliest, latest = broker.partition_offsets(cfg)
     for plan, _ in epochs:  # everything must still be in Kafka: fail before writing anything

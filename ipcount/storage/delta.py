@@ -2,8 +2,9 @@
 delta-rs (no JVM: cheap enough for an Airflow task, a watcher or a page), and the Spark
 side's table creation and conflict retries.
 
-Spark writes the tables; delta-rs only reads them. pyspark and delta-spark are imported
-inside the functions that need them, so the readers work where no JVM is wanted.
+Spark writes the counts and side tables; delta-rs writes the ledger (one engine per table:
+see :mod:`ipcount.storage.ledger`) and reads them all. pyspark, delta-spark and deltalake are
+imported inside the functions that need them, so the readers work where no JVM is wanted.
 """
 from __future__ import annotations
 
@@ -66,6 +67,12 @@ def _open(path: str):
         return DeltaTable(path)
     except TableNotFoundError:
         return None
+
+
+def query_table(table, sql: str) -> list[dict[str, Any]]:
+    """Rows of ``sql`` over a loaded delta-rs ``table`` (named ``t``): a query of exactly
+    that snapshot."""
+    return _run(table, sql)
 
 
 def _run(table, sql: str) -> list[dict[str, Any]]:
@@ -154,6 +161,55 @@ def version_with_metadata(path: str, user_metadata: str, search: int = 50) -> in
 
 
 # -- the Spark side: creating tables, retrying conflicts -----------------------------------
+
+# -- the tables delta-rs writes ------------------------------------------------------------
+
+_ARROW_TYPES = ("bigint", "int", "string", "double", "timestamp", "boolean", "binary", "map<string,double>")
+
+
+def arrow_schema(columns: Iterable[tuple[str, str, bool]]):
+    """An Arrow schema from (name, Spark SQL type, nullable) columns: what delta-rs writes
+    for the Delta types Spark would (timestamps in microseconds, UTC)."""
+    import pyarrow as pa
+
+    types = dict(zip(_ARROW_TYPES, (pa.int64(), pa.int32(), pa.string(), pa.float64(), pa.timestamp("us", tz="UTC"),
+                                    pa.bool_(), pa.binary(), pa.map_(pa.string(), pa.float64()))))
+    return pa.schema([pa.field(name, types[kind], nullable) for name, kind, nullable in columns])
+
+
+def rs_concurrent_errors() -> tuple[type[BaseException], ...]:
+    """delta-rs's refusal of a commit that lost to a concurrent one."""
+    from deltalake.exceptions import CommitFailedError
+
+    return (CommitFailedError,)
+
+
+def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = None) -> None:
+    """Create an empty Delta table at ``path`` with delta-rs unless one is there; one made
+    by an older version gets the (nullable) columns it lacks. Version 0 is put-if-absent
+    like every commit: of concurrent creators one wins and the others find its table."""
+    from deltalake import DeltaTable, Schema
+    from deltalake.exceptions import DeltaError, TableNotFoundError
+
+    table = _open(path)
+    if table is None:
+        try:
+            DeltaTable.create(path, schema=schema, mode="error", configuration=dict(properties or {}) or None)
+            return
+        except (DeltaError, TableNotFoundError) as e:
+            table = _open(path)
+            if table is None:
+                raise
+            log.info("%s was created by a concurrent run (%s)", path, str(e).splitlines()[0][:200])
+    have = {f.name for f in table.schema().fields}
+    missing = [f for f in schema if f.name not in have]
+    if missing:
+        import pyarrow as pa
+
+        log.info("adding columns %s to %s", ", ".join(f.name for f in missing), path)
+        retry_on_conflict(lambda: DeltaTable(path).alter.add_columns(Schema.from_arrow(pa.schema(missing)).fields),
+                          f"adding columns to {path}", rs_concurrent_errors())
+
 
 def spark_schema(columns: Iterable[tuple[str, str, bool]]) -> StructType:
     """A Spark schema from ``(name, Spark SQL type, nullable)`` columns (as
@@ -282,13 +338,16 @@ def concurrent_errors() -> tuple[type[BaseException], ...]:
             base.ConcurrentTransactionException)
 
 
-def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:
-    """Run a Delta write, again if a concurrent writer's commit conflicted with it. Only for
-    writes that are idempotent (txnAppId/txnVersion, or MERGEs matching planned rows)."""
+def retry_on_conflict(action: Callable[[], T], what: str, errors: tuple[type[BaseException], ...] | None = None,
+                      attempts: int = 10) -> T:
+    """Run a Delta write, again if a concurrent writer's commit conflicted with it
+    (``errors``: delta-spark's :func:`concurrent_errors` unless given). Only for writes that
+    are idempotent (txnAppId/txnVersion, or MERGEs matching planned rows)."""
+    errors = errors or concurrent_errors()
     for attempt in range(1, attempts + 1):
         try:
             return action()
-        except concurrent_errors() as e:
+        except errors as e:
             if attempt == attempts:
                 raise
             log.info("%s: concurrent commit (%s); retrying (%d/%d)", what, type(e).__name__, attempt, attempts)

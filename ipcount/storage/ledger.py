@@ -1,11 +1,19 @@
-"""The offset ledger's I/O: the write-ahead of a plan and the commit after the sink (both
-Delta MERGEs, through Spark), and the reads (through delta-rs, no JVM: the DAG's tasks, the
-CLI's watcher and the idle check use them too). What the ledger's rows mean - statuses,
-kinds, how rows become plans, chain positions and summaries - is :mod:`ipcount.rules.ledger`.
+"""The offset ledger's I/O, all of it with delta-rs (no JVM): the write-ahead of a plan, the
+commit after the sink, and the reads (the DAG's tasks, the CLI's watcher and the idle check
+use them too). What the ledger's rows mean - statuses, kinds, how rows become plans, chain
+positions and summaries - is :mod:`ipcount.rules.ledger`.
 
 Whatever the kind, the rows of one ledger never overlap: every planner takes only offsets
-no row covers, and :meth:`Ledger.record_plan` refuses - atomically, through Delta's
-optimistic concurrency - a plan that a concurrent planner's rows overlap.
+no row covers, and :meth:`Ledger.record_plan` refuses - atomically - a plan that a
+concurrent planner's rows overlap: it checks the plan against one snapshot of the ledger and
+commits it as exactly the next version, which the log store creates only if absent (a
+hard link on a local file system, a conditional put on object storage). Any commit after
+that snapshot, by any runner in any process, makes it fail and plan again.
+
+One engine writes the ledger: delta-spark's local-file-system log store makes a commit
+put-if-absent only within one JVM, and the ledger's writers are many processes (the chain,
+backfills, the epoch server, spark-submit fallbacks). The counts and side tables stay with
+Spark.
 """
 from __future__ import annotations
 
@@ -18,55 +26,43 @@ from ipcount.rules.offsets import OffsetRange
 from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, PLANNED, SCHEDULED, STATE_COLUMNS, EpochPlan, EpochSummary,
                                   LedgerState, PartitionMetrics, chain_positions, committed_summaries, is_scheduled,
                                   plan_from_rows, rows_by_epoch, state_of)
-from ipcount.storage.delta import concurrent_errors, ensure_table, read_rows, retry_on_conflict, spark_schema
+from ipcount.storage.delta import (arrow_schema, query_table, read_rows, retry_on_conflict, rs_concurrent_errors,
+                                   rs_create_table, sql_literal)
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
-    from pyspark.sql.types import StructType
+    import pyarrow as pa
 
 log = logging.getLogger(__name__)
 
+# A commit adds a file (an append) or rewrites one (a MERGE); past this many data files the
+# ledger is compacted after a commit, so a full read - planning here, the monitoring pages
+# there - stays a few files long however many epochs it holds.
+COMPACT_AFTER_FILES = 16
 
-def ledger_schema() -> StructType:
-    """The ledger's Spark schema (:data:`ipcount.rules.ledger.COLUMNS`)."""
-    return spark_schema(COLUMNS)
 
-# Each epoch adds a few tiny files to the ledger (the plan, then the commit's rewrite).
-# Delta's auto compaction folds them together after a write once enough pile up, so a full
-# read of the ledger - planning here, the monitoring pages there - stays a few files long
-# however many epochs it holds.
-LEDGER_PROPERTIES = {"delta.autoOptimize.autoCompact": "true"}
-
-# Marker of the error the write-ahead MERGE raises when a concurrent plan got there first.
-_CONFLICT = "ipcount-plan-conflict"
+def ledger_schema() -> pa.Schema:
+    """The ledger's Arrow schema (:data:`ipcount.rules.ledger.COLUMNS`)."""
+    return arrow_schema(COLUMNS)
 
 
 class Ledger:
-    def __init__(self, spark: SparkSession, path: str) -> None:
-        self.spark, self.path = spark, path
+    def __init__(self, path: str) -> None:
+        self.path = path
 
     def ensure(self) -> None:
-        ensure_table(self.spark, self.path, ledger_schema(), LEDGER_PROPERTIES)
-
-    def _table(self):
-        from pyspark.sql import functions as F
-
-        return self.spark.read.format("delta").load(self.path).withColumn(
-            "kind", F.coalesce(F.col("kind"), F.lit(SCHEDULED)))
+        """Create the ledger unless it is there; one made by an older version gets the
+        columns it lacks."""
+        rs_create_table(self.path, ledger_schema())
 
     def state(self, topic: str) -> LedgerState:
-        """Read with delta-rs, not Spark: the ledger is a few rows per epoch in a few files
-        (auto compaction), and three Spark queries over it cost seconds per epoch. A
-        snapshot is enough: :meth:`record_plan` re-checks overlaps against the latest."""
+        """A snapshot is enough: :meth:`record_plan` re-checks overlaps against the latest."""
         return state_of(topic, read_rows(self.path, columns=STATE_COLUMNS))
 
     def epochs(self, topic: str, statuses: tuple[str, ...] = (COMMITTED, LOST)) -> list[tuple[EpochPlan, int | None]]:
         """Every epoch with rows of the given statuses, as (plan, counts sink version), in the
         order its sink commits happened: what a rebuild replays."""
-        from pyspark.sql import functions as F
-
-        rows = [r.asDict() for r in
-                self._table().where((F.col("topic") == topic) & F.col("status").isin(*statuses)).collect()]
+        rows = [{**r, "kind": r["kind"] or SCHEDULED}
+                for r in read_rows(self.path, filters=[("topic", "=", topic)]) if r["status"] in statuses]
         out = []
         for group in rows_by_epoch(rows).values():
             if not any(r["status"] == COMMITTED for r in group):
@@ -79,37 +75,33 @@ class Ledger:
     def record_plan(self, plan: EpochPlan, run_id: str | None) -> None:
         """The write-ahead: the epoch's ranges are durable before anything is read or written.
 
-        A MERGE, not an append, so that it is also the guard against concurrent planners: a
-        row already there that overlaps one of these ranges (or holds this epoch id) makes
-        the MERGE raise, and a plan committed by another planner after this MERGE read the
-        ledger makes Delta's conflict check refuse the commit. Either way :class:`PlanConflict`:
-        nothing of this plan was written, and the caller plans again from the new state.
+        Also the guard against concurrent planners: a row in the snapshot that overlaps one
+        of these ranges (or holds this epoch id) refuses the plan, and so does any commit
+        made after the snapshot was read (the append is the snapshot's next version or
+        nothing: no automatic retry, which would commit it on top of rows it never
+        checked). Either way :class:`PlanConflict`: nothing of this plan was written, and the
+        caller plans again from the new state.
         """
-        from delta.tables import DeltaTable
-        from pyspark.sql import functions as F
+        from deltalake import CommitProperties, DeltaTable, write_deltalake
 
         planned_at = (datetime.now(timezone.utc) if plan.planned_at_ms is None
                       else datetime.fromtimestamp(plan.planned_at_ms / 1000, timezone.utc))
         rows = (_uncommitted_rows(plan, LOST, plan.lost, planned_at, run_id)
                 + _uncommitted_rows(plan, PLANNED, plan.ranges, planned_at, run_id))
-        # One source row answers for the epoch id, so the id check matches each target row once.
-        anchor = plan.ranges[0].partition
-        condition = (f"(t.epoch = s.epoch AND s.status = '{PLANNED}' AND s.partition = {int(anchor)}) OR "
-                     "(t.topic = s.topic AND t.partition = s.partition "
-                     " AND t.from_offset < s.until_offset AND s.from_offset < t.until_offset)")
-        source = self.spark.createDataFrame(rows, ledger_schema())
-        merge = (DeltaTable.forPath(self.spark, self.path).alias("t").merge(source.alias("s"), condition)
-                 .whenMatchedUpdate(set={"status": F.raise_error(F.lit(_CONFLICT))})
-                 .whenNotMatchedInsertAll())
+        snapshot = DeltaTable(self.path)
+        overlaps = " OR ".join(
+            f'(topic = {sql_literal(r.topic)} AND "partition" = {int(r.partition)} '
+            f"AND from_offset < {int(r.until_offset)} AND {int(r.from_offset)} < until_offset)"
+            for r in (*plan.lost, *plan.ranges))
+        taken = query_table(snapshot, f"SELECT count(*) AS n FROM t WHERE epoch = {int(plan.epoch)} OR {overlaps}")
+        if taken[0]["n"]:
+            raise PlanConflict("ledger rows that overlap the plan (or hold its epoch id) exist")
         try:
-            merge.execute()
-        except concurrent_errors() as e:
+            write_deltalake(snapshot, arrow_rows(rows), mode="append",
+                            commit_properties=CommitProperties(max_commit_retries=0))
+        except rs_concurrent_errors() as e:
             raise PlanConflict(f"a concurrent commit to the ledger ({type(e).__name__})") from e
-        except Exception as e:  # the MERGE's own refusal comes back as a JVM error
-            text = str(e)
-            if _CONFLICT in text or "MULTIPLE_SOURCE_ROW_MATCHING_TARGET_ROW" in text:
-                raise PlanConflict("ledger rows that overlap the plan (or hold its epoch id) exist") from e
-            raise
+        self._compact_if_due()
 
     def release(self, plan: EpochPlan, lost: tuple[OffsetRange, ...]) -> None:
         """Give up an unfinished epoch whose offsets aged out before it was run, in one
@@ -117,21 +109,20 @@ class Ledger:
         most, starting where its planned range does) becomes a ``lost`` row of the epoch,
         and its other planned rows go, so a new plan takes those offsets. The lost rows keep
         the epoch id taken: its transaction id may be in the sink tables' logs already."""
-        from delta.tables import DeltaTable
-        from pyspark.sql import functions as F
+        from deltalake import DeltaTable
 
-        rows = _uncommitted_rows(plan, LOST, lost, datetime.now(timezone.utc), None)
-        source = self.spark.createDataFrame(rows, ledger_schema())
+        source = arrow_rows(_uncommitted_rows(plan, LOST, lost, datetime.now(timezone.utc), None))
         mine = f"t.epoch = {int(plan.epoch)} AND t.status = '{PLANNED}'"
 
         def merge() -> None:
-            (DeltaTable.forPath(self.spark, self.path).alias("t")
-             .merge(source.alias("s"), f"{mine} AND t.topic = s.topic AND t.partition = s.partition")
-             .whenMatchedUpdate(set={"status": F.lit(LOST), "from_offset": "s.from_offset",
-                                     "until_offset": "s.until_offset"})
-             .whenNotMatchedBySourceDelete(condition=mine)
+            (DeltaTable(self.path)
+             .merge(source, f'{mine} AND t.topic = s.topic AND t."partition" = s."partition"',
+                    source_alias="s", target_alias="t")
+             .when_matched_update({"status": f"'{LOST}'", "from_offset": "s.from_offset",
+                                   "until_offset": "s.until_offset"})
+             .when_not_matched_by_source_delete(mine)
              .execute())
-        retry_on_conflict(merge, f"releasing epoch {plan.epoch} in the ledger")
+        retry_on_conflict(merge, f"releasing epoch {plan.epoch} in the ledger", rs_concurrent_errors())
 
     def commit(self, plan: EpochPlan, metrics: Mapping[int, PartitionMetrics] | None,
                watermark_after_ms: int | None,
@@ -140,7 +131,7 @@ class Ledger:
         """Mark the epoch committed. Matches only ``planned`` rows, so a replay after a crash
         that happened after this commit changes nothing. ``metrics`` None: not known (the
         record counts stay empty)."""
-        from delta.tables import DeltaTable
+        from deltalake import DeltaTable
 
         now = datetime.now(timezone.utc)
         rows = []
@@ -153,18 +144,40 @@ class Ledger:
                          plan.watermark_ms, watermark_after_ms, sink_version, duration_seconds, run_id,
                          (lag_after or {}).get(r.partition), dict(stage_seconds or {}),
                          plan.kind, plan.request_id, plan.chain_watermark_ms))
-        updates = self.spark.createDataFrame(rows, ledger_schema())
+        updates = arrow_rows(rows)
         set_cols = ["status", "committed_at", "records_read", "records_counted", "records_late",
                     "records_malformed", "watermark_after_ms", "sink_version", "duration_seconds", "run_id",
                     "lag_after", "stage_seconds"]
 
         def merge() -> None:
-            (DeltaTable.forPath(self.spark, self.path).alias("t")
-             .merge(updates.alias("s"), "t.epoch = s.epoch AND t.topic = s.topic AND t.partition = s.partition "
-                                        f"AND t.status = '{PLANNED}'")
-             .whenMatchedUpdate(set={c: f"s.{c}" for c in set_cols})
+            (DeltaTable(self.path)
+             .merge(updates, 't.epoch = s.epoch AND t.topic = s.topic AND t."partition" = s."partition" '
+                             f"AND t.status = '{PLANNED}'", source_alias="s", target_alias="t")
+             .when_matched_update({c: f"s.{c}" for c in set_cols})
              .execute())
-        retry_on_conflict(merge, f"committing epoch {plan.epoch} to the ledger")
+        retry_on_conflict(merge, f"committing epoch {plan.epoch} to the ledger", rs_concurrent_errors())
+        self._compact_if_due()
+
+    def _compact_if_due(self) -> None:
+        """Fold the ledger's small files into one once enough pile up. Best effort: a
+        concurrent commit that wins leaves it for the next time (compaction changes no row)."""
+        from deltalake import DeltaTable
+
+        table = DeltaTable(self.path)
+        if len(table.file_uris()) <= COMPACT_AFTER_FILES:
+            return
+        try:
+            table.optimize.compact()
+        except rs_concurrent_errors() as e:
+            log.info("compacting the ledger: a concurrent commit (%s); next time", type(e).__name__)
+
+
+def arrow_rows(rows: list[tuple]) -> pa.Table:
+    """Ledger rows (tuples in column order) as an Arrow table of the ledger's schema."""
+    import pyarrow as pa
+
+    schema = ledger_schema()
+    return pa.Table.from_pylist([dict(zip(schema.names, row)) for row in rows], schema=schema)
 
 
 def _uncommitted_rows(plan: EpochPlan, status: str, ranges: tuple[OffsetRange, ...], planned_at: datetime,

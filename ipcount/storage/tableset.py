@@ -1,4 +1,5 @@
-"""The table set's manifest on Delta: read with delta-rs, written once with Spark.
+"""The table set's manifest on Delta: read with delta-rs, written once (the counts table's
+with Spark, the ledger's with delta-rs: each table with the engine that writes it).
 
 See :mod:`ipcount.rules.tableset` for what the manifest is and why.
 """
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING
 from ipcount.rules import tableset
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import TableSetMismatch
-from ipcount.storage.delta import concurrent_errors, has_table, set_table_properties, table_metadata
+from ipcount.storage.delta import (concurrent_errors, has_table, rs_concurrent_errors, set_table_properties,
+                                   table_metadata)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -44,8 +46,13 @@ def claim(spark: SparkSession, cfg: PipelineConfig, attempts: int = 10) -> None:
             for path in bare:
                 log.info("recording the table set's manifest on %s: %s", path,
                          ", ".join(f"{k[len(tableset.PREFIX):]}={v}" for k, v in sorted(wanted.items())))
-                set_table_properties(spark, path, wanted)
-        except concurrent_errors() as e:
+                if path == cfg.ledger_path:
+                    from deltalake import DeltaTable
+
+                    DeltaTable(path).alter.set_table_properties(wanted, raise_if_not_exists=False)
+                else:
+                    set_table_properties(spark, path, wanted)
+        except (*concurrent_errors(), *rs_concurrent_errors()) as e:
             log.info("manifest of %s: concurrent change (%s); reading it again (%d/%d)", cfg.counts_path,
                      type(e).__name__, attempt, attempts)
             time.sleep(0.2 * attempt)

@@ -254,7 +254,7 @@ def test_the_ledger_refuses_overlapping_plans_even_recorded_at_the_same_moment(c
     from ipcount.storage.ledger import Ledger
 
     t = cfg.topic
-    ledger = Ledger(spark, cfg.ledger_path)
+    ledger = Ledger(cfg.ledger_path)
     ledger.ensure()
     ledger.record_plan(EpochPlan(1, (OffsetRange(t, 0, 0, 10),)), None)
     with pytest.raises(PlanConflict):       # overlaps a recorded range

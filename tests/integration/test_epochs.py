@@ -11,6 +11,7 @@ from ipcount.storage.sink import Sink
 from tests.conftest import run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, finality, late_records, snapshot
+from tests.tables import ledger as ledger_rows
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
 
@@ -101,7 +102,7 @@ def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
         assert Sink(spark, cfg).write(s.plan, classified, counts_update,
                                       malformed=s.records_malformed, late=s.records_late,
                                       counted=s.records_counted, watermark_after_ms=s.watermark_ms) == s.sink_version
-        Ledger(spark, cfg.ledger_path).commit(s.plan, {}, None, None, 0.0, "replay")
+        Ledger(cfg.ledger_path).commit(s.plan, {}, None, None, 0.0, "replay")
     assert snapshot(cfg) == before
     assert epoch_mod.run_epoch(cfg, spark) is None
 
@@ -162,21 +163,22 @@ def test_kafka_consumer_groups_describe_shows_ledger_positions_and_true_lag(cfg,
     assert f"lag {150 - 60} |" in last.line()
 
 
-def test_a_ledger_from_an_older_schema_gains_the_new_columns(cfg, spark):
-    from pyspark.sql.types import StructType
-
-    from ipcount.storage.delta import ensure_table
+def test_a_ledger_from_an_older_schema_and_from_spark_gains_the_new_columns(cfg, spark):
+    """Ledgers of earlier versions were created and written by delta-spark: delta-rs takes
+    them over, adding the columns they lack."""
+    from ipcount.rules.ledger import COLUMNS
+    from ipcount.storage.delta import ensure_table, spark_schema
     from ipcount.storage.ledger import ledger_schema
 
-    schema = ledger_schema()
-
     added = ("lag_after", "stage_seconds", "kind", "request_id", "chain_watermark_ms")  # since the first release
-    old = StructType([f for f in schema.fields if f.name not in added])
-    ensure_table(spark, cfg.ledger_path, old)
-    ensure_table(spark, cfg.ledger_path, schema)
-    assert spark.read.format("delta").load(cfg.ledger_path).schema.fieldNames() == schema.fieldNames()
+    ensure_table(spark, cfg.ledger_path, spark_schema([c for c in COLUMNS if c[0] not in added]),
+                 {"delta.autoOptimize.autoCompact": "true"})
     produce_dataset(cfg, n=30)
     assert epoch_mod.run_epoch(cfg, spark).records_read == 30
+    assert spark.read.format("delta").load(cfg.ledger_path).schema.fieldNames() == ledger_schema().names
+    produce_dataset(cfg, n=20)
+    assert epoch_mod.run_epoch(cfg, spark).records_read == 20
+    assert [r["status"] for r in ledger_rows(cfg)].count("committed") >= 2
 
 
 def test_one_record_from_a_bad_clock_does_not_stop_the_counting(cfg, spark):

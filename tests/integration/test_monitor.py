@@ -248,16 +248,18 @@ def test_counts_endpoint_matches_a_plain_python_recount(server, pipeline):
 
 def test_thousands_of_epochs_page_quickly(server, pipeline, spark):
     """A replay target whose ledger holds 3,000 epochs (9,000 rows), appended in 30 commits."""
-    from ipcount.storage.ledger import Ledger, ledger_schema
+    from deltalake import write_deltalake
+
+    from ipcount.storage.ledger import Ledger, arrow_rows
 
     cfg = server.cfg.for_target("history")
-    Ledger(spark, cfg.ledger_path).ensure()
+    Ledger(cfg.ledger_path).ensure()
     now = datetime.now(timezone.utc)
     for first in range(1, 3001, 100):
         rows = [(e, cfg.topic, p, e * 10, e * 10 + 10, "planned" if e == 1234 else "committed", now,
                  None if e == 1234 else now, 10, 9, 0, 1, None, None, e, 1.5, f"scheduled__{e}", 0,
                  {"plan": 0.1}, "scheduled", None, None) for e in range(first, first + 100) for p in range(3)]
-        spark.createDataFrame(rows, ledger_schema()).write.format("delta").mode("append").save(cfg.ledger_path)
+        write_deltalake(cfg.ledger_path, arrow_rows(rows), mode="append")
 
     started = time.monotonic()
     page = server.api("/api/epochs?target=history&page=7&page_size=100")
