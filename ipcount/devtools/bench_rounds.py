@@ -136,7 +136,7 @@ def _peer(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], wher
     started = time.monotonic()
     result = peer.run_peer(cfg, spark, table, str(where / "checkpoint"), ending, max_offsets_per_trigger=per_trigger)
     seconds = time.monotonic() - started
-    return Run(name, r, seconds, records=sum(result.reached.values()), counted=_sum_count(table),
+    return Run(name, r, seconds, records=sum(result.reached.values()), counted=sum_count(table),
                batches=result.batches)
 
 
@@ -168,13 +168,14 @@ def _pipeline(spark: SparkSession, cfg: PipelineConfig, where: Path, r: int, nam
     reader = DeltaReader()
     late = reader.query(run_cfg.late_path, "SELECT count(*) AS n FROM t")
     malformed = reader.query(run_cfg.dead_letter_path, "SELECT count(*) AS n FROM t")
-    run = Run(name, r, seconds, records=records, counted=_sum_count(run_cfg.counts_path, reader),
+    run = Run(name, r, seconds, records=records, counted=sum_count(run_cfg.counts_path, reader),
               late=late[0]["n"] if late else 0, malformed=malformed[0]["n"] if malformed else 0,
               batches=len(epoch_seconds), stages=dict(stages))
     return run, epoch_seconds
 
 
-def _sum_count(table: str, reader: DeltaReader | None = None) -> int:
+def sum_count(table: str, reader: DeltaReader | None = None) -> int:
+    """sum(count) of a counts table, read back with delta-rs."""
     rows = (reader or DeltaReader()).query(table, "SELECT coalesce(sum(count), 0) AS n FROM t")
     return int(rows[0]["n"]) if rows else 0
 

@@ -43,7 +43,6 @@ from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig
 from ipcount.rules.ledger import EpochSummary, summaries_in
 from ipcount.server import auth, client
 from ipcount.server.vetting import Pipelines
-from ipcount.storage.delta import DeltaReader
 from ipcount.storage.spark import DRIVER_ENV
 
 MEASUREMENTS = ("warm", "cold", "paths", "kafka_python")
@@ -242,15 +241,9 @@ def measure_job(cfg: PipelineConfig, job: str, records: int, logs: Path, where: 
     result = _last_json(out)
     if result["records"] != records:
         raise RuntimeError(f"{label} read {result['records']} records, not {records}")
-    counted = sum_count(str(where / "counts")) if job == "peer" else None
+    counted = bench_rounds.sum_count(str(where / "counts")) if job == "peer" else None
     return Measurement(job, label, records, round(wall, 3), round(result["seconds"], 3),
                        peak if job != "kafka_python" else None, result.get("stages", {}), counted)
-
-
-def sum_count(counts_path: str) -> int:
-    """sum(count) of a counts table, read with delta-rs."""
-    rows = DeltaReader().query(counts_path, "SELECT coalesce(sum(count), 0) AS n FROM t")
-    return int(rows[0]["n"]) if rows else 0
 
 
 def measure_warm(cfg: PipelineConfig, ending: dict[int, int], small_cfg: PipelineConfig,
@@ -298,7 +291,7 @@ def measure_cold(cfg: PipelineConfig, ending: dict[int, int], records: int, repe
                 if summary.records_read != records:
                     raise RuntimeError(f"the cold epoch read {summary.records_read} records, not {records}")
                 m = Measurement(name, label, records, round(wall, 3), round(sum(summary.stage_seconds.values()), 3),
-                                peak, dict(summary.stage_seconds), sum_count(run_cfg.counts_path))
+                                peak, dict(summary.stage_seconds), bench_rounds.sum_count(run_cfg.counts_path))
             else:
                 m = measure_job(cfg, name, records, logs, where, ending, label)
             say(f"    wall {m.wall_seconds:.1f} s, work {m.work_seconds:.1f} s, driver peak {m.peak_driver_mb} MB")

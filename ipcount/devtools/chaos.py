@@ -65,6 +65,7 @@ SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker")
 AIRFLOW = Path(sys.executable).parent / "airflow"
 AIRFLOW_START_SECONDS = 10.0  # `airflow dags test` imports and parses before spark-submit starts
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z: event times, well behind any Kafka timestamp
+PARTITIONS = 3  # a run's topic starts with these; the run adds one half way
 SPARED_SECONDS = 120.0  # how long a round waits for a process it did not kill (then kills it)
 GIVE_UP_SECONDS = 240.0  # a kill aimed at the write-ahead window that never opens comes then
 
@@ -241,12 +242,12 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
         state.kills_wanted = kills or state.kills_wanted
     chaos_cfg = _chaos_config(cfg, state, run_dir)
     if resume is None:
-        source = _Source(chaos_cfg, state, partitions=3)
+        source = _Source(chaos_cfg, state, partitions=PARTITIONS)
         source.produce(state.batch, round_rng(state.seed, 0))
     else:
-        source = _Source(chaos_cfg, state, partitions=_partitions(chaos_cfg, cfg.bootstrap_servers))
+        source = _Source(chaos_cfg, state, partitions=_partitions(chaos_cfg))
         # (The broker's word: a partition added by a sitting killed before it saved.)
-        state.partitions_added = max(state.partitions_added, source.partitions - 3)
+        state.partitions_added = max(state.partitions_added, source.partitions - PARTITIONS)
     log.info("chaos: topic %s, warehouse %s, logs %s%s", state.name, chaos_cfg.warehouse, run_dir / "logs",
              f"; resumed at {state.kills} kills after {state.rounds} rounds" if resume else "")
     procs = _Processes(chaos_cfg, run_dir / "logs")
@@ -294,14 +295,14 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
     return report
 
 
-def _partitions(cfg: PipelineConfig, bootstrap_servers: str) -> int:
+def _partitions(cfg: PipelineConfig) -> int:
     """How many partitions a paused run's topic has; a clear error if it is not there."""
     try:
         _, latest = broker.partition_offsets(cfg)
     except UnknownTopicError:
-        raise ConfigError(f"the paused run's topic {cfg.topic} is not on {bootstrap_servers}: a run goes on on the "
-                          f"broker it started on (an embedded one: `bin/ipcount kafka start` with the same --port "
-                          f"and --state-dir)") from None
+        raise ConfigError(f"the paused run's topic {cfg.topic} is not on {cfg.bootstrap_servers}: a run goes "
+                          f"on on the broker it started on (an embedded one: `bin/ipcount kafka start` with the "
+                          f"same --port and --state-dir)") from None
     return len(latest)
 
 
@@ -329,7 +330,7 @@ def _new_run(cfg: PipelineConfig, kills: int, records: int, seed: int, workdir: 
                      clock_ms=BASE_MS, kill_window=list(kill_window), write_window=write_window,
                      # Two batches an epoch: a chain that lost rounds to kills catches up soon.
                      max_records_per_epoch=max_records_per_epoch or 2 * batch, publish=cfg.publish)
-    broker.create_topic(_chaos_config(cfg, state, run_dir), 3)
+    broker.create_topic(_chaos_config(cfg, state, run_dir), PARTITIONS)
     state.save(run_dir / STATE_FILE)
     return run_dir, state
 
