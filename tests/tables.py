@@ -24,6 +24,17 @@ def finality(cfg: PipelineConfig) -> dict:
     return {(_ms(r["window_start"]), r["ip"]): r["is_final"] for r in _rows(cfg.counts_path)}
 
 
+def counts_merges(cfg: PipelineConfig) -> list[dict]:
+    """The counts table's MERGE commits, oldest first: version, epoch, whether it finalized
+    through a full pass (a NOT MATCHED BY SOURCE clause), and the target files it skipped."""
+    from deltalake import DeltaTable
+
+    merges = [h for h in DeltaTable(cfg.counts_path).history() if h.get("operation") == "MERGE"]
+    return [{"version": h["version"], "epoch": h.get("userMetadata"),
+             "full_pass": h["operationParameters"].get("notMatchedBySourcePredicates", "[]") != "[]",
+             "metrics": h.get("operationMetrics", {})} for h in sorted(merges, key=lambda h: h["version"])]
+
+
 def dead_letters(cfg: PipelineConfig) -> set:
     return {(r["partition"], r["offset"], r["reason"]) for r in _rows(cfg.dead_letter_path)}
 

@@ -27,7 +27,7 @@ from ipcount.jobs.crash import Crash, no_crash
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import PlanConflict
 from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
-from ipcount.rules.ledger import EpochPlan, EpochSummary, LedgerState, PartitionMetrics
+from ipcount.rules.ledger import SCHEDULED, EpochPlan, EpochSummary, LedgerState, PartitionMetrics
 from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
                                    skip_deleted)
 from ipcount.storage import broker
@@ -177,9 +177,11 @@ class EpochRunner:
         stages["aggregate"] = time.monotonic() - t
 
         t = time.monotonic()
+        # What the chain's last counts commits left final, so the MERGE reads only what it must.
+        chain = self.ledger.chain_commits(self.cfg.topic) if plan.kind == SCHEDULED else ()
         sink_version = self.sink.write(plan, classified, counts, malformed=totals.records_malformed,
                                        late=totals.records_late, counted=totals.records_counted,
-                                       watermark_after_ms=watermark_after)
+                                       watermark_after_ms=watermark_after, chain=chain)
         stages["merge"] = time.monotonic() - t  # dead letters, late records, MERGE into counts
         counts.unpersist()
         classified.unpersist()

@@ -2,8 +2,9 @@
 delta-rs (no JVM: cheap enough for an Airflow task, a watcher or a page), and the Spark
 side's table creation and conflict retries.
 
-Spark writes the counts and side tables; delta-rs writes the ledger (one engine per table:
-see :mod:`ipcount.storage.ledger`) and reads them all. pyspark, delta-spark and deltalake are
+Spark writes the counts table; delta-rs writes the ledger and the dead-letter and
+late-record tables (one engine per table: see :mod:`ipcount.storage.ledger`) and reads
+them all. pyspark, delta-spark and deltalake are
 imported inside the functions that need them, so the readers work where no JVM is wanted.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
 
@@ -53,6 +55,13 @@ def sql_literal(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     return "'" + str(value).replace("'", "''") + "'"
+
+
+def sql_timestamp(ms: int) -> str:
+    """A Spark SQL timestamp literal of an instant in epoch milliseconds (a literal, so Delta
+    can skip files by their min/max statistics)."""
+    instant = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    return f"TIMESTAMP '{instant.isoformat(timespec='milliseconds')}'"
 
 
 # -- reads with delta-rs -------------------------------------------------------------------
@@ -150,6 +159,12 @@ def table_metadata(path: str) -> tuple[str, dict[str, str]]:
     return metadata.id, dict(metadata.configuration)
 
 
+def latest_version(path: str) -> int | None:
+    """The version of the Delta table at ``path`` now (None if there is no table)."""
+    table = _open(path)
+    return None if table is None else table.version()
+
+
 def version_with_metadata(path: str, user_metadata: str, search: int = 50) -> int | None:
     """The table version whose commit carries ``user_metadata`` (None if none of the last
     ``search`` commits does). From the log's commit infos, read with delta-rs: Spark's
@@ -209,6 +224,35 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
         log.info("adding columns %s to %s", ", ".join(f.name for f in missing), path)
         retry_on_conflict(lambda: DeltaTable(path).alter.add_columns(Schema.from_arrow(pa.schema(missing)).fields),
                           f"adding columns to {path}", rs_concurrent_errors())
+
+
+def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: str, attempts: int = 20) -> bool:
+    """Append ``data`` (Arrow) to the table at ``path`` in one commit that records Delta's
+    transaction (``app_id``, ``version``), unless the table holds that transaction at that
+    version or later already (an earlier attempt's commit, or a fence): Delta's idempotent
+    write, as Spark's ``txnAppId``/``txnVersion`` make it. True if this call committed.
+
+    The check and the commit are one step: the commit is made as exactly the next version
+    of the snapshot checked, with no retry, and the log store creates it only if absent; a
+    concurrent commit - perhaps the same epoch's, from another runner - sends this one back
+    to check again."""
+    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+    for attempt in range(1, attempts + 1):
+        table = DeltaTable(path)
+        done = table.transaction_version(app_id)
+        if done is not None and done >= version:
+            return False
+        try:
+            write_deltalake(table, data, mode="append", commit_properties=CommitProperties(
+                custom_metadata={"userMetadata": user_metadata}, max_commit_retries=0,
+                app_transactions=[Transaction(app_id, version)]))
+            return True
+        except rs_concurrent_errors() as e:
+            log.info("%s: a concurrent commit came first (%s); checking again (%d/%d)", path,
+                     str(e).splitlines()[0][:200], attempt, attempts)
+            time.sleep(min(0.05 * attempt, 1.0))
+    raise RuntimeError(f"could not append to {path} after {attempts} attempts: other writers kept committing first")
 
 
 def spark_schema(columns: Iterable[tuple[str, str, bool]]) -> StructType:

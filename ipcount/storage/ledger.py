@@ -12,8 +12,8 @@ that snapshot, by any runner in any process, makes it fail and plan again.
 
 One engine writes the ledger: delta-spark's local-file-system log store makes a commit
 put-if-absent only within one JVM, and the ledger's writers are many processes (the chain,
-backfills, the epoch server, spark-submit fallbacks). The counts and side tables stay with
-Spark.
+backfills, the epoch server, spark-submit fallbacks). The dead-letter and late-record
+tables are written with delta-rs too; the counts table stays with Spark.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Mapping
 
 from ipcount.rules.errors import PlanConflict
+from ipcount.rules.finality import ChainCommit, chain_commits
 from ipcount.rules.offsets import OffsetRange
 from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, PLANNED, SCHEDULED, STATE_COLUMNS, EpochPlan, EpochSummary,
                                   LedgerState, PartitionMetrics, chain_positions, committed_summaries, is_scheduled,
@@ -71,6 +72,12 @@ class Ledger:
             out.append((plan_from_rows(group), versions[0] if versions else None))
         # Epochs that wrote no counts have no sink version; their place does not matter.
         return sorted(out, key=lambda pv: (pv[1] if pv[1] is not None else -1, pv[0].epoch))
+
+    def chain_commits(self, topic: str) -> list[ChainCommit]:
+        """The scheduled chain's counts commits, newest first (:mod:`ipcount.rules.finality`)."""
+        return chain_commits(read_rows(self.path, columns=("epoch", "kind", "status", "sink_version",
+                                                           "watermark_after_ms"),
+                                       filters=[("topic", "=", topic), ("status", "=", COMMITTED)]))
 
     def record_plan(self, plan: EpochPlan, run_id: str | None) -> None:
         """The write-ahead: the epoch's ranges are durable before anything is read or written.

@@ -26,7 +26,7 @@ from ipcount.rules.requests import BackfillRequest, parse_offsets
 from ipcount.storage import broker as broker_io
 from tests.conftest import run_until_idle
 from tests.ground_truth import Expected, expected_tables
-from tests.tables import counts, dead_letters, finality, lanes, late_records
+from tests.tables import counts, counts_merges, dead_letters, finality, lanes, late_records
 from tests.tables import ledger as ledger_rows
 from tests.tables import owned_offsets, snapshot
 
@@ -315,3 +315,45 @@ def test_a_backfill_ahead_of_a_lagging_chain_marks_nothing_final_the_chain_still
     chain_watermark = max(r["watermark_after_ms"] for r in ledger_rows(cfg)
                           if r.get("kind") in (None, "scheduled") and r["watermark_after_ms"] is not None)
     assert finality(cfg) == {k: k[0] + 10_000 <= chain_watermark for k in now}
+
+
+def test_a_backfill_committing_behind_the_chain_is_finalized_in_a_full_pass(cfg, spark):
+    """A backfill planned at the chain's watermark W1 commits after the chain moved on to W2,
+    leaving rows not final below W2. Each chain epoch finalizes with a read bounded by the
+    last watermark only while the chain alone writes the counts table; the backfill's commit
+    makes the next one a full pass, or those rows would never become final."""
+    class Stopped(Exception):
+        pass
+
+    def stop_after_plan(point: str) -> None:
+        if point == "after_plan":
+            raise Stopped(point)
+
+    def batch(seed, start_ms):
+        gen = TrafficGenerator(seed=seed, events_per_second=5, late_share=0, malformed_share=0)
+        return produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, start_ms), partition_of=lambda i, r: i % 3)
+    first = batch(71, BASE_MS)
+    run_until_idle(cfg, spark)                                   # W1: about BASE + 18 s
+    second = batch(72, BASE_MS + 600_000)
+    spec = ",".join(f"{p}:{min(r.offset for r in second if r.partition == p)}-"
+                    f"{max(r.offset for r in second if r.partition == p) + 1}" for p in range(3))
+    request = BackfillRequest(offsets=parse_offsets(spec, cfg.topic))
+    with pytest.raises(Stopped):                                 # planned at W1, then stopped
+        run_backfill(cfg, spark, request, crash=stop_after_plan)
+    third = batch(73, BASE_MS + 1_200_000)
+    run_until_idle(cfg.replace(max_records_per_epoch=30), spark)  # W2: about BASE + 1218 s
+    assert not counts_merges(cfg)[-1]["full_pass"]               # the chain alone: bounded reads
+
+    run_backfill(cfg, spark, request)                            # finishes its chunk against W1
+    backfilled = counts_merges(cfg)[-1]["version"]
+    assert not any(final for (w, _), final in finality(cfg).items() if BASE_MS + 600_000 <= w < BASE_MS + 700_000)
+
+    fourth = batch(74, BASE_MS + 1_800_000)
+    run_until_idle(cfg, spark)
+    now = counts(cfg)
+    assert now == lane_truth(first + second + third + fourth, cfg).counts
+    chain_watermark = max(r["watermark_after_ms"] for r in ledger_rows(cfg)
+                          if r.get("kind") in (None, "scheduled") and r["watermark_after_ms"] is not None)
+    assert finality(cfg) == {k: k[0] + 10_000 <= chain_watermark for k in now}
+    after = [m for m in counts_merges(cfg) if m["version"] > backfilled]
+    assert after and after[0]["full_pass"]

@@ -10,7 +10,7 @@ from ipcount.storage import broker as broker_io
 from ipcount.storage.sink import Sink
 from tests.conftest import run_until_idle
 from tests.ground_truth import expected_tables
-from tests.tables import counts, dead_letters, epoch_ranges, finality, late_records, snapshot
+from tests.tables import counts, counts_merges, dead_letters, epoch_ranges, finality, late_records, snapshot
 from tests.tables import ledger as ledger_rows
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
@@ -59,6 +59,11 @@ def test_epochs_count_exactly_what_was_produced(cfg, spark):
     want_final = {key: key[0] + 5_000 + 5_000 <= expected.watermark_ms for key in expected.counts}
     assert finality(cfg) == want_final
     assert 0 < sum(want_final.values()) < len(want_final)
+    # the first two counts commits finalize in a full pass; from the third on, back to back
+    # with the chain's last two, a read bounded by the last watermark is enough
+    merges = counts_merges(cfg)
+    assert len(merges) == len(summaries) and [m["full_pass"] for m in merges[:2]] == [True, True]
+    assert not any(m["full_pass"] for m in merges[2:])
 
 
 def test_group_offsets_follow_the_ledger_and_are_never_read_back(cfg, spark):

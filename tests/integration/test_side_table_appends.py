@@ -1,0 +1,48 @@
+"""The dead-letter and late-record appends, written with delta-rs: an epoch's rows land once,
+whoever races to write them and however often it is replayed (no broker, no JVM)."""
+from __future__ import annotations
+
+import multiprocessing
+
+from ipcount.storage.delta import arrow_schema, read_rows, rs_append_once, rs_create_table, version_with_metadata
+from ipcount.storage.sink import LATE_COLUMNS
+
+SCHEMA = arrow_schema([c for c in LATE_COLUMNS if c[0] in ("epoch", "partition", "offset")])
+
+
+def rows(epoch: int, n: int = 3):
+    import pyarrow as pa
+
+    return pa.table({"epoch": [epoch] * n, "partition": [0] * n, "offset": list(range(n))}, schema=SCHEMA)
+
+
+def append(path: str, epoch: int, start, results) -> None:
+    start.wait()
+    results.put(rs_append_once(path, rows(epoch), f"p/epoch-{epoch}", epoch, f"epoch={epoch}"))
+
+
+def test_four_processes_appending_one_epoch_at_once_land_it_once(tmp_path):
+    path = str(tmp_path / "late_records")
+    rs_create_table(path, SCHEMA)
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(4), ctx.Queue()
+    workers = [ctx.Process(target=append, args=(path, 7, start, results)) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert [w.exitcode for w in workers] == [0, 0, 0, 0]
+    assert sorted(results.get(timeout=5) for _ in workers) == [False, False, False, True]
+    assert sorted(r["offset"] for r in read_rows(path)) == [0, 1, 2]
+    assert version_with_metadata(path, "epoch=7") == 1
+
+
+def test_a_replay_is_skipped_and_a_fence_keeps_a_late_writer_out(tmp_path):
+    path = str(tmp_path / "late_records")
+    rs_create_table(path, SCHEMA)
+    assert rs_append_once(path, rows(1), "p/epoch-1", 1, "epoch=1")
+    assert not rs_append_once(path, rows(1), "p/epoch-1", 1, "epoch=1")          # the replay
+    assert rs_append_once(path, SCHEMA.empty_table(), "p/epoch-2", 2, "fenced epoch=2")
+    assert not rs_append_once(path, rows(2), "p/epoch-2", 2, "epoch=2")          # after the fence
+    assert rs_append_once(path, rows(3, n=1), "p/epoch-3", 3, "epoch=3")         # other epochs go on
+    assert sorted((r["epoch"], r["offset"]) for r in read_rows(path)) == [(1, 0), (1, 1), (1, 2), (3, 0)]
