@@ -45,7 +45,7 @@ from ipcount.server import auth, client
 from ipcount.server.vetting import Pipelines
 from ipcount.storage.spark import DRIVER_ENV
 
-MEASUREMENTS = ("warm", "cold", "paths", "kafka_python")
+MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile")
 COLD = ("spark_count", "peer", "pipeline")
 # Ratios, as (label, the pipeline's contender, the other): throughput ratios, > 1 when the pipeline is faster.
 WARM_RATIOS = (("pipeline / peer", "pipeline", "peer"), ("pipeline / read limit", "pipeline", "spark_count"),
@@ -354,11 +354,26 @@ def check_totals(report: dict) -> None:
         raise RuntimeError(f"requests counted differ: {counted}; they do not compute the same thing")
 
 
+def measure_profile(cfg: PipelineConfig, ending: dict[int, int], records: int, repeats: int, logs: Path,
+                    workdir: Path) -> dict:
+    """The read stage's profile in one spark-submit (:mod:`bench_profile`)."""
+    command = spark_submit(cfg, BENCH_APPLICATION, [
+        "profile", "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
+        "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(workdir / "profile"),
+        "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds", str(cfg.allowed_lateness_seconds),
+        "--repeats", str(repeats)], "bench-profile")
+    _, _, out = run_process(command, logs / "profile.log", DRIVER_ENV)
+    result = _last_json(out)
+    if result["records"] != records:
+        raise RuntimeError(f"profile read {result['records']} records, not {records}")
+    return result
+
+
 def job_main(argv: Sequence[str] | None = None) -> int:
     """The peer, the limits and the warm rounds as jobs (``spark_jobs/bench_job.py``);
     prints a JSON line."""
     p = argparse.ArgumentParser(prog="bench_job.py", description="one benchmark measurement (used by bin/benchmark)")
-    p.add_argument("job", choices=("peer", "spark_count", "kafka_python", "idle_check", "rounds"))
+    p.add_argument("job", choices=("peer", "spark_count", "kafka_python", "idle_check", "rounds", "profile"))
     p.add_argument("--bootstrap-servers", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--ending", required=True, help="JSON: partition -> end offset")
@@ -370,6 +385,7 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--small-topic", help="rounds: the topic of the small-epoch series")
     p.add_argument("--small-ending", default="{}", help="rounds: JSON, partition -> end offset of --small-topic")
     p.add_argument("--small-per-epoch", type=int, default=2000, help="rounds: records per small epoch")
+    p.add_argument("--repeats", type=int, default=3, help="profile: runs per figure")
     args = p.parse_args(argv)
     ending = {int(k): v for k, v in json.loads(args.ending).items()}
     cfg = PipelineConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic, window_seconds=args.window_seconds,
@@ -393,6 +409,11 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     spark = get_spark(cfg, app_name=f"bench-{args.job}")
     if args.job == "rounds":
         return _rounds_job(spark, cfg, ending, args)
+    if args.job == "profile":
+        from ipcount.devtools import bench_profile
+
+        print(json.dumps(bench_profile.profile(spark, cfg, ending, args.repeats, say=say)), flush=True)
+        return 0
     started = time.monotonic()
     if args.job == "spark_count":
         n = peer.spark_count(cfg, spark, ending)
@@ -502,6 +523,15 @@ def render(report: dict) -> str:
                      f"{paths['first_epoch']['wall_seconds']:.2f} s), an empty epoch "
                      f"{paths['empty_epoch']['wall_seconds']:.2f} s; the DAG's idle check (no JVM) "
                      f"{paths['idle_check']['wall_seconds']:.2f} s")
+    prof = report.get("profile")
+    if prof:
+        per = 1e6 / prof["records"]
+        lines.append(f"profile: {prof['records']:,} records from a cache, median of {prof['repeats']} "
+                     f"(seconds, and microseconds per record)")
+        for part in ("path", "pieces"):
+            lines.append(f"  {part:<7} " + ", ".join(f"{k} {v:.2f} ({v * per:.1f})" for k, v in prof[part].items()))
+        lines.append(f"  codegen {prof['codegen']['compiles']} classes compiled in "
+                     f"{prof['codegen']['compile_seconds']:.2f} s")
     drain = report.get("kafka_python")
     if drain:
         lines.append(f"kafka_python: a plain consumer draining the range: {_range(drain['seconds'], ' s')}")
@@ -523,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="warm: small epochs in the series through each (default 100, at least 2; growth "
                         "from 9)")
     p.add_argument("--epoch-records", type=int, default=2000, help="records per small epoch (default 2000)")
-    p.add_argument("--cold-repeats", type=int, default=3, help="cold: runs of each contender (default 3)")
+    p.add_argument("--cold-repeats", type=int, default=3, help="cold: runs of each contender; profile: runs per figure (default 3)")
     p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=11)
@@ -586,6 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             seconds = [measure_job(cfg, "kafka_python", args.records, logs, workdir / "kafka_python", ending,
                                    f"kafka_python-{n}").work_seconds for n in range(1, args.cold_repeats + 1)]
             report["kafka_python"] = {"seconds": bench_stats.spread(seconds)}
+        if "profile" in only:
+            say(f"measuring profile: where the read stage's time goes (log {logs / 'profile.log'})")
+            report["profile"] = measure_profile(cfg, ending, args.records, args.cold_repeats, logs, workdir)
         check_totals(report)
         print(render(report), flush=True)
         out = args.json or STATE_DIR / "benchmark" / f"{datetime.now():%Y%m%d-%H%M%S}.json"

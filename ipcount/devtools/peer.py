@@ -98,14 +98,19 @@ def run_peer(cfg: PipelineConfig, spark: SparkSession, table_path: str, checkpoi
     return PeerRun(len(batches), seconds, reached)
 
 
-def spark_count(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]) -> int:
-    """The read-only limit in Spark: a batch Kafka read of the whole range, counted."""
+def kafka_range(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]) -> DataFrame:
+    """The whole range, from offset 0 to ``ending``, as a batch Kafka read."""
     start = json.dumps({cfg.topic: {str(p): 0 for p in ending}})
     end = json.dumps({cfg.topic: {str(p): o for p, o in ending.items()}})
     return (spark.read.format("kafka").option("kafka.bootstrap.servers", cfg.bootstrap_servers)
             .option("subscribe", cfg.topic).option("startingOffsets", start).option("endingOffsets", end)
             .option("kafka.isolation.level", "read_committed")
-            .options(**spark_kafka_options(cfg, sasl_password(cfg))).load().count())
+            .options(**spark_kafka_options(cfg, sasl_password(cfg))).load())
+
+
+def spark_count(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]) -> int:
+    """The read-only limit in Spark: a batch Kafka read of the whole range, counted."""
+    return kafka_range(cfg, spark, ending).count()
 
 
 def drain(cfg: PipelineConfig, ending: dict[int, int]) -> int:

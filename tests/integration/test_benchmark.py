@@ -60,8 +60,16 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     assert paths["server_start"]["wall_seconds"] > 0 and paths["epoch"]["wall_seconds"] > 0
     assert paths["empty_epoch"]["stages"] == {"kafka_commit": paths["empty_epoch"]["stages"]["kafka_commit"]}
     assert paths["idle_check"]["wall_seconds"] > 0 and report["kafka_python"]["seconds"]["n"] == 1
+    profile = report["profile"]
+    assert profile["records"] == 3000
+    assert list(profile["path"]) == ["scan", "parse", "parse_new_plan_time", "classify", "metrics",
+                                     "metrics_with_cache", "counts_from_cache"]
+    assert {"parse_json", "whole_value_check", "json_kinds", "iso_time", "ip_syntax", "canonical_ipv6"} <= set(
+        profile["pieces"])
+    assert all(v > 0 for part in ("path", "pieces") for v in profile[part].values())
+    assert profile["codegen"]["compiles"] > 0 and profile["codegen"]["compile_seconds"] > 0
     for text in ("warm: one Spark session", "pipeline / peer", "cold: each contender", "paths: epoch server start",
-                 "kafka_python: a plain consumer"):
+                 "kafka_python: a plain consumer", "profile: 3,000 records"):
         assert text in proc.stdout, text
 
 

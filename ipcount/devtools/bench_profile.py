@@ -1,0 +1,122 @@
+"""Where an epoch's read stage spends its time: the profile behind the benchmark's figures.
+
+One Spark session reads the range from Kafka once and caches the raw rows; everything
+below runs over that cache, each figure the median of ``repeats`` runs, each run forced to
+completion with Spark's ``noop`` sink (every selected column computed, nothing written):
+
+* ``path``: the epoch's read stage built up step by step, as :func:`ipcount.jobs.epoch.run_epoch`
+  runs it - scan the cache; + parse (and the parse again with another planning time each
+  run, as every epoch has its own); + classify; + per-partition metrics; the same with
+  the classified rows cached on the way (the epoch's read stage); then the per-window counts
+  from that cache alone. Each step's cost is its figure less the one before.
+* ``pieces``: the parse's costly expressions one at a time, over a second cache that holds
+  each record's trimmed text and parsed JSON already (so a piece's figure less ``scan`` is
+  that piece alone): the JSON parse itself (over the raw cache), the exactly-one-value
+  check, the three JSON type lookups, the NGINX match, the ISO time, the IP syntax check
+  and the canonical IPv6 text.
+
+The pieces use :mod:`ipcount.jobs.transform`'s own expressions, so the profile follows the
+parse as it changes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING, Callable
+
+from ipcount.devtools import peer
+from ipcount.jobs import transform
+from ipcount.rules import records as R
+from ipcount.rules.config import PipelineConfig
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+
+def _timed(df: DataFrame, repeats: int) -> float:
+    seconds = []
+    for _ in range(repeats):
+        started = time.monotonic()
+        df.write.format("noop").mode("overwrite").save()
+        seconds.append(time.monotonic() - started)
+    return round(statistics.median(seconds), 3)
+
+
+def profile(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], repeats: int = 3,
+            say: Callable[[str], None] = print) -> dict:
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    compiled_before = _codegen(spark)
+    raw = peer.kafka_range(cfg, spark, ending).persist(StorageLevel.MEMORY_AND_DISK)
+    records = raw.count()
+    say(f"profile: {records:,} records cached; {repeats} runs per figure")
+    path: dict[str, float] = {"scan": _timed(raw, repeats)}
+    planned_at = int(time.time() * 1000)
+    parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, planned_at)
+    path["parse"] = _timed(parsed, repeats)
+    # Each epoch parses with its own planning time: a new literal in the generated code,
+    # which Spark then compiles again.
+    path["parse_new_plan_time"] = round(statistics.median(
+        _timed(transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms,
+                               planned_at + n + 1), 1) for n in range(repeats)), 3)
+    # Late against a watermark in the middle of the data, so both outcomes occur.
+    middle = parsed.agg(F.percentile_approx("event_ms", 0.5)).first()[0]
+    classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, middle)
+    path["classify"] = _timed(classified, repeats)
+    metrics = transform.partition_metrics(classified)
+    path["metrics"] = _timed(metrics, repeats)
+
+    seconds = []
+    for n in range(repeats):  # the epoch's read stage: cache the classified rows, collect the metrics
+        started = time.monotonic()
+        cached = classified.persist(StorageLevel.MEMORY_AND_DISK)
+        read = sum(r.records_read for r in transform.partition_metrics(cached).collect())
+        seconds.append(time.monotonic() - started)
+        if read != records:
+            raise RuntimeError(f"profile: the metrics counted {read} records of {records}")
+        if n < repeats - 1:
+            cached.unpersist(blocking=True)
+    path["metrics_with_cache"] = round(statistics.median(seconds), 3)
+    path["counts_from_cache"] = _timed(transform.window_counts(cached, cfg.window_ms), repeats)
+    cached.unpersist(blocking=True)
+    say("profile: path " + ", ".join(f"{k} {v:.2f} s" for k, v in path.items()))
+
+    text = F.btrim(F.col("value").cast("string"), F.lit(R.WHITESPACE))
+    pieces: dict[str, float] = {"trim": _timed(raw.select(text.alias("t")), repeats),
+                                "parse_json": _timed(raw.select(F.try_parse_json(text).alias("d")), repeats),
+                                "nginx_match": _timed(raw.select(F.regexp_extract(text, R.NGINX_PATTERN, 1)), repeats)}
+    prepared = raw.select(text.alias("t"), F.try_parse_json(text).alias("d")).select(
+        "t", "d", F.try_variant_get("d", "$.ip", "string").alias("ip"),
+        F.try_variant_get("d", "$.ts", "string").alias("ts")).persist(StorageLevel.MEMORY_AND_DISK)
+    prepared.count()
+    t, d, ip = F.col("t"), F.col("d"), F.col("ip")
+    pieces["scan"] = _timed(prepared, repeats)
+    pieces["whole_value_check"] = _timed(prepared.select(
+        F.json_array_length(F.concat(F.lit("["), t, F.lit("]"))),
+        F.json_array_length(F.concat(F.lit("["), t, F.lit(",0]")))), repeats)
+    pieces["json_kinds"] = _timed(prepared.select(
+        F.schema_of_variant(d), F.schema_of_variant(F.try_variant_get(d, "$.ip", "variant")),
+        F.schema_of_variant(F.try_variant_get(d, "$.ts", "variant"))), repeats)
+    pieces["iso_time"] = _timed(prepared.select(transform._iso_to_ms(F.col("ts"))), repeats)  # noqa: SLF001
+    pieces["ip_syntax"] = _timed(prepared.select(ip.rlike(R.IP_PATTERN)), repeats)
+    groups = transform._ipv6_groups(F.when(ip.contains(":"), transform._without_ipv4_tail(F.lower(ip))))  # noqa: SLF001
+    with_groups = prepared.select(groups.alias("g")).select(
+        "g", F.concat(F.lit(":"), F.array_join("g", ":"), F.lit(":")).alias("f"))
+    pieces["canonical_ipv6"] = _timed(with_groups.select(
+        transform._canonical_ipv6(F.col("g"), F.col("f"))), repeats)  # noqa: SLF001
+    prepared.unpersist()
+    raw.unpersist()
+    say("profile: pieces " + ", ".join(f"{k} {v:.2f} s" for k, v in pieces.items()))
+    compiled = _codegen(spark)
+    codegen = {"compiles": compiled[0] - compiled_before[0],
+               "compile_seconds": round(compiled[1] - compiled_before[1], 3)}
+    return {"records": records, "repeats": repeats, "path": path, "pieces": pieces, "codegen": codegen}
+
+
+def _codegen(spark: SparkSession) -> tuple[int, float]:
+    """(classes compiled, seconds spent compiling them) by Spark's code generator in this JVM
+    so far, from its metrics (a histogram of compile times in ms)."""
+    times = spark.sparkContext._jvm.org.apache.spark.metrics.source.CodegenMetrics.METRIC_COMPILATION_TIME()  # noqa: SLF001
+    count = times.getCount()
+    return count, count * times.getSnapshot().getMean() / 1000
