@@ -117,6 +117,7 @@ def profile(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], re
 def _codegen(spark: SparkSession) -> tuple[int, float]:
     """(classes compiled, seconds spent compiling them) by Spark's code generator in this JVM
     so far, from its metrics (a histogram of compile times in ms)."""
-    times = spark.sparkContext._jvm.org.apache.spark.metrics.source.CodegenMetrics.METRIC_COMPILATION_TIME()  # noqa: SLF001
+    metrics = spark.sparkContext._jvm.org.apache.spark.metrics.source.CodegenMetrics  # noqa: SLF001
+    times = metrics.METRIC_COMPILATION_TIME()
     count = times.getCount()
     return count, count * times.getSnapshot().getMean() / 1000

@@ -553,7 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="warm: small epochs in the series through each (default 100, at least 2; growth "
                         "from 9)")
     p.add_argument("--epoch-records", type=int, default=2000, help="records per small epoch (default 2000)")
-    p.add_argument("--cold-repeats", type=int, default=3, help="cold: runs of each contender; profile: runs per figure (default 3)")
+    p.add_argument("--cold-repeats", type=int, default=3,
+                   help="cold: runs of each contender; profile: runs per figure (default 3)")
     p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=11)

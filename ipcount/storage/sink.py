@@ -45,11 +45,16 @@ COUNTS_SCHEMA = StructType([
     StructField("is_final", BooleanType(), True),
 ])
 # The side tables, written with delta-rs (one engine per table): (name, Spark SQL type, nullable).
-DEAD_LETTER_COLUMNS = (
+Columns = tuple[tuple[str, str, bool], ...]
+# Which record of which epoch a side-table row is: both tables start with these.
+RECORD_COLUMNS: Columns = (
     ("epoch", "bigint", False),
     ("topic", "string", False),
     ("partition", "int", False),
     ("offset", "bigint", False),
+)
+DEAD_LETTER_COLUMNS: Columns = (
+    *RECORD_COLUMNS,
     ("kafka_timestamp", "timestamp", True),
     ("key", "binary", True),
     ("value", "binary", True),
@@ -57,11 +62,8 @@ DEAD_LETTER_COLUMNS = (
     ("value_bytes", "bigint", True),     # the whole value's size, and its hash
     ("value_sha256", "string", True),    # (a too_large value keeps a prefix only)
 )
-LATE_COLUMNS = (
-    ("epoch", "bigint", False),
-    ("topic", "string", False),
-    ("partition", "int", False),
-    ("offset", "bigint", False),
+LATE_COLUMNS: Columns = (
+    *RECORD_COLUMNS,
     ("ip", "string", False),
     ("event_time", "timestamp", False),
     ("window_start", "timestamp", False),
@@ -79,7 +81,7 @@ class Sink:
     def __init__(self, spark: SparkSession, cfg: PipelineConfig) -> None:
         self.spark, self.cfg = spark, cfg
 
-    def side_tables(self) -> tuple[tuple[str, tuple[tuple[str, str, bool], ...]], ...]:
+    def side_tables(self) -> tuple[tuple[str, Columns], ...]:
         """(location, columns) of the dead-letter and late-record tables."""
         return ((self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS), (self.cfg.late_path, LATE_COLUMNS))
 
@@ -106,16 +108,17 @@ class Sink:
         just as idempotent and saves a commit.
         """
         epoch, watermark_ms = plan.epoch, plan.watermark_ms
+        record = (F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset")  # RECORD_COLUMNS
         if malformed:
             value, prefix = F.col("value"), dead_letter_prefix_bytes(self.cfg.max_value_bytes)
-            self._append(epoch, self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, classified.where(F.col("reason").isNotNull()).select(
-                F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset",
-                F.col("timestamp").alias("kafka_timestamp"), "key",
+            bad = classified.where(F.col("reason").isNotNull())
+            self._append(epoch, self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, bad.select(
+                *record, F.col("timestamp").alias("kafka_timestamp"), "key",
                 F.when(F.col("reason") == TOO_LARGE, F.substring(value, 1, prefix)).otherwise(value).alias("value"),
                 "reason", F.length(value).cast("long").alias("value_bytes"), F.sha2(value, 256).alias("value_sha256")))
         if late and watermark_ms is not None:  # before the first watermark nothing can be late
             self._append(epoch, self.cfg.late_path, LATE_COLUMNS, classified.where(F.col("late")).select(
-                F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset", "ip",
+                *record, "ip",
                 F.timestamp_millis("event_ms").alias("event_time"),
                 F.timestamp_millis("window_start_ms").alias("window_start"),
                 F.timestamp_millis(F.col("window_start_ms") + self.cfg.window_ms).alias("window_end"),
@@ -130,7 +133,7 @@ class Sink:
         # them as its watermark moves on.
         return self._merge_counts(epoch, counts, plan.chain_watermark_ms, finalize_untouched=False)
 
-    def _append(self, epoch: int, path: str, columns: tuple[tuple[str, str, bool], ...], rows: DataFrame) -> None:
+    def _append(self, epoch: int, path: str, columns: Columns, rows: DataFrame) -> None:
         """Append the epoch's rows (few: a share of its records) once, with delta-rs: a Spark
         Delta append costs seconds of fixed work, this one Spark job to collect them."""
         import pyarrow as pa
