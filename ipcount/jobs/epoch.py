@@ -62,7 +62,7 @@ class EpochRunner:
         ledger, sink = Ledger(cfg.ledger_path), Sink(spark, cfg)
         ledger.ensure()
         sink.ensure()
-        tableset_io.claim(spark, cfg)
+        tableset_io.claim(cfg)
         return cls(cfg, spark, ledger, sink, run_id, crash)
 
     def state(self) -> LedgerState:
@@ -172,8 +172,7 @@ class EpochRunner:
                watermark_after: int | None, stages: dict[str, float]) -> int | None:
         """Aggregate and write the epoch's rows to the sink; the counts table's version."""
         t = time.monotonic()
-        counts = transform.window_counts(classified, self.cfg.window_ms).persist()
-        counts.count()  # materialized here, so the stages below time the writes alone
+        counts = transform.window_counts(classified, self.cfg.window_ms).toArrow()  # few rows: one per window, ip
         stages["aggregate"] = time.monotonic() - t
 
         t = time.monotonic()
@@ -183,7 +182,6 @@ class EpochRunner:
                                        late=totals.records_late, counted=totals.records_counted,
                                        watermark_after_ms=watermark_after, chain=chain)
         stages["merge"] = time.monotonic() - t  # dead letters, late records, MERGE into counts
-        counts.unpersist()
         classified.unpersist()
         return sink_version
 

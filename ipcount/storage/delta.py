@@ -1,17 +1,17 @@
-"""Delta table helpers shared by every reader and writer: a look for a table, reads with
-delta-rs (no JVM: cheap enough for an Airflow task, a watcher or a page), and the Spark
-side's table creation and conflict retries.
+"""Delta table helpers shared by every reader and writer, all of them delta-rs (no JVM:
+cheap enough for an Airflow task, a watcher or a page): a look for a table, reads, and the
+writes - creation, and commits made at most once per transaction id.
 
-Spark writes the counts table; delta-rs writes the ledger and the dead-letter and
-late-record tables (one engine per table: see :mod:`ipcount.storage.ledger`) and reads
-them all. pyspark, delta-spark and deltalake are
-imported inside the functions that need them, so the readers work where no JVM is wanted.
+delta-rs writes every table of the pipeline (the ledger, the counts, the dead letters and
+late records): one engine per table, and a commit that is put-if-absent across processes
+on a local file system and on object storage alike (delta-spark's log store makes it so
+only within one JVM on either). Spark reads Kafka and computes; it never commits to these
+tables. deltalake is imported inside the functions that need it.
 """
 from __future__ import annotations
 
 import logging
 import re
-import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
-    from pyspark.sql.types import StructType
+    import pyarrow as pa
+    from deltalake import CommitProperties, DeltaTable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,8 +58,8 @@ def sql_literal(value: Any) -> str:
 
 
 def sql_timestamp(ms: int) -> str:
-    """A Spark SQL timestamp literal of an instant in epoch milliseconds (a literal, so Delta
-    can skip files by their min/max statistics)."""
+    """A SQL timestamp literal of an instant in epoch milliseconds, in UTC (a literal, so
+    Delta can skip files by their min/max statistics)."""
     instant = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
     return f"TIMESTAMP '{instant.isoformat(timespec='milliseconds')}'"
 
@@ -85,14 +85,18 @@ def query_table(table, sql: str) -> list[dict[str, Any]]:
 
 
 def _run(table, sql: str) -> list[dict[str, Any]]:
-    """``sql`` over ``table`` (named ``t``), through delta-rs's own query engine rather
-    than ``to_pyarrow_table``: the pyarrow dataset path aborts the interpreter at exit
-    ("terminate called without an active exception", delta-rs issue 2184) in short-lived
-    processes such as CLI commands."""
+    return query_arrow(table, sql).to_pylist()
+
+
+def query_arrow(table, sql: str) -> pa.Table:
+    """``sql`` over a loaded delta-rs ``table`` (named ``t``), as Arrow, through delta-rs's
+    own query engine rather than ``to_pyarrow_table``: the pyarrow dataset path aborts the
+    interpreter at exit ("terminate called without an active exception", delta-rs issue
+    2184) in short-lived processes such as CLI commands."""
     import pyarrow as pa
     from deltalake import QueryBuilder
 
-    return pa.table(QueryBuilder().register("t", table).execute(sql).read_all()).to_pylist()
+    return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
 
 
 def read_rows(path: str, columns: Iterable[str] | None = None,
@@ -175,8 +179,6 @@ def version_with_metadata(path: str, user_metadata: str, search: int = 50) -> in
                  if h.get("userMetadata") == user_metadata), None)
 
 
-# -- the Spark side: creating tables, retrying conflicts -----------------------------------
-
 # -- the tables delta-rs writes ------------------------------------------------------------
 
 _ARROW_TYPES = ("bigint", "int", "string", "double", "timestamp", "boolean", "binary", "map<string,double>")
@@ -201,15 +203,21 @@ def rs_concurrent_errors() -> tuple[type[BaseException], ...]:
 
 def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = None) -> None:
     """Create an empty Delta table at ``path`` with delta-rs unless one is there; one made
-    by an older version gets the (nullable) columns it lacks. Version 0 is put-if-absent
-    like every commit: of concurrent creators one wins and the others find its table."""
-    from deltalake import DeltaTable, Schema
+    by an older version (delta-spark's included) gets the (nullable) columns and the table
+    properties it lacks. Version 0 is put-if-absent like every commit: of concurrent
+    creators one wins and the others find its table. What a creator killed before its
+    commit left behind (a log directory, a temporary file) is no table, and is created over."""
+    from deltalake import CommitProperties, DeltaTable, Schema
     from deltalake.exceptions import DeltaError, TableNotFoundError
 
+    properties = dict(properties or {})
     table = _open(path)
     if table is None:
         try:
-            DeltaTable.create(path, schema=schema, mode="error", configuration=dict(properties or {}) or None)
+            # No retry: a retried creation is committed on top of the winner's, as a new
+            # table (another id, and its metadata replacing the winner's).
+            DeltaTable.create(path, schema=schema, mode="error", configuration=properties or None,
+                              commit_properties=CommitProperties(max_commit_retries=0))
             return
         except (DeltaError, TableNotFoundError) as e:
             table = _open(path)
@@ -223,20 +231,28 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
 
         log.info("adding columns %s to %s", ", ".join(f.name for f in missing), path)
         retry_on_conflict(lambda: DeltaTable(path).alter.add_columns(Schema.from_arrow(pa.schema(missing)).fields),
-                          f"adding columns to {path}", rs_concurrent_errors())
+                          f"adding columns to {path}")
+    config = table.metadata().configuration
+    stale = {k: v for k, v in properties.items() if config.get(k) != v}
+    if stale:
+        log.info("setting %s on %s", ", ".join(f"{k}={v}" for k, v in sorted(stale.items())), path)
+        retry_on_conflict(lambda: DeltaTable(path).alter.set_table_properties(stale, raise_if_not_exists=False),
+                          f"setting table properties of {path}")
 
 
-def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: str, attempts: int = 20) -> bool:
-    """Append ``data`` (Arrow) to the table at ``path`` in one commit that records Delta's
-    transaction (``app_id``, ``version``), unless the table holds that transaction at that
-    version or later already (an earlier attempt's commit, or a fence): Delta's idempotent
-    write, as Spark's ``txnAppId``/``txnVersion`` make it. True if this call committed.
+def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
+                   commit: Callable[[DeltaTable, CommitProperties], object], attempts: int = 20) -> bool:
+    """Make one commit to the table at ``path`` that records Delta's transaction
+    (``app_id``, ``version``), unless the table holds that transaction at that version or
+    later already (an earlier attempt's commit, or a fence): Delta's idempotent write, as
+    Spark's ``txnAppId``/``txnVersion`` make it. ``commit(table, properties)`` writes to the
+    snapshot ``table`` with those commit properties. True if this call committed.
 
     The check and the commit are one step: the commit is made as exactly the next version
     of the snapshot checked, with no retry, and the log store creates it only if absent; a
     concurrent commit - perhaps the same epoch's, from another runner - sends this one back
-    to check again."""
-    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+    to check again (and ``commit`` is called again, on the new snapshot)."""
+    from deltalake import CommitProperties, DeltaTable, Transaction
 
     for attempt in range(1, attempts + 1):
         table = DeltaTable(path)
@@ -244,150 +260,30 @@ def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: st
         if done is not None and done >= version:
             return False
         try:
-            write_deltalake(table, data, mode="append", commit_properties=CommitProperties(
-                custom_metadata={"userMetadata": user_metadata}, max_commit_retries=0,
-                app_transactions=[Transaction(app_id, version)]))
+            commit(table, CommitProperties(custom_metadata={"userMetadata": user_metadata}, max_commit_retries=0,
+                                           app_transactions=[Transaction(app_id, version)]))
             return True
         except rs_concurrent_errors() as e:
             log.info("%s: a concurrent commit came first (%s); checking again (%d/%d)", path,
                      str(e).splitlines()[0][:200], attempt, attempts)
             time.sleep(min(0.05 * attempt, 1.0))
-    raise RuntimeError(f"could not append to {path} after {attempts} attempts: other writers kept committing first")
+    raise RuntimeError(f"could not commit to {path} after {attempts} attempts: other writers kept committing first")
 
 
-def spark_schema(columns: Iterable[tuple[str, str, bool]]) -> StructType:
-    """A Spark schema from ``(name, Spark SQL type, nullable)`` columns (as
-    :data:`ipcount.rules.ledger.COLUMNS` declares the ledger without Spark)."""
-    from pyspark.sql import types as st
+def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: str) -> bool:
+    """Append ``data`` (Arrow) once per transaction (:func:`rs_commit_once`)."""
+    from deltalake import write_deltalake
 
-    simple = {"bigint": st.LongType(), "int": st.IntegerType(), "string": st.StringType(),
-              "double": st.DoubleType(), "timestamp": st.TimestampType(), "boolean": st.BooleanType(),
-              "binary": st.BinaryType(), "map<string,double>": st.MapType(st.StringType(), st.DoubleType())}
-    return st.StructType([st.StructField(name, simple[kind], nullable) for name, kind, nullable in columns])
-
-
-def ensure_table(spark: SparkSession, path: str, schema: StructType,
-                 properties: Mapping[str, str] | None = None) -> None:
-    """Create an empty Delta table at ``path`` unless one is there (checked first: creating
-    is a commit, checking is a cheap look at the log). A table made by an older version
-    gets the nullable columns and the table properties it lacks."""
-    from delta.tables import DeltaTable
-
-    properties = dict(properties or {})
-    if _up_to_date(path, schema, properties):
-        return
-    if not DeltaTable.isDeltaTable(spark, path):
-        _create(spark, path, schema, properties)
-        return
-    detail = DeltaTable.forPath(spark, path).detail().select("properties").first()
-    have_props = dict(detail.properties or {})
-    stale = {k: v for k, v in properties.items() if have_props.get(k) != v}
-    if stale:
-        retry_on_conflict(lambda: set_table_properties(spark, path, stale), f"setting table properties of {path}")
-    have = set(spark.read.format("delta").load(path).schema.fieldNames())
-    missing = [f for f in schema.fields if f.name not in have]
-    if missing:
-        columns = ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in missing)
-        retry_on_conflict(lambda: spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({columns})"),
-                          f"adding columns to {path}")
-
-
-def set_table_properties(spark: SparkSession, path: str, properties: Mapping[str, str]) -> None:
-    """One commit that sets ``properties`` on the table at ``path`` (values quoted as SQL
-    strings). Not retried here: a caller whose change depends on what is there re-reads."""
-    def quoted(value: str) -> str:
-        return value.replace("\\", "\\\\").replace("'", "\\'")
-    assignments = ", ".join(f"'{k}' = '{quoted(v)}'" for k, v in sorted(properties.items()))
-    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
-
-
-def _create(spark: SparkSession, path: str, schema: StructType, properties: Mapping[str, str],
-            attempts: int = 5) -> None:
-    """Create the table; a concurrent creator that wins the race (Delta refuses the loser's
-    version 0 with DELTA_PROTOCOL_CHANGED or a concurrent-commit error) is success too, and
-    what a creator killed mid-way left behind (a log directory with no commit, which Delta
-    answers with DELTA_TABLE_NOT_FOUND or NON_EMPTY_LOCATION for good) is cleared."""
-    from delta.tables import DeltaTable
-
-    for attempt in range(1, attempts + 1):
-        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
-        for key, value in properties.items():
-            builder = builder.property(key, value)
-        try:
-            builder.execute()
-            return
-        except Exception as e:  # noqa: BLE001 - Delta's errors come back as JVM errors; sorted below
-            if DeltaTable.isDeltaTable(spark, path):
-                log.info("%s was created by a concurrent run (%s)", path, type(e).__name__)
-                return
-            if attempt == attempts:
-                raise
-            age = _unborn_table_age(path)
-            if age is not None and age >= UNBORN_AFTER_SECONDS:
-                log.warning("%s holds the log directory of a table whose creation never committed (its creator "
-                            "was killed %.0f s ago or more); clearing it", path, age)
-                shutil.rmtree(Path(path) / "_delta_log")
-                continue
-            wait = UNBORN_AFTER_SECONDS - age if age is not None else 0.2 * attempt  # a creation in flight?
-            log.info("creating %s: %s; trying again in %.1f s (%d/%d)", path, str(e).splitlines()[0][:200], wait,
-                     attempt, attempts)
-            time.sleep(wait)
-
-
-# A creation commits within seconds; a log directory without a commit that is older than
-# this was left by a creator that was killed.
-UNBORN_AFTER_SECONDS = 10.0
-_COMMIT_FILE = re.compile(r"^\d{20}\.(json|checkpoint.*\.parquet)$")
-
-
-def _unborn_table_age(path: str) -> float | None:
-    """Seconds since the newest file of a table whose creation never committed, else None.
-    Only a local directory whose every file is in ``_delta_log`` and none of them a commit or
-    checkpoint: anything else is data, and is never cleared."""
-    root = Path(path)
-    log_dir = root / "_delta_log"
-    if "://" in path or not log_dir.is_dir():
-        return None
-    files = [f for f in root.rglob("*") if f.is_file()]
-    if any(log_dir not in f.parents or _COMMIT_FILE.match(f.name) for f in files):
-        return None
-    newest = max((f.stat().st_mtime for f in files), default=log_dir.stat().st_mtime)
-    return max(0.0, time.time() - newest)
-
-
-def _up_to_date(path: str, schema: StructType, properties: Mapping[str, str]) -> bool:
-    """Whether the table at ``path`` exists with every column and property, looked up in its
-    log with delta-rs: an epoch makes this check for four tables, and through Spark each
-    would cost a Delta snapshot and a query (seconds in a fresh JVM). Any doubt: False."""
-    from deltalake import DeltaTable as LogReader
-
-    if not has_table(path):
-        return False
-    try:
-        table = LogReader(path)
-        have = {f.name for f in table.schema().fields}
-        config = table.metadata().configuration
-    except Exception:  # noqa: BLE001 - Spark's path below decides (and says what is wrong)
-        return False
-    return all(f.name in have for f in schema.fields) and all(config.get(k) == v for k, v in properties.items())
-
-
-def concurrent_errors() -> tuple[type[BaseException], ...]:
-    """Delta's optimistic-concurrency conflicts (a concurrent commit won)."""
-    from delta.exceptions import base
-
-    return (base.DeltaConcurrentModificationException, base.ConcurrentWriteException,
-            base.MetadataChangedException, base.ProtocolChangedException, base.ConcurrentAppendException,
-            base.ConcurrentDeleteReadException, base.ConcurrentDeleteDeleteException,
-            base.ConcurrentTransactionException)
+    return rs_commit_once(path, app_id, version, user_metadata, lambda table, properties: write_deltalake(
+        table, data, mode="append", commit_properties=properties))
 
 
 def retry_on_conflict(action: Callable[[], T], what: str, errors: tuple[type[BaseException], ...] | None = None,
                       attempts: int = 10) -> T:
     """Run a Delta write, again if a concurrent writer's commit conflicted with it
-    (``errors``: delta-spark's :func:`concurrent_errors` unless given). Only for writes that
-    are idempotent (txnAppId/txnVersion, or MERGEs matching planned rows)."""
-    errors = errors or concurrent_errors()
+    (``errors``: delta-rs's :func:`rs_concurrent_errors` unless given). Only for writes that
+    are idempotent (a Delta transaction id, or MERGEs matching planned rows)."""
+    errors = errors or rs_concurrent_errors()
     for attempt in range(1, attempts + 1):
         try:
             return action()

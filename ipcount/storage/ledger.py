@@ -10,10 +10,10 @@ commits it as exactly the next version, which the log store creates only if abse
 hard link on a local file system, a conditional put on object storage). Any commit after
 that snapshot, by any runner in any process, makes it fail and plan again.
 
-One engine writes the ledger: delta-spark's local-file-system log store makes a commit
-put-if-absent only within one JVM, and the ledger's writers are many processes (the chain,
-backfills, the epoch server, spark-submit fallbacks). The dead-letter and late-record
-tables are written with delta-rs too; the counts table stays with Spark.
+One engine writes the ledger, delta-rs, as it writes every table of the pipeline
+(:mod:`ipcount.storage.delta`): delta-spark's log store makes a commit put-if-absent only
+within one JVM, and the ledger's writers are many processes (the chain, backfills, the
+epoch server, spark-submit fallbacks).
 """
 from __future__ import annotations
 

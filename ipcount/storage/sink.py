@@ -8,45 +8,47 @@ pipeline, because scheduled and backfill epochs commit concurrently and so not i
 order: one app id with rising versions would skip a lower epoch that commits after a
 higher one.
 
-The counts table is Spark's (a MERGE, with ``txnAppId``/``txnVersion`` set for it); the
-dead-letter and late-record tables are delta-rs's (:func:`ipcount.storage.delta.rs_append_once`
-checks for the transaction and commits as the next version of what it checked). One
-engine writes each table.
+delta-rs writes all three tables (:func:`ipcount.storage.delta.rs_commit_once` checks for
+the transaction and commits as the next version of what it checked): Spark computes the
+epoch's rows, which are few (counts per window and client, and the bad or late records),
+and hands them over as Arrow. So every commit is put-if-absent across processes, on a
+local file system and on object storage, with no log store of our own.
 """
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from pyspark.sql import functions as F
-from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.finality import ChainCommit, finalized_below
 from ipcount.rules.publish import CHANGE_DATA_FEED
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
 from ipcount.rules.records import TOO_LARGE, dead_letter_prefix_bytes
-from ipcount.storage.delta import (arrow_schema, ensure_table, latest_version, retry_on_conflict, rs_append_once,
-                                   rs_concurrent_errors, rs_create_table, sql_timestamp, version_with_metadata)
+from ipcount.storage.delta import (arrow_schema, query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
+                                   rs_create_table, sql_timestamp, version_with_metadata)
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
 
-COUNTS_SCHEMA = StructType([
-    StructField("window_start", TimestampType(), False),
-    StructField("window_end", TimestampType(), False),
-    StructField("ip", StringType(), False),
-    StructField("count", LongType(), False),
-    StructField("first_epoch", LongType(), False),
-    StructField("last_epoch", LongType(), False),
-    StructField("is_final", BooleanType(), True),
-])
-# The side tables, written with delta-rs (one engine per table): (name, Spark SQL type, nullable).
+# The tables' columns: (name, Spark SQL type, nullable).
 Columns = tuple[tuple[str, str, bool], ...]
-# Which record of which epoch a side-table row is: both tables start with these.
+COUNTS_COLUMNS: Columns = (
+    ("window_start", "timestamp", False),
+    ("window_end", "timestamp", False),
+    ("ip", "string", False),
+    ("count", "bigint", False),
+    ("first_epoch", "bigint", False),
+    ("last_epoch", "bigint", False),
+    ("is_final", "boolean", True),
+)
+# A counts MERGE's source: the epoch's counts, and (``touched`` false) rows it makes final.
+MERGE_SOURCE_COLUMNS: Columns = (*COUNTS_COLUMNS[:4], ("touched", "boolean", False))
+# Which record of which epoch a side-table row is: both side tables start with these.
 RECORD_COLUMNS: Columns = (
     ("epoch", "bigint", False),
     ("topic", "string", False),
@@ -71,37 +73,32 @@ LATE_COLUMNS: Columns = (
     ("watermark", "timestamp", False),
 )
 
-# Delta's session settings for idempotent DML (MERGE has no writer options).
-TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
-TXN_VERSION = "spark.databricks.delta.write.txnVersion"
-USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
-
 
 class Sink:
     def __init__(self, spark: SparkSession, cfg: PipelineConfig) -> None:
         self.spark, self.cfg = spark, cfg
 
-    def side_tables(self) -> tuple[tuple[str, Columns], ...]:
-        """(location, columns) of the dead-letter and late-record tables."""
-        return ((self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS), (self.cfg.late_path, LATE_COLUMNS))
+    def tables(self) -> tuple[tuple[str, Columns], ...]:
+        """(location, columns) of the counts, dead-letter and late-record tables."""
+        return ((self.cfg.counts_path, COUNTS_COLUMNS), (self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS),
+                (self.cfg.late_path, LATE_COLUMNS))
 
     def ensure(self) -> None:
-        # Publishing reads each counts version's changes from Delta's change data feed.
-        ensure_table(self.spark, self.cfg.counts_path, COUNTS_SCHEMA,
-                     {CHANGE_DATA_FEED: "true"} if self.cfg.publish else None)
-        for path, columns in self.side_tables():
-            rs_create_table(path, arrow_schema(columns))
+        for path, columns in self.tables():
+            # Publishing reads each counts version's changes from Delta's change data feed.
+            wanted = {CHANGE_DATA_FEED: "true"} if path == self.cfg.counts_path and self.cfg.publish else None
+            rs_create_table(path, arrow_schema(columns), wanted)
 
     def txn_app_id(self, epoch: int) -> str:
         return f"{self.cfg.pipeline_id}/epoch-{epoch}"
 
-    def write(self, plan: EpochPlan, classified: DataFrame, counts: DataFrame,
+    def write(self, plan: EpochPlan, classified: DataFrame, counts: pa.Table,
               malformed: int, late: int, counted: int, watermark_after_ms: int | None = None,
               chain: Sequence[ChainCommit] = ()) -> int | None:
         """Write the epoch's dead letters, late records and ``counts`` (its per-window counts,
-        :func:`ipcount.jobs.transform.window_counts`); return the counts table version that holds
-        this epoch (None if it counted nothing). ``chain``: the scheduled chain's counts
-        commits, newest first (:meth:`ipcount.storage.ledger.Ledger.chain_commits`).
+        :func:`ipcount.jobs.transform.window_counts`, as Arrow); return the counts table
+        version that holds this epoch (None if it counted nothing). ``chain``: the scheduled
+        chain's counts commits, newest first (:meth:`ipcount.storage.ledger.Ledger.chain_commits`).
 
         Each write is skipped if a previous attempt of the epoch committed it. A write with
         no rows is not attempted at all: a replay finds no rows either, so skipping it is
@@ -134,16 +131,11 @@ class Sink:
         return self._merge_counts(epoch, counts, plan.chain_watermark_ms, finalize_untouched=False)
 
     def _append(self, epoch: int, path: str, columns: Columns, rows: DataFrame) -> None:
-        """Append the epoch's rows (few: a share of its records) once, with delta-rs: a Spark
-        Delta append costs seconds of fixed work, this one Spark job to collect them."""
-        import pyarrow as pa
+        """Append the epoch's rows (few: a share of its records) once: one Spark job collects
+        them, delta-rs commits them."""
+        rs_append_once(path, _conform(rows.toArrow(), columns), self.txn_app_id(epoch), epoch, f"epoch={epoch}")
 
-        schema = arrow_schema(columns)
-        data = rows.toArrow()
-        data = pa.table([data.column(f.name).cast(f.type) for f in schema], schema=schema)
-        rs_append_once(path, data, self.txn_app_id(epoch), epoch, f"epoch={epoch}")
-
-    def _merge_counts(self, epoch: int, updates: DataFrame, watermark_ms: int | None, finalize_untouched: bool,
+    def _merge_counts(self, epoch: int, counts: pa.Table, watermark_ms: int | None, finalize_untouched: bool,
                       chain: Sequence[ChainCommit] = ()) -> int | None:
         """Add the epoch's counts and mark windows final, in one idempotent commit.
 
@@ -159,92 +151,71 @@ class Sink:
         least/greatest epoch of the rows an epoch counts into, so epochs that commit out of
         order leave the same row.
         """
-        from delta.tables import DeltaTable
+        import pyarrow as pa
+        import pyarrow.compute as pc
 
         path, lateness_ms = self.cfg.counts_path, self.cfg.allowed_lateness_ms
+        touched = _conform(counts.append_column("touched", pa.repeat(True, counts.num_rows)), MERGE_SOURCE_COLUMNS)
+        final_until = None if watermark_ms is None else sql_timestamp(watermark_ms - lateness_ms)
 
-        def final(col: str):
-            if watermark_ms is None:
-                return F.lit(False)
-            return F.unix_millis(F.col(col)) + lateness_ms <= F.lit(watermark_ms)
+        def final(col: str) -> str:  # end + lateness <= watermark
+            return "false" if final_until is None else f"({col} <= {final_until})"
 
-        def merge() -> None:
-            source, newly_final, full_pass = updates.withColumn("touched", F.lit(True)), None, False
+        def merge(table, properties) -> None:
+            source, full_pass = touched, False
             if watermark_ms is not None and finalize_untouched:
-                below = finalized_below(chain, latest_version(path))
+                below = finalized_below(chain, table.version())
                 full_pass = below is None
                 if below is not None and below < watermark_ms:
-                    newly_final = self._newly_final(updates, below, watermark_ms)
-                    source = source.unionByName(newly_final)
-            lo, hi = source.agg(F.min(F.unix_millis("window_start")), F.max(F.unix_millis("window_start"))).first()
-            if lo is None:
+                    source = pa.concat_tables([source, self._newly_final(table, touched, below, watermark_ms)])
+            if source.num_rows == 0:
                 return
-            log.info("epoch %d: merging counts into windows %s..%s%s", epoch, sql_timestamp(lo), sql_timestamp(hi),
+            bounds = pc.min_max(source["window_start"])
+            lo, hi = (sql_timestamp(b.value // 1000) for b in (bounds["min"], bounds["max"]))  # us -> ms
+            log.info("epoch %d: merging counts into windows %s..%s%s", epoch, lo, hi,
                      ", finalizing untouched rows in a full pass" if full_pass else "")
-            touched, was_final = F.col("s.touched"), F.coalesce(F.col("t.is_final"), F.lit(False))
-            builder = (DeltaTable.forPath(self.spark, path).alias("t")
-                       .merge(source.alias("s"), "t.window_start = s.window_start AND t.ip = s.ip AND "
-                              f"t.window_start BETWEEN {sql_timestamp(lo)} AND {sql_timestamp(hi)}")
-                       .whenMatchedUpdate(set={
-                           "count": F.col("t.count") + F.col("s.count"),
-                           "first_epoch": F.when(touched, F.least("t.first_epoch", F.lit(epoch).cast("long")))
-                                           .otherwise(F.col("t.first_epoch")),
-                           "last_epoch": F.when(touched, F.greatest("t.last_epoch", F.lit(epoch).cast("long")))
-                                          .otherwise(F.col("t.last_epoch")),
-                           "is_final": was_final | final("t.window_end")})
-                       .whenNotMatchedInsert(condition=touched, values={
-                           "window_start": "s.window_start", "window_end": "s.window_end", "ip": "s.ip",
-                           "count": "s.count", "first_epoch": F.lit(epoch).cast("long"),
-                           "last_epoch": F.lit(epoch).cast("long"), "is_final": final("s.window_end")}))
+            merger = (table.merge(source, "t.window_start = s.window_start AND t.ip = s.ip AND "
+                                  f"t.window_start BETWEEN {lo} AND {hi}", source_alias="s", target_alias="t",
+                                  streamed_exec=False, commit_properties=properties)
+                      .when_matched_update({
+                          "count": "t.count + s.count",
+                          "first_epoch": f"CASE WHEN s.touched AND t.first_epoch > {epoch} THEN {epoch} "
+                                         "ELSE t.first_epoch END",
+                          "last_epoch": f"CASE WHEN s.touched AND t.last_epoch < {epoch} THEN {epoch} "
+                                        "ELSE t.last_epoch END",
+                          "is_final": f"coalesce(t.is_final, false) OR {final('t.window_end')}"})
+                      .when_not_matched_insert({
+                          "window_start": "s.window_start", "window_end": "s.window_end", "ip": "s.ip",
+                          "count": "s.count", "first_epoch": str(epoch), "last_epoch": str(epoch),
+                          "is_final": final("s.window_end")}, predicate="s.touched"))
             if full_pass:
-                builder = builder.whenNotMatchedBySourceUpdate(condition=~was_final & final("t.window_end"),
-                                                               set={"is_final": F.lit(True)})
-            try:
-                with self._idempotent_dml(epoch):
-                    builder.execute()
-            finally:
-                if newly_final is not None:
-                    newly_final.unpersist()
-        retry_on_conflict(merge, f"merging epoch {epoch} into {path}")
+                merger = merger.when_not_matched_by_source_update(
+                    {"is_final": "true"}, predicate=f"NOT coalesce(t.is_final, false) AND {final('t.window_end')}")
+            merger.execute()
+        rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge)
         return self.version_of_epoch(path, epoch)
 
-    def _newly_final(self, updates: DataFrame, below_ms: int, watermark_ms: int) -> DataFrame:
-        """The counts table's rows not yet final that the watermark's move from ``below_ms``
-        to ``watermark_ms`` makes final and ``updates`` does not touch, as source rows that
-        add nothing (``touched`` false). Materialized, so the MERGE sees the rows read here."""
-        lateness_ms = self.cfg.allowed_lateness_ms
-        rows = (self.spark.read.format("delta").load(self.cfg.counts_path)
-                .where(f"window_end > {sql_timestamp(below_ms - lateness_ms)} AND "
-                       f"window_end <= {sql_timestamp(watermark_ms - lateness_ms)} AND NOT coalesce(is_final, false)")
-                .select("window_start", "window_end", "ip", F.lit(0).cast("long").alias("count"))
-                .join(updates.select("window_start", "ip"), ["window_start", "ip"], "left_anti")
-                .withColumn("touched", F.lit(False))
-                .persist())
-        rows.count()
-        return rows
+    def _newly_final(self, table, touched: pa.Table, below_ms: int, watermark_ms: int) -> pa.Table:
+        """The rows of ``table`` (the counts snapshot merged into) not yet final that the
+        watermark's move from ``below_ms`` to ``watermark_ms`` makes final and ``touched``
+        (the epoch's counts) does not hold, as source rows that add nothing."""
+        import pyarrow as pa
 
-    @contextmanager
-    def _idempotent_dml(self, epoch: int) -> Iterator[None]:
-        conf = self.spark.conf
-        conf.set(TXN_APP_ID, self.txn_app_id(epoch))
-        conf.set(TXN_VERSION, str(epoch))
-        conf.set(USER_METADATA, f"epoch={epoch}")
-        try:
-            yield
-        finally:
-            for key in (TXN_APP_ID, TXN_VERSION, USER_METADATA):
-                conf.unset(key)
+        lateness_ms = self.cfg.allowed_lateness_ms
+        rows = query_arrow(table, "SELECT window_start, window_end, ip FROM t "
+                                  f"WHERE window_end > {sql_timestamp(below_ms - lateness_ms)} AND "
+                                  f"window_end <= {sql_timestamp(watermark_ms - lateness_ms)} AND "
+                                  "NOT coalesce(is_final, false)")
+        rows = _conform(rows, MERGE_SOURCE_COLUMNS[:3])
+        rows = rows.join(touched.select(["window_start", "ip"]), ["window_start", "ip"], join_type="left anti")
+        return _conform(rows.append_column("count", pa.repeat(pa.scalar(0, pa.int64()), rows.num_rows))
+                            .append_column("touched", pa.repeat(False, rows.num_rows)), MERGE_SOURCE_COLUMNS)
 
     def fence(self, epoch: int) -> None:
         """Make sure no write of ``epoch`` lands from now on: an empty commit with its
         transaction id in each table (skipped where its write is in already), after which
-        Delta skips any write with that id - a runner still busy with the epoch included."""
-        path = self.cfg.counts_path
-        retry_on_conflict(lambda: (
-            self.spark.createDataFrame([], COUNTS_SCHEMA).write.format("delta").mode("append")
-            .option("txnAppId", self.txn_app_id(epoch)).option("txnVersion", epoch)
-            .option("userMetadata", f"fenced epoch={epoch}").save(path)), f"fencing epoch {epoch} in {path}")
-        for path, columns in self.side_tables():
+        any write with that id is skipped - a runner still busy with the epoch included."""
+        for path, columns in self.tables():
             rs_append_once(path, arrow_schema(columns).empty_table(), self.txn_app_id(epoch), epoch,
                            f"fenced epoch={epoch}")
 
@@ -253,11 +224,20 @@ class Sink:
         carry the epoch): for an epoch given up before its counts were written."""
         from deltalake import DeltaTable
 
-        for path, _ in self.side_tables():
+        for path in (self.cfg.dead_letter_path, self.cfg.late_path):
             retry_on_conflict(lambda path=path: DeltaTable(path).delete(f"epoch = {int(epoch)}"),
-                              f"removing epoch {epoch} from {path}", rs_concurrent_errors())
+                              f"removing epoch {epoch} from {path}")
 
     def version_of_epoch(self, path: str, epoch: int, search: int = 50) -> int | None:
         """The table version whose commit wrote ``epoch`` (None if the epoch wrote nothing,
         e.g. a MERGE with no source rows)."""
         return version_with_metadata(path, f"epoch={epoch}", search)
+
+
+def _conform(rows: pa.Table, columns: Columns) -> pa.Table:
+    """``rows`` with exactly the Arrow types (and order) of ``columns``: Spark's and
+    DataFusion's answers differ from the tables' in details (nullability, time zones)."""
+    import pyarrow as pa
+
+    schema = arrow_schema(columns)
+    return pa.table([rows.column(f.name).cast(f.type) for f in schema], schema=schema)

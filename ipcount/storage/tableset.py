@@ -1,5 +1,5 @@
-"""The table set's manifest on Delta: read with delta-rs, written once (the counts table's
-with Spark, the ledger's with delta-rs: each table with the engine that writes it).
+"""The table set's manifest on Delta: read and written once with delta-rs, the engine that
+writes the tables.
 
 See :mod:`ipcount.rules.tableset` for what the manifest is and why.
 """
@@ -7,27 +7,24 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from ipcount.rules import tableset
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import TableSetMismatch
-from ipcount.storage.delta import (concurrent_errors, has_table, rs_concurrent_errors, set_table_properties,
-                                   table_metadata)
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+from ipcount.storage.delta import has_table, rs_concurrent_errors, table_metadata
 
 log = logging.getLogger(__name__)
 
 
-def claim(spark: SparkSession, cfg: PipelineConfig, attempts: int = 10) -> None:
+def claim(cfg: PipelineConfig, attempts: int = 10) -> None:
     """Record ``cfg``'s manifest on a new table set, or check it against the recorded one.
 
     Both tables must exist. A table without a manifest (new, or made by a version without
     manifests) gets it; if a concurrent run recorded another first, the ALTER conflicts,
     and the loop reads again and checks against the winner's.
     """
+    from deltalake import DeltaTable
+
     for attempt in range(1, attempts + 1):
         (ledger_id, ledger_props), (counts_id, counts_props) = (table_metadata(cfg.ledger_path),
                                                                 table_metadata(cfg.counts_path))
@@ -46,13 +43,8 @@ def claim(spark: SparkSession, cfg: PipelineConfig, attempts: int = 10) -> None:
             for path in bare:
                 log.info("recording the table set's manifest on %s: %s", path,
                          ", ".join(f"{k[len(tableset.PREFIX):]}={v}" for k, v in sorted(wanted.items())))
-                if path == cfg.ledger_path:
-                    from deltalake import DeltaTable
-
-                    DeltaTable(path).alter.set_table_properties(wanted, raise_if_not_exists=False)
-                else:
-                    set_table_properties(spark, path, wanted)
-        except (*concurrent_errors(), *rs_concurrent_errors()) as e:
+                DeltaTable(path).alter.set_table_properties(wanted, raise_if_not_exists=False)
+        except rs_concurrent_errors() as e:
             log.info("manifest of %s: concurrent change (%s); reading it again (%d/%d)", cfg.counts_path,
                      type(e).__name__, attempt, attempts)
             time.sleep(0.2 * attempt)

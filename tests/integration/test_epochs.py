@@ -103,7 +103,7 @@ def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
     before = snapshot(cfg)
     for s in (first, second):
         classified = _read_and_classify(spark, cfg, s.plan)
-        counts_update = window_counts(classified, cfg.window_ms)
+        counts_update = window_counts(classified, cfg.window_ms).toArrow()
         assert Sink(spark, cfg).write(s.plan, classified, counts_update,
                                       malformed=s.records_malformed, late=s.records_late,
                                       counted=s.records_counted, watermark_after_ms=s.watermark_ms) == s.sink_version
@@ -168,22 +168,29 @@ def test_kafka_consumer_groups_describe_shows_ledger_positions_and_true_lag(cfg,
     assert f"lag {150 - 60} |" in last.line()
 
 
-def test_a_ledger_from_an_older_schema_and_from_spark_gains_the_new_columns(cfg, spark):
-    """Ledgers of earlier versions were created and written by delta-spark: delta-rs takes
+def test_tables_from_an_older_schema_and_from_spark_gain_the_new_columns(cfg, spark):
+    """Tables of earlier versions were created and written by delta-spark: delta-rs takes
     them over, adding the columns they lack."""
+    from delta.tables import DeltaTable
+    from pyspark.sql.types import StructType
+
     from ipcount.rules.ledger import COLUMNS
-    from ipcount.storage.delta import ensure_table, spark_schema
     from ipcount.storage.ledger import ledger_schema
 
     added = ("lag_after", "stage_seconds", "kind", "request_id", "chain_watermark_ms")  # since the first release
-    ensure_table(spark, cfg.ledger_path, spark_schema([c for c in COLUMNS if c[0] not in added]),
-                 {"delta.autoOptimize.autoCompact": "true"})
-    produce_dataset(cfg, n=30)
+    old_ledger = ", ".join(f"`{name}` {kind}" for name, kind, _ in COLUMNS if name not in added)
+    (DeltaTable.createIfNotExists(spark).location(cfg.ledger_path).addColumns(StructType.fromDDL(old_ledger))
+     .property("delta.autoOptimize.autoCompact", "true").execute())
+    (DeltaTable.createIfNotExists(spark).location(cfg.counts_path).addColumns(StructType.fromDDL(
+        "window_start timestamp, window_end timestamp, ip string, count bigint, first_epoch bigint, "
+        "last_epoch bigint, is_final boolean")).execute())
+    first = produce_dataset(cfg, n=30)
     assert epoch_mod.run_epoch(cfg, spark).records_read == 30
     assert spark.read.format("delta").load(cfg.ledger_path).schema.fieldNames() == ledger_schema().names
-    produce_dataset(cfg, n=20)
+    second = produce_dataset(cfg, n=20, seed=2)
     assert epoch_mod.run_epoch(cfg, spark).records_read == 20
     assert [r["status"] for r in ledger_rows(cfg)].count("committed") >= 2
+    assert counts(cfg) == expected_tables(first + second, epoch_ranges(cfg)).counts
 
 
 def test_one_record_from_a_bad_clock_does_not_stop_the_counting(cfg, spark):
