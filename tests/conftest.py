@@ -67,6 +67,26 @@ def cfg(broker, tmp_path) -> PipelineConfig:
     return config
 
 
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory):
+    """The run's S3-compatible server (s3proxy), with a bucket for the tests' warehouses."""
+    from ipcount.devtools.embedded_s3 import EmbeddedS3
+
+    store = EmbeddedS3(state_dir=tmp_path_factory.mktemp("s3"), port=free_port())
+    store.start()
+    yield store
+    store.stop()
+
+
+@pytest.fixture
+def s3_cfg(cfg, object_store, monkeypatch) -> PipelineConfig:
+    """``cfg`` with its tables on the object store (a warehouse of its own in the bucket),
+    and the AWS variables that point delta-rs there set for the test (and its children)."""
+    for name, value in object_store.environment().items():
+        monkeypatch.setenv(name, value)
+    return cfg.replace(warehouse=object_store.uri(cfg.topic, "warehouse"))
+
+
 class ServedPipelines:
     """The run's epoch server: its URL, the directory of the pipelines it serves, its token file."""
 

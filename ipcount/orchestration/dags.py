@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.rules.config import (DATA_LOSS_POLICIES, REPO_ROOT, RESET_POLICIES, SETTINGS_HELP, START_POSITIONS,
-                                  PipelineConfig, flag, negated_flag)
+                                  PipelineConfig, flag, location_scheme, negated_flag)
 from ipcount.rules.errors import BadRequestError, ConfigError
 from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, request_from_fields
 from ipcount.rules.tableset import MEANING
@@ -44,7 +44,8 @@ def counts_asset(cfg: PipelineConfig):
     """The Asset both DAGs update when they commit counts into the main table."""
     from airflow.sdk import Asset
 
-    return Asset(name=f"{cfg.pipeline_id}_counts", uri=f"file://{cfg.counts_path}")
+    path = cfg.counts_path
+    return Asset(name=f"{cfg.pipeline_id}_counts", uri=path if location_scheme(path) else f"file://{path}")
 
 
 def dag_params(cfg: PipelineConfig) -> dict[str, Any]:

@@ -35,7 +35,8 @@ SETTINGS_HELP = {
     "pipeline_id": "name of the pipeline; the Delta txnAppId prefix of its writes",
     "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
     "topic": "source topic",
-    "warehouse": "directory holding the Delta tables (counts, ledger, dead_letters, late_records)",
+    "warehouse": "directory or object-storage URI (s3://bucket/prefix) holding the Delta tables (counts, "
+                 "ledger, dead_letters, late_records)",
     "counts_table": "location of the counts table (default <warehouse>/counts)",
     "ledger_table": "location of the offset ledger (default <warehouse>/ledger)",
     "dead_letter_table": "location of the dead-letter table (default <warehouse>/dead_letters)",
@@ -192,7 +193,12 @@ class PipelineConfig:
             raise ConfigError(f"epoch_server must be a URL such as http://127.0.0.1:8765 (or empty for "
                               f"spark-submit); found {self.epoch_server!r}")
         if not self.warehouse:
-            raise ConfigError("warehouse is empty; expected a directory for the Delta tables")
+            raise ConfigError("warehouse is empty; expected a directory or an s3:// URI for the Delta tables")
+        for name in ("warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table"):
+            scheme = location_scheme(getattr(self, name))
+            if scheme not in ("", *OBJECT_STORAGE_SCHEMES):
+                raise ConfigError(f"{name} {getattr(self, name)!r}: tables live in a directory or under "
+                                  f"{', '.join(s + '://' for s in OBJECT_STORAGE_SCHEMES)}; not {scheme}://")
         self._check_kafka_security()
 
     @property
@@ -325,7 +331,7 @@ class PipelineConfig:
 
     # Table locations: an explicit setting wins, else <warehouse>/<table>.
     def _table(self, explicit: str, name: str) -> str:
-        return explicit or str(Path(self.warehouse) / name)
+        return explicit or join_location(self.warehouse, name)
 
     @property
     def epoch_server_token_path(self) -> Path:
@@ -353,9 +359,10 @@ class PipelineConfig:
         ``<warehouse>/replays/<target>/``."""
         if check_target(target) == MAIN_TARGET:
             return self
-        base = Path(self.warehouse) / "replays" / target
-        return self.replace(counts_table=str(base / "counts"), ledger_table=str(base / "ledger"),
-                            dead_letter_table=str(base / "dead_letters"), late_table=str(base / "late_records"))
+        base = join_location(self.warehouse, "replays", target)
+        return self.replace(**{setting: join_location(base, name) for setting, name in (
+            ("counts_table", "counts"), ("ledger_table", "ledger"), ("dead_letter_table", "dead_letters"),
+            ("late_table", "late_records"))})
 
     @property
     def window_ms(self) -> int:
@@ -368,6 +375,24 @@ class PipelineConfig:
     @property
     def max_event_time_ahead_ms(self) -> int:
         return self.max_event_time_ahead_seconds * 1000
+
+
+# Where delta-rs can keep tables besides a local directory (its credentials and endpoint
+# come from the standard AWS_* environment variables).
+OBJECT_STORAGE_SCHEMES = ("s3", "s3a")
+
+
+def location_scheme(location: str) -> str:
+    """``s3`` of ``s3://bucket/x``; "" for a local path."""
+    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", location)
+    return m.group(1).lower() if m else ""
+
+
+def join_location(base: str, *parts: str) -> str:
+    """``base``/``parts``, for a directory or a URI alike (a URI's ``//`` is kept)."""
+    if location_scheme(base):
+        return "/".join([base.rstrip("/"), *parts])
+    return str(Path(base).joinpath(*parts))
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 import traceback
@@ -204,9 +205,8 @@ def warm_up(cfg: PipelineConfig, spark: SparkSession) -> float:
     from ipcount.jobs.epoch import run_epoch
 
     started = time.monotonic()
-    # Under the warehouse, not /tmp: on a cluster the executors write the scratch tables, and
-    # the warehouse is the storage they share with the driver.
-    scratch = Path(cfg.warehouse) / "_epoch_server_warm_up" / uuid.uuid4().hex
+    # A local directory whatever the warehouse: only the driver writes tables (delta-rs).
+    scratch = Path(tempfile.gettempdir()) / "ipcount_epoch_server_warm_up" / uuid.uuid4().hex
     try:
         # Reads at most 60 of the earliest offsets into tables nobody else uses.
         scratch_cfg = cfg.replace(warehouse=str(scratch), counts_table="", ledger_table="", dead_letter_table="",

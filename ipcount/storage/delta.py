@@ -19,6 +19,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
 
+from ipcount.rules.config import location_scheme
+
 if TYPE_CHECKING:
     import pyarrow as pa
     from deltalake import CommitProperties, DeltaTable
@@ -30,8 +32,13 @@ _OPERATORS = ("=", "!=", "<", "<=", ">", ">=")
 
 
 def has_table(path: str | Path) -> bool:
-    """Whether a Delta table (its log) is at ``path``: a look at the directory, no read
-    (a missing table is not an empty one)."""
+    """Whether a Delta table (its log) is at ``path`` (a missing table is not an empty one):
+    a look at the directory, or on object storage at the log's listing (an unreachable
+    store or a refused login raises)."""
+    if location_scheme(str(path)):
+        from deltalake import DeltaTable
+
+        return DeltaTable.is_deltatable(str(path))
     return (Path(path) / "_delta_log").is_dir()
 
 

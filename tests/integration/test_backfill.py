@@ -161,8 +161,11 @@ def test_backfill_by_time_into_a_replay_table(cfg, spark):
     assert verify(cfg, "audit").ok
 
 
-def test_concurrent_backfill_and_scheduled_epochs_never_double_count(cfg, spark, tmp_path):
-    """A backfill process and the scheduled chain race over the same offsets."""
+@pytest.mark.parametrize("storage", ["local", "object_store"])
+def test_concurrent_backfill_and_scheduled_epochs_never_double_count(storage, request, spark, tmp_path):
+    """A backfill process and the scheduled chain race over the same offsets, with the
+    tables in a local directory and on S3 (s3proxy)."""
+    cfg = request.getfixturevalue("cfg" if storage == "local" else "s3_cfg")
     cfg = cfg.replace(max_records_per_epoch=150)
     produced = produce_dataset(cfg, 1050, seed=41)
     spec = ",".join(f"{p}:0-{u}" for p, u in sorted(ends_of(produced).items()))

@@ -25,7 +25,11 @@ def append(path: str, epoch: int, start, results) -> None:
 
 
 def test_four_processes_appending_one_epoch_at_once_land_it_once(tmp_path):
-    path = str(tmp_path / "late_records")
+    race_appends(str(tmp_path / "late_records"))
+
+
+def race_appends(path: str) -> None:
+    """Four processes append epoch 7 to a new table at ``path`` at once: it lands once."""
     rs_create_table(path, SCHEMA)
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(4), ctx.Queue()

@@ -34,6 +34,13 @@ def test_table_paths_follow_the_warehouse_unless_set():
     assert cfg.replace(warehouse="/v").counts_path == "/v/counts"
 
 
+def test_tables_on_object_storage_keep_their_uri():
+    cfg = PipelineConfig(warehouse="s3://bucket/prefix/")
+    assert (cfg.counts_path, cfg.late_path) == ("s3://bucket/prefix/counts", "s3://bucket/prefix/late_records")
+    assert cfg.for_target("r1").ledger_path == "s3://bucket/prefix/replays/r1/ledger"
+    assert PipelineConfig(warehouse="/w").for_target("r1").ledger_path == "/w/replays/r1/ledger"
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"window_seconds": 0}, "window_seconds must be an integer >= 1; found 0"),
     ({"start_position": "middle"}, "start_position must be one of earliest, latest, timestamp, group-offsets, specific; found 'middle'"),
@@ -43,6 +50,8 @@ def test_table_paths_follow_the_warehouse_unless_set():
     ({"max_records_per_epoch": "lots"}, "max_records_per_epoch must be an integer; found 'lots'"),
     ({"commit_offsets": "perhaps"}, "commit_offsets must be true or false; found 'perhaps'"),
     ({"windw_seconds": 3}, "unknown setting(s) windw_seconds"),
+    ({"warehouse": "gs://bucket/w"}, "warehouse 'gs://bucket/w': tables live in a directory or under s3://, s3a://"),
+    ({"counts_table": "hdfs://nn/counts"}, "counts_table 'hdfs://nn/counts'"),
 ])
 def test_bad_settings_are_named_with_the_value_found(changes, message):
     with pytest.raises(ConfigError) as e:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ipcount.orchestration.kafka_connection import resolved
-from ipcount.rules.config import PipelineConfig
+from ipcount.rules.config import PipelineConfig, location_scheme
 from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage import broker
@@ -114,6 +114,8 @@ def _window_filter(start: datetime, until: datetime) -> str:
 
 def replay_targets(cfg: PipelineConfig) -> list[str]:
     """``main`` and the replay table sets that exist under the warehouse."""
+    if location_scheme(cfg.warehouse):
+        return [MAIN_TARGET]  # not listed on object storage: `verify --target NAME` reads one
     root = Path(cfg.warehouse) / "replays"
     names = sorted(p.name for p in root.iterdir() if has_table(p / "ledger")) if root.is_dir() else []
     return [MAIN_TARGET, *names]

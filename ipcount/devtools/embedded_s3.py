@@ -1,0 +1,153 @@
+"""A real S3-compatible server on 127.0.0.1: s3proxy (Maven Central, through bin/setup) with
+its filesystem backend, which keeps each bucket as a directory under ``<state_dir>/data``
+and honours ``If-None-Match: *`` atomically - the conditional put every delta-rs commit
+rests on. For the object-storage tests, and for trying tables on S3 without a cloud.
+
+Clients find it through the standard AWS variables (:meth:`EmbeddedS3.environment`), which
+delta-rs reads like every AWS tool.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from ipcount.devtools.embedded_kafka import proc_stat
+from ipcount.rules.config import STATE_DIR
+from ipcount.rules.private_files import read_private_file, write_private_file
+
+log = logging.getLogger(__name__)
+S3PROXY_JARS_DIR = STATE_DIR / "jars" / "s3proxy"
+
+
+class ObjectStoreStartError(RuntimeError):
+    """The S3-compatible server did not start (the message says why, with its log's tail)."""
+
+
+@dataclass(frozen=True)
+class EmbeddedS3:
+    state_dir: Path = STATE_DIR / "s3"
+    port: int = 9000
+    bucket: str = "ipcount"
+    access_key_id: str = "ipcount"
+    # False: requests are not signed-checked (a test's proxy that rewrites headers needs it).
+    authorization: bool = True
+    heap: str = "256m"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state_dir / "s3proxy.log"
+
+    @property
+    def _pid_file(self) -> Path:
+        return self.state_dir / "s3proxy.pid"
+
+    def uri(self, *parts: str) -> str:
+        """``s3://<bucket>/<parts...>``."""
+        return "/".join([f"s3://{self.bucket}", *parts])
+
+    def secret_access_key(self) -> str:
+        """The server's secret, made once and kept in a private file of the state directory."""
+        path = self.state_dir / "secret"
+        if not path.exists():
+            write_private_file(path, secrets.token_urlsafe(24) + "\n")
+        return read_private_file(path, "the embedded s3 secret")
+
+    def environment(self) -> dict[str, str]:
+        """The AWS variables that point delta-rs (and any AWS client) at this server."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.access_key_id,
+                "AWS_SECRET_ACCESS_KEY": self.secret_access_key(), "AWS_REGION": "us-east-1",
+                "AWS_ALLOW_HTTP": "true"}
+
+    def _jar(self) -> Path:
+        jars = sorted(S3PROXY_JARS_DIR.glob("s3proxy-*-jar-with-dependencies.jar"))
+        if not jars:
+            raise ObjectStoreStartError(f"no s3proxy jar in {S3PROXY_JARS_DIR}; run bin/setup first")
+        return jars[-1]
+
+    def _write_config(self) -> Path:
+        data = self.state_dir / "data"
+        (data / self.bucket).mkdir(parents=True, exist_ok=True)  # a bucket is a directory here
+        lines = [f"s3proxy.endpoint={self.endpoint}", "jclouds.provider=filesystem",
+                 f"jclouds.filesystem.basedir={data}"]
+        if self.authorization:
+            lines += ["s3proxy.authorization=aws-v2-or-v4", f"s3proxy.identity={self.access_key_id}",
+                      f"s3proxy.credential={self.secret_access_key()}"]
+        else:
+            lines += ["s3proxy.authorization=none"]
+        return write_private_file(self.state_dir / "s3proxy.conf", "\n".join(lines) + "\n")
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self._pid_file.read_text())
+        except (OSError, ValueError):
+            return None
+        stat = proc_stat(pid)
+        return pid if stat is not None and stat[0] != "Z" else None
+
+    def is_serving(self) -> bool:
+        """Whether it answers HTTP (an unsigned request is refused: that is an answer too)."""
+        try:
+            urllib.request.urlopen(self.endpoint + "/", timeout=2).close()
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            return False
+        return True
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the server and wait until it answers."""
+        if self.pid() is not None and self.is_serving():
+            log.info("s3proxy already serving at %s", self.endpoint)
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        config = self._write_config()
+        log.info("starting s3proxy at %s (bucket %s, objects in %s)", self.endpoint, self.bucket,
+                 self.state_dir / "data")
+        with open(self.log_file, "ab") as out:
+            proc = subprocess.Popen(["java", f"-Xmx{self.heap}", "-XX:TieredStopAtLevel=1", "-jar", str(self._jar()),
+                                     "--properties", str(config)], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self._pid_file.write_text(str(proc.pid))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ObjectStoreStartError(f"s3proxy exited with {proc.returncode} at start; "
+                                            f"{self.log_file}:\n{self._log_tail()}")
+            if self.is_serving():
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise ObjectStoreStartError(f"s3proxy did not answer at {self.endpoint} within {timeout:.0f} s; "
+                                    f"{self.log_file}:\n{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-15:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 15.0) -> None:
+        pid = self.pid()
+        if pid is None:
+            return
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while self.pid() is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.pid() is not None:
+            os.killpg(pid, signal.SIGKILL)

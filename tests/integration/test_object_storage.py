@@ -1,0 +1,178 @@
+"""Tables on object storage: s3proxy, a real S3-compatible server, started by the project's
+own module. Epochs and a crash count exactly there; racing commits from separate processes
+land once; and against a store that ignores conditional writes the same race loses
+commits - the guard every commit rests on, shown to matter."""
+from __future__ import annotations
+
+import http.client
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.jobs import idle
+from ipcount.jobs.verify import verify
+from ipcount.orchestration.monitor.data import PipelineTables
+from ipcount.storage.delta import DeltaReader
+from tests.conftest import free_port, run_until_idle
+from tests.ground_truth import expected_tables
+from tests.tables import counts, dead_letters, epoch_ranges, finality, late_records, ledger
+
+BASE_MS = 1_795_255_200_000
+ROUNDS = 20
+
+
+def test_epochs_and_a_crash_on_object_storage_count_exactly(s3_cfg, spark, object_store):
+    cfg = s3_cfg.replace(max_records_per_epoch=400)
+    gen = TrafficGenerator(seed=71, events_per_second=50, late_share=0.04, malformed_share=0.03)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(1000, BASE_MS), partition_of=lambda i, r: i % 3)
+    # The first epoch is killed after its sink commits, before its ledger commit.
+    proc = subprocess.run([sys.executable, "-m", "ipcount.cli", "epoch", *cfg.to_args()],
+                          env={**os.environ, "IPCOUNT_CRASH_AT": "after_sink"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert {r["status"] for r in ledger(cfg)} == {"planned"}
+
+    summaries = run_until_idle(cfg, spark)
+    assert summaries[0].resumed and summaries[0].epoch == 1
+    ranges = epoch_ranges(cfg)
+    assert len(ranges) >= 3
+    expected = expected_tables(produced, ranges)
+    assert counts(cfg) == expected.counts
+    assert dead_letters(cfg) == expected.dead and expected.dead
+    assert late_records(cfg) == expected.late and expected.late
+    assert finality(cfg) == {key: key[0] + 10_000 <= expected.watermark_ms for key in expected.counts}
+    # what reads the tables reads them there: verify, the idle check, the monitor's queries
+    assert verify(cfg).ok
+    verdict = idle.check(cfg)
+    assert not verdict.run and verdict.why.startswith("nothing new"), verdict
+    tables = PipelineTables(cfg, DeltaReader())
+    assert [e.epoch for e in tables.epoch_index()] == list(range(len(ranges), 0, -1))
+    assert tables.latest_window_end().timestamp() * 1000 == max(w for w, _ in expected.counts) + 5_000
+    # the tables are objects in the store's bucket, not files under a local warehouse
+    stored = object_store.state_dir / "data" / object_store.bucket / cfg.topic / "warehouse"
+    assert {p.name for p in stored.iterdir()} == {"counts", "ledger", "dead_letters", "late_records"}
+
+
+# -- racing commits ------------------------------------------------------------------------
+
+def commit_from_snapshots(path: str, racer: int, rounds: int, loaded, done, results) -> None:
+    """Each round: load the table, wait for the other racer, append as the snapshot's next
+    version with no retry (the step every commit of the pipeline takes), report."""
+    import pyarrow as pa
+    from deltalake import CommitProperties, DeltaTable, write_deltalake
+    from deltalake.exceptions import CommitFailedError
+
+    for r in range(rounds):
+        table = DeltaTable(path)
+        loaded.wait()
+        try:
+            write_deltalake(table, pa.table({"racer": [racer]}), mode="append",
+                            commit_properties=CommitProperties(max_commit_retries=0))
+            results.put((r, True))
+        except CommitFailedError:
+            results.put((r, False))
+        done.wait()
+
+
+def race(path: str, rounds: int) -> tuple[int, int, int]:
+    """Two processes commit from the same snapshot, ``rounds`` times: (rounds with exactly
+    one winner, commits reported made, rows in the table)."""
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    from ipcount.storage.delta import read_rows
+
+    DeltaTable.create(path, schema=pa.schema([("racer", pa.int64())]))
+    ctx = multiprocessing.get_context("spawn")
+    loaded, done, results = ctx.Barrier(2), ctx.Barrier(2), ctx.Queue()
+    racers = [ctx.Process(target=commit_from_snapshots, args=(path, i, rounds, loaded, done, results)) for i in (0, 1)]
+    for p in racers:
+        p.start()
+    won = [results.get(timeout=120) for _ in range(2 * rounds)]
+    for p in racers:
+        p.join(60)
+    assert [p.exitcode for p in racers] == [0, 0]
+    winners = Counter(r for r, ok in won if ok)
+    return sum(winners[r] == 1 for r in range(rounds)), sum(winners.values()), len(read_rows(path))
+
+
+class IgnoresConditionalWrites(BaseHTTPRequestHandler):
+    """Passes requests on to ``upstream`` without their If-None-Match / If-Match headers: an
+    S3-compatible store that does not support conditional writes, or a log store that does
+    not ask for them (delta-spark's S3SingleDriverLogStore between two JVMs)."""
+    protocol_version = "HTTP/1.1"
+    upstream = 0
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def forward(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in ("host", "connection", "if-none-match", "if-match")}
+        upstream = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=60)
+        upstream.request(self.command, self.path, body=body, headers=headers)
+        answer = upstream.getresponse()
+        data = answer.read()
+        self.send_response(answer.status)
+        for k, v in answer.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        upstream.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+
+def serve_ignoring_conditions(port: int, upstream: int) -> None:
+    IgnoresConditionalWrites.upstream = upstream
+    ThreadingHTTPServer(("127.0.0.1", port), IgnoresConditionalWrites).serve_forever()
+
+
+def test_racing_commits_land_once_and_a_store_without_conditional_writes_loses_them(object_store, monkeypatch,
+                                                                                       tmp_path):
+    from ipcount.devtools.embedded_s3 import EmbeddedS3
+
+    for name, value in object_store.environment().items():
+        monkeypatch.setenv(name, value)
+    one_winner, reported, rows = race(object_store.uri("races", "safe"), rounds=ROUNDS)
+    assert (one_winner, reported, rows) == (ROUNDS, ROUNDS, ROUNDS)
+
+    # The same race against a store that drops the conditions. (Signatures cover the
+    # condition headers, so this store checks none: the proxy could not forward them otherwise.)
+    unsigned = EmbeddedS3(state_dir=tmp_path / "unsigned", port=free_port(), authorization=False)
+    unsigned.start()
+    # In a process of its own: delta-rs calls hold this one's interpreter while they wait.
+    port = free_port()
+    proxy = multiprocessing.get_context("spawn").Process(target=serve_ignoring_conditions, args=(port, unsigned.port),
+                                                        daemon=True)
+    proxy.start()
+    try:
+        direct = race(unsigned.uri("races", "direct"), rounds=ROUNDS)
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()  # the proxy is up
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        one_winner, reported, rows = race(unsigned.uri("races", "naive"), rounds=ROUNDS)
+    finally:
+        proxy.kill()
+        unsigned.stop()
+    assert direct == (ROUNDS, ROUNDS, ROUNDS)                 # the unsigned store itself keeps the guard
+    assert reported > rows                     # naive: commits reported made and then lost
+    assert one_winner < ROUNDS
+    print(f"naive store: {reported} commits reported, {rows} in the table")
+
+
+def test_four_processes_appending_one_epoch_on_object_storage_land_it_once(object_store, monkeypatch):
+    from tests.integration.test_side_table_appends import race_appends
+
+    for name, value in object_store.environment().items():
+        monkeypatch.setenv(name, value)
+    race_appends(object_store.uri("races", "appends"))
