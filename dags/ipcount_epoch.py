@@ -32,12 +32,12 @@ import logging
 import pendulum
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
-from airflow.timetables.interval import CronDataIntervalTimetable
 
 from ipcount.jobs import idle
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params, dagrun_timeout,
-                                        epoch_summary, run_config, spark_submit_kwargs, task_defaults)
+                                        epoch_summary, epoch_timetable, run_config, spark_submit_kwargs,
+                                        task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.operators import EpochSubmitOperator
 from ipcount.rules.config import PipelineConfig
@@ -50,8 +50,7 @@ with DAG(
     dag_id=EPOCH_DAG_ID,
     description=__doc__.strip().splitlines()[0].lstrip("# "),
     doc_md=__doc__,
-    # Data intervals (not trigger instants): a backfill run counts its interval's records.
-    schedule=CronDataIntervalTimetable(CFG.schedule, timezone="UTC"),
+    schedule=epoch_timetable(CFG),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,

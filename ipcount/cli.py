@@ -6,11 +6,14 @@
     rebuild    replay a ledger's committed epochs into a fresh replay table set
     serve      keep one warm Spark session and run the DAGs' epochs in it (the epoch server)
     watch      print a line per epoch as epochs commit (reads the ledger, no JVM)
+    latency    how long records waited to be counted: produce time -> counts commit, p50/p95
     publish    publish committed counts to the sink topic, exactly once (no JVM)
     generate   produce access-log traffic to the source topic
     chaos      kill epochs, backfills and the epoch server at random on a topic of its own, then
                recount: duplicates and losses must be 0
     kafka      start / stop / status of the embedded broker (--secure: SASL and TLS too); create-topic
+    s3         start / stop / status of an embedded S3-compatible server (s3proxy), for tables on S3
+    spark-cluster  start / stop / status of a local Spark standalone master and workers
     consumer-groups  Kafka's kafka-consumer-groups tool, logged in with the pipeline's settings
     config     print the effective configuration
 """
@@ -340,6 +343,27 @@ def _watch_arguments(sub) -> None:
     p.add_argument("--from-start", action="store_true", help="also print epochs committed before now")
 
 
+def _latency_arguments(sub) -> None:
+    p = sub.add_parser("latency", help="how long records waited to be counted (p50, p95)",
+                       description="From each record's Kafka timestamp (its produce time) to the commit of the "
+                                   "counts-table version that counts it, over the scheduled chain's committed "
+                                   "epochs: read after the fact from the ledger, the counts table's log and the "
+                                   "topic (no JVM).")
+    _add_config_flags(p)
+    p.add_argument("--epochs", type=int, default=None, help="only the last N committed epochs (default all)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def _latency(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.devtools.latency import measure
+
+    if args.epochs is not None and args.epochs < 1:
+        raise ConfigError(f"--epochs must be at least 1; found {args.epochs}")
+    found = measure(cfg, args.epochs)
+    print(json.dumps(found.as_dict()) if args.json else found.line())
+    return EXIT_OK if found.records else EXIT_FAILED
+
+
 def _watch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.storage.ledger import committed_epochs
 
@@ -503,6 +527,75 @@ def _kafka(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     return EXIT_OK
 
 
+def _s3_arguments(sub) -> None:
+    p = sub.add_parser("s3", help="manage an embedded S3-compatible server (s3proxy)",
+                       description="Start, stop or inspect s3proxy (its filesystem backend: objects in "
+                                   "STATE_DIR/data, conditional writes honoured). `start` prints the AWS "
+                                   "variables that point the pipeline at it; then set warehouse to an s3:// URI "
+                                   "in its bucket (docs/scaling-out.md).")
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("--port", type=int, default=9000, help="port on 127.0.0.1 (default 9000)")
+    p.add_argument("--state-dir", default=str(STATE_DIR / "s3"), help="its config, secret, objects and log")
+    p.add_argument("--bucket", default="ipcount", help="the bucket it serves (default ipcount)")
+    _add_config_flags(p)
+
+
+def _s3(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.devtools.embedded_s3 import EmbeddedS3
+
+    store = EmbeddedS3(state_dir=Path(args.state_dir), port=args.port, bucket=args.bucket)
+    if args.action == "start":
+        store.start()
+        # The secret stays in its owner-only file: the lines read it from there.
+        env = store.environment()
+        env["AWS_SECRET_ACCESS_KEY"] = f"$(cat {store.state_dir / 'secret'})"
+        print("".join(f'export {k}="{v}"\n' for k, v in env.items())
+              + f'export IPCOUNT_WAREHOUSE="{store.uri("warehouse")}"')
+    elif args.action == "stop":
+        store.stop()
+    else:
+        serving = store.pid() is not None and store.is_serving()
+        print(f"s3proxy {'serving' if serving else 'not running'} at {store.endpoint} (bucket {store.bucket})")
+        return EXIT_OK if serving else EXIT_FAILED
+    return EXIT_OK
+
+
+def _spark_cluster_arguments(sub) -> None:
+    p = sub.add_parser("spark-cluster", help="manage a local Spark standalone cluster",
+                       description="Start, stop or inspect a Spark standalone master and workers on "
+                                   "127.0.0.1, from the pinned pyspark. Point the pipeline at it with "
+                                   "spark_master (IPCOUNT_SPARK_MASTER), which `start` prints.")
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("--port", type=int, default=7077, help="the master's port (default 7077)")
+    p.add_argument("--webui-port", type=int, default=8082, help="the master's web UI (default 8082; 8080 is "
+                                                                   "Airflow's)")
+    p.add_argument("--workers", type=int, default=2, help="workers (default 2)")
+    p.add_argument("--worker-cores", type=int, default=1, help="cores per worker (default 1)")
+    p.add_argument("--worker-memory", default="1g", help="memory per worker (default 1g)")
+    p.add_argument("--state-dir", default=str(STATE_DIR / "spark-cluster"), help="logs and work directories")
+    _add_config_flags(p)
+
+
+def _spark_cluster(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.devtools.embedded_spark import EmbeddedSparkCluster
+
+    if args.workers < 1 or args.worker_cores < 1:
+        raise ConfigError("--workers and --worker-cores must be at least 1")
+    cluster = EmbeddedSparkCluster(state_dir=Path(args.state_dir), port=args.port, webui_port=args.webui_port,
+                                   workers=args.workers, worker_cores=args.worker_cores,
+                                   worker_memory=args.worker_memory)
+    if args.action == "start":
+        cluster.start()
+        print(f'export IPCOUNT_SPARK_MASTER="{cluster.master_url}"  # UI: {cluster.webui_url}')
+    elif args.action == "stop":
+        cluster.stop()
+    else:
+        alive = cluster.alive_workers()
+        print(f"Spark master {cluster.master_url}: {alive} worker(s) alive (UI {cluster.webui_url})")
+        return EXIT_OK if alive else EXIT_FAILED
+    return EXIT_OK
+
+
 def _consumer_groups_arguments(sub) -> None:
     p = sub.add_parser("consumer-groups", help="Kafka's kafka-consumer-groups, logged in as the pipeline",
                        description="Run Kafka's kafka-consumer-groups tool against the pipeline's broker with "
@@ -567,9 +660,12 @@ COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
     "rebuild": (_rebuild_arguments, _rebuild),
     "serve": (_serve_arguments, _serve),
     "watch": (_watch_arguments, _watch),
+    "latency": (_latency_arguments, _latency),
     "generate": (_generate_arguments, _generate),
     "chaos": (_chaos_arguments, _chaos),
     "kafka": (_kafka_arguments, _kafka),
+    "s3": (_s3_arguments, _s3),
+    "spark-cluster": (_spark_cluster_arguments, _spark_cluster),
     "consumer-groups": (_consumer_groups_arguments, _consumer_groups),
     "airflow": (_airflow_arguments, _airflow),
     "config": (_config_arguments, _config),

@@ -40,6 +40,21 @@ RUN_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
 # What the tables mean is fixed with them (ipcount.rules.tableset), never a per-run choice.
 
 
+# The schedule that starts each run as the last one ends (Airflow's continuous timetable;
+# the DAG's max_active_runs=1 keeps runs one at a time): the lowest latency a schedule gives.
+CONTINUOUS = "@continuous"
+
+
+def epoch_timetable(cfg: PipelineConfig):
+    """The epoch DAG's schedule: ``@continuous``, or the cron expression (or preset) as data
+    intervals - not trigger instants - so a backfill run counts its interval's records."""
+    from airflow.timetables.interval import CronDataIntervalTimetable
+
+    if cfg.schedule.strip() == CONTINUOUS:
+        return CONTINUOUS
+    return CronDataIntervalTimetable(cfg.schedule, timezone="UTC")
+
+
 def counts_asset(cfg: PipelineConfig):
     """The Asset both DAGs update when they commit counts into the main table."""
     from airflow.sdk import Asset

@@ -67,9 +67,10 @@ SETTINGS_HELP = {
     "spark_master": "master of the in-process Spark session (bin/ipcount epoch); the DAGs' spark-submit uses "
                     "Airflow's spark_default connection",
     "kafka_timeout_seconds": "timeout of broker requests",
-    "schedule": "the epoch DAG's schedule (cron expression or preset, read when Airflow parses the DAG), as data "
-                "intervals [previous tick, tick): a run made by airflow backfill create counts the records whose "
-                "Kafka timestamps fall in its interval",
+    "schedule": "the epoch DAG's schedule, read when Airflow parses the DAG: a cron expression or preset, as data "
+                "intervals [previous tick, tick) (a run made by airflow backfill create counts the records whose "
+                "Kafka timestamps fall in its interval), or @continuous: each run starts as the last one ends "
+                "(the lowest latency)",
     "command_timeout_seconds": "the longest one Spark command of a DAG run (epoch, backfill, rebuild) may take: "
                                "the tasks' execution_timeout, the operator's wait on the epoch server, and the "
                                "server's limit on the command (its Spark jobs are then cancelled)",

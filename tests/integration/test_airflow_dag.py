@@ -59,7 +59,7 @@ def test_dag_folder_imports_without_errors(airflow_home):
         "  info[name] = {'tasks': sorted(d.task_ids), 'max_active_runs': d.max_active_runs,\n"
         "    'catchup': d.catchup, 'retries': d.default_args['retries'],\n"
         "    'schedule': getattr(d.timetable, 'summary', 'None'),\n"
-        "    'periodic': getattr(d.timetable, 'periodic', False),\n"
+        "    'periodic': getattr(d.timetable, 'periodic', False), 'timetable': type(d.timetable).__name__,\n"
         "    'params': sorted(d.params.keys())}\n"
         "print(json.dumps(info))\n")
     proc = subprocess.run([sys.executable, "-c", script], env=_env(airflow_home), capture_output=True, text=True,
@@ -73,11 +73,17 @@ def test_dag_folder_imports_without_errors(airflow_home):
         "ipcount_epoch": {"tasks": ["backfill_interval", "choose_path", "commit_offsets", "publish_counts",
                                     "publish_summary", "run_epoch"],
                           "max_active_runs": 1, "catchup": False, "retries": 2, "schedule": "* * * * *",
-                          "periodic": True, "params": sorted(RUN_PARAMS)},
+                          "periodic": True, "timetable": "CronDataIntervalTimetable", "params": sorted(RUN_PARAMS)},
         "ipcount_backfill": {"tasks": ["check_request", "publish_counts", "publish_summary", "run_backfill"],
                              "max_active_runs": 16, "catchup": False, "retries": 1, "schedule": "None",
-                             "periodic": False, "params": sorted(BACKFILL_PARAMS)},
+                             "periodic": False, "timetable": "NullTimetable", "params": sorted(BACKFILL_PARAMS)},
     }
+    # the lowest-latency schedule: each run as the last one ends
+    proc = subprocess.run([sys.executable, "-c", script], env={**_env(airflow_home), "IPCOUNT_SCHEDULE": "@continuous"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    epoch_dag = json.loads(proc.stdout.strip().splitlines()[-1])["ipcount_epoch"]
+    assert (epoch_dag["timetable"], epoch_dag["max_active_runs"]) == ("ContinuousTimetable", 1), epoch_dag
 
 
 def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):

@@ -64,6 +64,12 @@ def test_epochs_count_exactly_what_was_produced(cfg, spark):
     merges = counts_merges(cfg)
     assert len(merges) == len(summaries) and [m["full_pass"] for m in merges[:2]] == [True, True]
     assert not any(m["full_pass"] for m in merges[2:])
+    # `ipcount latency` reads the same epochs back: every record, from its produce time on
+    from ipcount.devtools.latency import measure
+
+    waited = measure(cfg)
+    assert (waited.epochs, waited.records) == (len(summaries), len(produced))
+    assert 0 < waited.p50_seconds <= waited.p95_seconds <= waited.max_seconds
 
 
 def test_group_offsets_follow_the_ledger_and_are_never_read_back(cfg, spark):

@@ -176,3 +176,27 @@ def test_four_processes_appending_one_epoch_on_object_storage_land_it_once(objec
     for name, value in object_store.environment().items():
         monkeypatch.setenv(name, value)
     race_appends(object_store.uri("races", "appends"))
+
+
+def test_the_s3_command_starts_a_store_the_pipeline_can_use(tmp_path):
+    port = free_port()
+    where = ["--port", str(port), "--state-dir", str(tmp_path / "s3")]
+
+    def s3(action: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ipcount.cli", "s3", action, *where], capture_output=True,
+                              text=True, timeout=120)
+    started = s3("start")
+    try:
+        assert started.returncode == 0, started.stderr[-3000:]
+        assert s3("status").returncode == 0
+        # its lines, run by a shell, point delta-rs at it
+        script = started.stdout + '\nexec "$0" -c "from ipcount.storage.delta import rs_create_table, has_table; ' \
+            'from ipcount.storage.ledger import ledger_schema; import os; w = os.environ[\'IPCOUNT_WAREHOUSE\']; ' \
+            'rs_create_table(w + \'/ledger\', ledger_schema()); print(has_table(w + \'/ledger\'))"'
+        made = subprocess.run(["bash", "-c", script, sys.executable], capture_output=True, text=True, timeout=120,
+                              env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
+        assert made.stdout.strip() == "True", made.stderr[-3000:]
+        assert (tmp_path / "s3" / "data" / "ipcount" / "warehouse" / "ledger" / "_delta_log").is_dir()
+    finally:
+        s3("stop")
+    assert s3("status").returncode == 1

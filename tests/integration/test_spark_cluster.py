@@ -1,0 +1,72 @@
+"""The epoch job on a Spark standalone cluster (a master and two workers from the pinned
+pyspark, started by the project's own module), with the tables on S3: the same commands,
+one setting changed. A crash, a backfill beside the chain and the resumed epoch give the
+ground truth."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from ipcount.devtools.embedded_spark import EmbeddedSparkCluster, cluster_env
+from tests.conftest import free_port
+from tests.integration.test_backfill import assert_tables_match, ends_of, produce_dataset
+from tests.tables import lanes, ledger
+
+
+@pytest.fixture(scope="module")
+def spark_cluster(tmp_path_factory):
+    """Started and stopped with the command users have: ``bin/ipcount spark-cluster``."""
+    cluster = EmbeddedSparkCluster(state_dir=tmp_path_factory.mktemp("spark_cluster"), port=free_port(),
+                                   webui_port=free_port())
+    where = ["--port", str(cluster.port), "--webui-port", str(cluster.webui_port), "--state-dir",
+             str(cluster.state_dir)]
+    started = subprocess.run([sys.executable, "-m", "ipcount.cli", "spark-cluster", "start", *where],
+                             capture_output=True, text=True, timeout=300)
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert f'IPCOUNT_SPARK_MASTER="{cluster.master_url}"' in started.stdout
+    yield cluster
+    subprocess.run([sys.executable, "-m", "ipcount.cli", "spark-cluster", "stop", *where], timeout=120)
+    assert cluster.alive_workers() == 0
+
+
+def cli(cfg, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **cluster_env(), **({"IPCOUNT_CRASH_AT": crash_at} if crash_at else {})}
+    return subprocess.run([sys.executable, "-m", "ipcount.cli", *args, *cfg.to_args()], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def applications(cluster) -> list[dict]:
+    with urllib.request.urlopen(cluster.webui_url + "/json", timeout=5) as answer:
+        state = json.load(answer)
+    return state.get("activeapps", []) + state.get("completedapps", [])
+
+
+def test_a_crash_a_backfill_and_the_resumed_epoch_on_a_cluster(s3_cfg, spark_cluster):
+    cfg = s3_cfg.replace(spark_master=spark_cluster.master_url, max_records_per_epoch=600)
+    produced = produce_dataset(cfg, 1200, seed=81)
+
+    crashed = cli(cfg, "epoch", crash_at="after_sink")     # killed between its sink and ledger commits
+    assert crashed.returncode == -9, crashed.stderr[-3000:]
+    planned = {r["partition"]: r["until_offset"] for r in ledger(cfg)}
+    assert {r["status"] for r in ledger(cfg)} == {"planned"}
+
+    rest = ",".join(f"{p}:{planned[p]}-{end}" for p, end in sorted(ends_of(produced).items()))
+    backfill = cli(cfg, "backfill", "--offsets", rest)       # the offsets after epoch 1's, as another lane
+    assert backfill.returncode == 0, backfill.stderr[-3000:]
+
+    resumed = cli(cfg, "epoch")                              # finishes epoch 1 with its recorded ranges
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming unfinished epoch 1" in resumed.stderr
+
+    assert {r["status"] for r in ledger(cfg)} == {"committed"}
+    kinds = lanes(cfg)
+    assert "scheduled" in kinds and len(kinds) == 2, list(kinds)     # the chain and the backfill's lane
+    assert_tables_match(cfg, produced)
+    # every run was an application of the cluster, its executors on the workers
+    apps = applications(spark_cluster)
+    assert len(apps) == 3 and all(a["cores"] >= 1 for a in apps), apps
