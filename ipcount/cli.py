@@ -275,7 +275,7 @@ def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 def _serve_arguments(sub) -> None:
     p = sub.add_parser("serve", help="run the epoch server: one warm Spark session for the DAGs' epochs",
                        description="Start a Spark session, warm it up with a scratch epoch (at most 60 of the "
-                                   "topic's earliest records into tables under <warehouse>/_epoch_server_warm_up/, "
+                                   "topic's earliest records into tables in a local temporary directory, "
                                    "deleted after), then run epoch, "
                                    "backfill and rebuild requests (POST /run) one at a time in that session, "
                                    "through the same code as spark-submit. Point the DAGs at it with the "
