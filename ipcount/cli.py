@@ -546,11 +546,13 @@ def _s3(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     store = EmbeddedS3(state_dir=Path(args.state_dir), port=args.port, bucket=args.bucket)
     if args.action == "start":
         store.start()
-        # The secret stays in its owner-only file: the lines read it from there.
-        env = store.environment()
-        env["AWS_SECRET_ACCESS_KEY"] = f"$(cat {store.state_dir / 'secret'})"
-        print("".join(f'export {k}="{v}"\n' for k, v in env.items())
-              + f'export IPCOUNT_WAREHOUSE="{store.uri("warehouse")}"')
+        import shlex
+
+        # Shell lines; the secret stays in its owner-only file, which they read.
+        env = {k: shlex.quote(v) for k, v in store.environment().items()}
+        env["AWS_SECRET_ACCESS_KEY"] = f'"$(cat {shlex.quote(str(store.state_dir / "secret"))})"'
+        env["IPCOUNT_WAREHOUSE"] = shlex.quote(store.uri("warehouse"))
+        print("\n".join(f"export {k}={v}" for k, v in env.items()))
     elif args.action == "stop":
         store.stop()
     else:
