@@ -433,7 +433,8 @@ def _chaos_arguments(sub) -> None:
                         "broker only when the embedded broker serves bootstrap_servers)")
     p.add_argument("--broker-state-dir", default=str(STATE_DIR / "kafka"),
                    help="the embedded broker the broker scenario restarts (default .local/kafka, bin/run's)")
-    p.add_argument("--workdir", default=None, help="for its tables and logs (default <warehouse>/../chaos)")
+    p.add_argument("--workdir", default=None, help="for its tables and logs (default <warehouse>/../chaos; "
+                                                   ".local/chaos when the warehouse is on S3)")
     p.add_argument("--pause", action="store_true",
                    help="at --kills or --max-minutes, stop without finishing: the run (topic, tables, state) "
                         "is kept to go on with --resume, the verdict comes at its finish")

@@ -52,7 +52,7 @@ from ipcount.devtools.chaos_state import STATE_FILE, RunState, round_rng
 from ipcount.devtools.embedded_airflow import airflow_env
 from ipcount.devtools.embedded_kafka import EmbeddedKafka, free_port, proc_stat
 from ipcount.devtools.generator import TrafficGenerator, produce
-from ipcount.rules.config import REPO_ROOT, PipelineConfig
+from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig, location_scheme
 from ipcount.rules.errors import ConfigError, UnknownTopicError
 from ipcount.jobs.verify import LATE, MALFORMED, recount_record, table_counts
 from ipcount.rules.ledger import COMMITTED, LOST
@@ -321,7 +321,9 @@ def _new_run(cfg: PipelineConfig, kills: int, records: int, seed: int, workdir: 
              max_records_per_epoch: int | None) -> tuple[Path, RunState]:
     """A run's directory, its topic (3 partitions) and its first state."""
     name = f"chaos_{seed}_{uuid.uuid4().hex[:6]}"
-    run_dir = Path(workdir or Path(cfg.warehouse).parent / "chaos") / name
+    # Beside the pipeline's warehouse when that is a directory; chaos's own tables stay local.
+    default = STATE_DIR / "chaos" if location_scheme(cfg.warehouse) else Path(cfg.warehouse).parent / "chaos"
+    run_dir = Path(workdir or default) / name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     batch = max(10, records // (kills + 1))  # produced before the first round and before each
     order = list(scenarios)

@@ -90,6 +90,9 @@ class EmbeddedSparkCluster:
 
     def start(self, timeout: float = 120.0) -> None:
         """Start the master and the workers and wait until every worker has registered."""
+        if self._pids() and self.alive_workers() >= self.workers:
+            log.info("Spark cluster already running at %s", self.master_url)
+            return
         log.info("starting a Spark standalone cluster at %s: %d worker(s) of %d core(s), %s", self.master_url,
                  self.workers, self.worker_cores, self.worker_memory)
         self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",

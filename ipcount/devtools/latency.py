@@ -2,7 +2,8 @@
 
 A record's latency is from its Kafka timestamp (the producer's clock when it was sent:
 CreateTime) to the commit of the counts-table version that holds the epoch that read it -
-when its window's count became visible to readers. Over the scheduled chain's committed
+when its window's count became visible to readers (every record the epoch read is timed,
+the few it sent to the dead-letter or late table too: they were settled then as well). Over the scheduled chain's committed
 epochs, from the ledger (ranges, counts version), the counts table's log (commit times) and
 the topic (the records' timestamps): nothing in the measured path is instrumented.
 
@@ -91,7 +92,12 @@ def measure(cfg: PipelineConfig, last: int | None = None) -> LatencyReport:
 
     rows = read_rows(cfg.ledger_path, columns=("epoch", "partition", "from_offset", "until_offset", "status",
                                                "kind", "sink_version"), filters=[("topic", "=", cfg.topic)])
-    commit_ms = {h["version"]: int(h["timestamp"]) for h in DeltaTable(cfg.counts_path).history()}
+    # Only the commits of the epochs measured: on object storage each is a read.
+    versions = sorted({r["sink_version"] for r in rows
+                       if r["status"] == COMMITTED and is_scheduled(r) and r["sink_version"] is not None})
+    counts = DeltaTable(cfg.counts_path)
+    oldest = ((versions[-last:] if last else versions) or [counts.version()])[0]
+    commit_ms = {h["version"]: int(h["timestamp"]) for h in counts.history(counts.version() - oldest + 1)}
     measured = []
     for epoch, committed, ranges in chain_epochs(rows, commit_ms, last):
         stamps = tuple(rec.timestamp for p, start, until in ranges for rec in read_range(cfg, p, start, until))

@@ -15,10 +15,12 @@ W < window_end + lateness <= its own watermark. Anything else (a foreign commit,
 than two chain commits) asks for a full pass, which reads the whole table and so conflicts
 with any commit racing it: after it the invariant holds again.
 
-Why two commits and not one: the bounded look reads the table a moment before its own
-MERGE commits, and a backfill that commits in between, on windows the MERGE does not read,
-does not conflict with it. That commit sits between the chain's two, so the next epoch
-sees the gap and takes a full pass.
+Why two commits and not one: a MERGE whose commit let another writer's land between its
+read and its own (as Spark's did, for a commit on windows it did not read) would leave that
+writer's rows unchecked; that commit sits between the chain's two, so the next epoch sees
+the gap and takes a full pass. The sink's commits now never let one through (each is the
+next version of the snapshot it read, or fails and reads again), so the second commit is a
+margin, which costs a full pass only after another writer's commit.
 """
 from __future__ import annotations
 

@@ -170,12 +170,6 @@ def table_metadata(path: str) -> tuple[str, dict[str, str]]:
     return metadata.id, dict(metadata.configuration)
 
 
-def latest_version(path: str) -> int | None:
-    """The version of the Delta table at ``path`` now (None if there is no table)."""
-    table = _open(path)
-    return None if table is None else table.version()
-
-
 def version_with_metadata(path: str, user_metadata: str, search: int = 50) -> int | None:
     """The table version whose commit carries ``user_metadata`` (None if none of the last
     ``search`` commits does). From the log's commit infos, read with delta-rs: Spark's
@@ -248,12 +242,13 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
 
 
 def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
-                   commit: Callable[[DeltaTable, CommitProperties], object], attempts: int = 20) -> bool:
+                   commit: Callable[[DeltaTable, CommitProperties], bool | None], attempts: int = 20) -> bool:
     """Make one commit to the table at ``path`` that records Delta's transaction
     (``app_id``, ``version``), unless the table holds that transaction at that version or
     later already (an earlier attempt's commit, or a fence): Delta's idempotent write, as
     Spark's ``txnAppId``/``txnVersion`` make it. ``commit(table, properties)`` writes to the
-    snapshot ``table`` with those commit properties. True if this call committed.
+    snapshot ``table`` with those commit properties (returning False if it found nothing to
+    commit). True if this call committed.
 
     The check and the commit are one step: the commit is made as exactly the next version
     of the snapshot checked, with no retry, and the log store creates it only if absent; a
@@ -267,9 +262,9 @@ def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
         if done is not None and done >= version:
             return False
         try:
-            commit(table, CommitProperties(custom_metadata={"userMetadata": user_metadata}, max_commit_retries=0,
-                                           app_transactions=[Transaction(app_id, version)]))
-            return True
+            return commit(table, CommitProperties(custom_metadata={"userMetadata": user_metadata},
+                                                  max_commit_retries=0,
+                                                  app_transactions=[Transaction(app_id, version)])) is not False
         except rs_concurrent_errors() as e:
             log.info("%s: a concurrent commit came first (%s); checking again (%d/%d)", path,
                      str(e).splitlines()[0][:200], attempt, attempts)

@@ -161,7 +161,7 @@ class Sink:
         def final(col: str) -> str:  # end + lateness <= watermark
             return "false" if final_until is None else f"({col} <= {final_until})"
 
-        def merge(table, properties) -> None:
+        def merge(table, properties) -> bool:
             source, full_pass = touched, False
             if watermark_ms is not None and finalize_untouched:
                 below = finalized_below(chain, table.version())
@@ -169,7 +169,7 @@ class Sink:
                 if below is not None and below < watermark_ms:
                     source = pa.concat_tables([source, self._newly_final(table, touched, below, watermark_ms)])
             if source.num_rows == 0:
-                return
+                return False
             bounds = pc.min_max(source["window_start"])
             lo, hi = (sql_timestamp(b.value // 1000) for b in (bounds["min"], bounds["max"]))  # us -> ms
             log.info("epoch %d: merging counts into windows %s..%s%s", epoch, lo, hi,
@@ -192,6 +192,7 @@ class Sink:
                 merger = merger.when_not_matched_by_source_update(
                     {"is_final": "true"}, predicate=f"NOT coalesce(t.is_final, false) AND {final('t.window_end')}")
             merger.execute()
+            return True
         rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge)
         return self.version_of_epoch(path, epoch)
 

@@ -76,3 +76,37 @@ def test_processes_creating_one_table_at_once_make_one_table(tmp_path):
     for path in paths:
         history = DeltaTable(path).history()
         assert [(h["version"], h["operation"]) for h in history] == [(0, "CREATE TABLE")], path
+
+
+def merge_counts(cfg, epoch: int, start, results) -> None:
+    import pyarrow as pa
+
+    from ipcount.storage.sink import Sink
+
+    counts = pa.table({"window_start": pa.array([1_795_255_200_000_000] * 2, pa.timestamp("us", tz="UTC")),
+                       "window_end": pa.array([1_795_255_205_000_000] * 2, pa.timestamp("us", tz="UTC")),
+                       "ip": ["10.0.0.1", "10.0.0.2"], "count": [3, 4]})
+    start.wait()
+    results.put(Sink(None, cfg)._merge_counts(epoch, counts, None, finalize_untouched=True))
+
+
+def test_processes_merging_one_epoch_s_counts_at_once_commit_it_once(tmp_path):
+    """The counts MERGE, raced by runners of the same epoch: one commit, counted once."""
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.storage.sink import Sink
+    from tests.tables import counts
+
+    cfg = PipelineConfig(warehouse=str(tmp_path / "warehouse"), pipeline_id="race")
+    Sink(None, cfg).ensure()
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(3), ctx.Queue()
+    workers = [ctx.Process(target=merge_counts, args=(cfg, 5, start, results)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert [w.exitcode for w in workers] == [0, 0, 0]
+    assert {results.get(timeout=5) for _ in workers} == {1}           # all see the one commit: version 1
+    merges = [h for h in DeltaTable(cfg.counts_path).history() if h["operation"] == "MERGE"]
+    assert [h.get("userMetadata") for h in merges] == ["epoch=5"]
+    assert sorted(counts(cfg).values()) == [3, 4]
