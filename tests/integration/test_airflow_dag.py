@@ -106,7 +106,7 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
     assert epochs[0].records_read == len(produced)
     assert broker_io.group_offsets(cfg) == dict(Counter(p.partition for p in produced))
-    # The Spark MERGE's change data feed, published: a read_committed fold equals the table.
+    # The counts MERGE's change data feed, published: a read_committed fold equals the table.
     sink = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, isolation_level="read_committed",
                          enable_auto_commit=False, consumer_timeout_ms=3000)
     sink.assign([TopicPartition(cfg.publish_topic, p) for p in range(3)])

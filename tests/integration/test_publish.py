@@ -188,8 +188,8 @@ def test_the_monitor_shows_the_cursor_and_a_sink_consumer_s_lag(pub_cfg):
     assert publish_status(cfg.replace(publish=False)) == {"publish": False}
 
 
-def test_an_epoch_killed_while_publishing_is_published_once_from_spark_s_change_feed(cfg, spark):
-    """The real path: `ipcount epoch` with publishing on (delta-spark's MERGE writes the change
+def test_an_epoch_killed_while_publishing_is_published_once_from_the_merge_s_change_feed(cfg, spark):
+    """The real path: `ipcount epoch` with publishing on (the counts MERGE writes the change
     data feed), killed with the records sent but not committed; the next epoch run publishes
     the version once, and more epochs go on from there."""
     from ipcount.devtools.generator import TrafficGenerator, produce
