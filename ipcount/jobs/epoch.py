@@ -59,7 +59,7 @@ class EpochRunner:
              crash: Crash = no_crash) -> EpochRunner:
         """The runner of ``cfg``'s tables, created if missing; refused unless ``cfg`` means
         what the tables were created to mean (:mod:`ipcount.rules.tableset`)."""
-        ledger, sink = Ledger(cfg.ledger_path), Sink(spark, cfg)
+        ledger, sink = Ledger(cfg.ledger_path), Sink(cfg)
         ledger.ensure()
         sink.ensure()
         tableset_io.claim(cfg)

@@ -280,16 +280,14 @@ def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: st
         table, data, mode="append", commit_properties=properties))
 
 
-def retry_on_conflict(action: Callable[[], T], what: str, errors: tuple[type[BaseException], ...] | None = None,
-                      attempts: int = 10) -> T:
-    """Run a Delta write, again if a concurrent writer's commit conflicted with it
-    (``errors``: delta-rs's :func:`rs_concurrent_errors` unless given). Only for writes that
-    are idempotent (a Delta transaction id, or MERGEs matching planned rows)."""
-    errors = errors or rs_concurrent_errors()
+def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:
+    """Run a delta-rs write, again if a concurrent writer's commit came first
+    (:func:`rs_concurrent_errors`). Only for writes that are idempotent (a Delta transaction
+    id, or MERGEs matching planned rows)."""
     for attempt in range(1, attempts + 1):
         try:
             return action()
-        except errors as e:
+        except rs_concurrent_errors() as e:
             if attempt == attempts:
                 raise
             log.info("%s: concurrent commit (%s); retrying (%d/%d)", what, type(e).__name__, attempt, attempts)

@@ -129,7 +129,7 @@ class Ledger:
                                    "until_offset": "s.until_offset"})
              .when_not_matched_by_source_delete(mine)
              .execute())
-        retry_on_conflict(merge, f"releasing epoch {plan.epoch} in the ledger", rs_concurrent_errors())
+        retry_on_conflict(merge, f"releasing epoch {plan.epoch} in the ledger")
 
     def commit(self, plan: EpochPlan, metrics: Mapping[int, PartitionMetrics] | None,
                watermark_after_ms: int | None,
@@ -162,7 +162,7 @@ class Ledger:
                              f"AND t.status = '{PLANNED}'", source_alias="s", target_alias="t")
              .when_matched_update({c: f"s.{c}" for c in set_cols})
              .execute())
-        retry_on_conflict(merge, f"committing epoch {plan.epoch} to the ledger", rs_concurrent_errors())
+        retry_on_conflict(merge, f"committing epoch {plan.epoch} to the ledger")
         self._compact_if_due()
 
     def _compact_if_due(self) -> None:

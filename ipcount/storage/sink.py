@@ -31,7 +31,7 @@ from ipcount.storage.delta import (arrow_schema, query_arrow, retry_on_conflict,
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import DataFrame
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ LATE_COLUMNS: Columns = (
 
 
 class Sink:
-    def __init__(self, spark: SparkSession, cfg: PipelineConfig) -> None:
-        self.spark, self.cfg = spark, cfg
+    def __init__(self, cfg: PipelineConfig) -> None:
+        self.cfg = cfg
 
     def tables(self) -> tuple[tuple[str, Columns], ...]:
         """(location, columns) of the counts, dead-letter and late-record tables."""

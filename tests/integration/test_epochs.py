@@ -110,9 +110,9 @@ def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
     for s in (first, second):
         classified = _read_and_classify(spark, cfg, s.plan)
         counts_update = window_counts(classified, cfg.window_ms).toArrow()
-        assert Sink(spark, cfg).write(s.plan, classified, counts_update,
-                                      malformed=s.records_malformed, late=s.records_late,
-                                      counted=s.records_counted, watermark_after_ms=s.watermark_ms) == s.sink_version
+        assert Sink(cfg).write(s.plan, classified, counts_update,
+                               malformed=s.records_malformed, late=s.records_late,
+                               counted=s.records_counted, watermark_after_ms=s.watermark_ms) == s.sink_version
         Ledger(cfg.ledger_path).commit(s.plan, {}, None, None, 0.0, "replay")
     assert snapshot(cfg) == before
     assert epoch_mod.run_epoch(cfg, spark) is None

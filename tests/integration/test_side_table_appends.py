@@ -19,6 +19,20 @@ def rows(epoch: int, n: int = 3):
     return pa.table({"epoch": [epoch] * n, "partition": [0] * n, "offset": list(range(n))}, schema=SCHEMA)
 
 
+def at_once(n: int, target, *args) -> list:
+    """``target(*args, start, results)`` in ``n`` processes at once (each waits at the barrier
+    ``start``); what each put in ``results``, after all exited cleanly."""
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(n), ctx.Queue()
+    workers = [ctx.Process(target=target, args=(*args, start, results)) for _ in range(n)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert [w.exitcode for w in workers] == [0] * n
+    return [results.get(timeout=5) for _ in workers]
+
+
 def append(path: str, epoch: int, start, results) -> None:
     start.wait()
     results.put(rs_append_once(path, rows(epoch), f"p/epoch-{epoch}", epoch, f"epoch={epoch}"))
@@ -31,15 +45,7 @@ def test_four_processes_appending_one_epoch_at_once_land_it_once(tmp_path):
 def race_appends(path: str) -> None:
     """Four processes append epoch 7 to a new table at ``path`` at once: it lands once."""
     rs_create_table(path, SCHEMA)
-    ctx = multiprocessing.get_context("spawn")
-    start, results = ctx.Barrier(4), ctx.Queue()
-    workers = [ctx.Process(target=append, args=(path, 7, start, results)) for _ in range(4)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(120)
-    assert [w.exitcode for w in workers] == [0, 0, 0, 0]
-    assert sorted(results.get(timeout=5) for _ in workers) == [False, False, False, True]
+    assert sorted(at_once(4, append, path, 7)) == [False, False, False, True]
     assert sorted(r["offset"] for r in read_rows(path)) == [0, 1, 2]
     assert version_with_metadata(path, "epoch=7") == 1
 
@@ -55,24 +61,18 @@ def test_a_replay_is_skipped_and_a_fence_keeps_a_late_writer_out(tmp_path):
     assert sorted((r["epoch"], r["offset"]) for r in read_rows(path)) == [(1, 0), (1, 1), (1, 2), (3, 0)]
 
 
-def create(paths: list[str], start) -> None:
+def create(paths: list[str], start, results) -> None:
     for path in paths:
         start.wait()
         rs_create_table(path, SCHEMA)
+    results.put(len(paths))
 
 
 def test_processes_creating_one_table_at_once_make_one_table(tmp_path):
     """delta-rs retries a losing CREATE by default, committing it on top of the winner's as
     a new table (another id): unchecked, that happened in about half of such races."""
     paths = [str(tmp_path / f"t{i}") for i in range(12)]
-    ctx = multiprocessing.get_context("spawn")
-    start = ctx.Barrier(3)
-    workers = [ctx.Process(target=create, args=(paths, start)) for _ in range(3)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(120)
-    assert [w.exitcode for w in workers] == [0, 0, 0]
+    assert at_once(3, create, paths) == [12, 12, 12]
     for path in paths:
         history = DeltaTable(path).history()
         assert [(h["version"], h["operation"]) for h in history] == [(0, "CREATE TABLE")], path
@@ -87,7 +87,7 @@ def merge_counts(cfg, epoch: int, start, results) -> None:
                        "window_end": pa.array([1_795_255_205_000_000] * 2, pa.timestamp("us", tz="UTC")),
                        "ip": ["10.0.0.1", "10.0.0.2"], "count": [3, 4]})
     start.wait()
-    results.put(Sink(None, cfg)._merge_counts(epoch, counts, None, finalize_untouched=True))
+    results.put(Sink(cfg)._merge_counts(epoch, counts, None, finalize_untouched=True))
 
 
 def test_processes_merging_one_epoch_s_counts_at_once_commit_it_once(tmp_path):
@@ -97,16 +97,8 @@ def test_processes_merging_one_epoch_s_counts_at_once_commit_it_once(tmp_path):
     from tests.tables import counts
 
     cfg = PipelineConfig(warehouse=str(tmp_path / "warehouse"), pipeline_id="race")
-    Sink(None, cfg).ensure()
-    ctx = multiprocessing.get_context("spawn")
-    start, results = ctx.Barrier(3), ctx.Queue()
-    workers = [ctx.Process(target=merge_counts, args=(cfg, 5, start, results)) for _ in range(3)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(120)
-    assert [w.exitcode for w in workers] == [0, 0, 0]
-    assert {results.get(timeout=5) for _ in workers} == {1}           # all see the one commit: version 1
+    Sink(cfg).ensure()
+    assert at_once(3, merge_counts, cfg, 5) == [1, 1, 1]              # all see the one commit: version 1
     merges = [h for h in DeltaTable(cfg.counts_path).history() if h["operation"] == "MERGE"]
     assert [h.get("userMetadata") for h in merges] == ["epoch=5"]
     assert sorted(counts(cfg).values()) == [3, 4]
