@@ -11,7 +11,8 @@
     generate   produce access-log traffic to the source topic
     chaos      kill epochs, backfills and the epoch server at random on a topic of its own, then
                recount: duplicates and losses must be 0
-    kafka      start / stop / status of the embedded broker (--secure: SASL and TLS too); create-topic
+    kafka      start / stop / status of the embedded broker (--secure: SASL and TLS too; --nodes 3:
+               a three-node cluster); create-topic
     s3         start / stop / status of an embedded S3-compatible server (s3proxy), for tables on S3
     spark-cluster  start / stop / status of a local Spark standalone master and workers
     consumer-groups  Kafka's kafka-consumer-groups tool, logged in with the pipeline's settings
@@ -483,17 +484,21 @@ def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 
 
 def _kafka_arguments(sub) -> None:
-    p = sub.add_parser("kafka", help="manage the embedded Kafka broker",
-                       description="Start, stop or inspect the embedded single-node KRaft broker, create the "
-                                   "source topic, or give a user SCRAM credentials on any broker (scram-user: "
-                                   "--username and --password-file).")
+    p = sub.add_parser("kafka", help="manage the embedded Kafka broker or three-node cluster",
+                       description="Start, stop or inspect the embedded KRaft broker (or, with --nodes 3, a "
+                                   "three-node cluster: node i on --port + 2i, topics replicated 3 times with "
+                                   "min.insync.replicas 2), create the source topic, or give a user SCRAM "
+                                   "credentials on any broker (scram-user: --username and --password-file).")
     p.add_argument("action", choices=("start", "stop", "status", "create-topic", "scram-user"))
     p.add_argument("--port", type=int, default=9092, help="broker port on 127.0.0.1 (default 9092)")
-    p.add_argument("--state-dir", default=str(STATE_DIR / "kafka"), help="broker config, data and log")
+    p.add_argument("--nodes", type=int, choices=(1, 3), default=1,
+                   help="1: a single broker (default); 3: a cluster, which start prints the bootstrap servers of")
+    p.add_argument("--state-dir", help="broker config, data and log (default .local/kafka, or "
+                                       ".local/kafka-cluster with --nodes 3)")
     p.add_argument("--secure", action="store_true",
                    help="start: also serve SASL_SSL, SASL_PLAINTEXT and mutual-TLS SSL on the next three "
                         "ports (a dev CA and a user's password under STATE_DIR/secure), and print the "
-                        "settings that reach each")
+                        "settings that reach each (single broker only)")
     p.add_argument("--partitions", type=int, default=3, help="partitions of a created topic (default 3)")
     p.add_argument("--username", help="scram-user: the user to give SCRAM-SHA-256 and -512 credentials")
     p.add_argument("--password-file", help="scram-user: a private file (mode 0600) holding the user's password")
@@ -501,7 +506,7 @@ def _kafka_arguments(sub) -> None:
 
 
 def _kafka(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.devtools.embedded_kafka import EmbeddedKafka, SecureListeners
+    from ipcount.devtools.embedded_kafka import EmbeddedKafka, EmbeddedKafkaCluster, SecureListeners
     from ipcount.rules.kafka_security import read_private_file
     from ipcount.storage.broker import create_topic, upsert_scram_user
 
@@ -510,21 +515,31 @@ def _kafka(args: argparse.Namespace, cfg: PipelineConfig) -> int:
             raise ConfigError("scram-user needs --username and --password-file")
         upsert_scram_user(cfg, args.username, read_private_file(args.password_file, "--password-file"))
         return EXIT_OK
-    secure = SecureListeners(args.port + 2, args.port + 3, args.port + 4) if args.secure else None
-    broker = EmbeddedKafka(state_dir=Path(args.state_dir), port=args.port, controller_port=args.port + 1,
-                           secure=secure)
+    if args.action == "create-topic":
+        create_topic(cfg, args.partitions)
+        return EXIT_OK
+    if args.nodes > 1:
+        if args.secure:
+            raise ConfigError("--secure is for a single broker (--nodes 1)")
+        kafka = EmbeddedKafkaCluster.from_port(args.port, Path(args.state_dir or STATE_DIR / "kafka-cluster"),
+                                               args.nodes)
+    else:
+        secure = SecureListeners(args.port + 2, args.port + 3, args.port + 4) if args.secure else None
+        kafka = EmbeddedKafka(state_dir=Path(args.state_dir or STATE_DIR / "kafka"), port=args.port,
+                              controller_port=args.port + 1, secure=secure)
     if args.action == "start":
-        broker.start()
-        for protocol in (secure.ports() if secure else {}):
-            settings = broker.client_settings(protocol)
+        kafka.start()
+        if args.nodes > 1:
+            print(f'export IPCOUNT_BOOTSTRAP_SERVERS="{kafka.bootstrap_servers}"')
+        for protocol in (kafka.secure.ports() if args.nodes == 1 and kafka.secure else {}):
+            settings = kafka.client_settings(protocol)
             print(f"# {protocol}\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()))
     elif args.action == "stop":
-        broker.stop()
-    elif args.action == "status":
-        print(broker.status())
-        return EXIT_OK if broker.pid() else EXIT_FAILED
+        kafka.stop()
     else:
-        create_topic(cfg, args.partitions)
+        print(kafka.status())
+        running = kafka.running_nodes() if args.nodes > 1 else int(kafka.pid() is not None)
+        return EXIT_OK if running == args.nodes else EXIT_FAILED
     return EXIT_OK
 
 

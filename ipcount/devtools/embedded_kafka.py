@@ -1,9 +1,10 @@
-"""A real single-node Kafka broker (KRaft, broker + controller in one JVM) on 127.0.0.1.
+"""Real Kafka on 127.0.0.1 (KRaft, broker + controller in one JVM per node): a single node,
+or a three-node cluster whose topics are replicated three times (min.insync.replicas 2).
 
-Its jars come from Maven Central through bin/setup; its state (config, data, log, pid)
-lives under one directory, ``.local/kafka`` by default. With :class:`SecureListeners` it also
-serves SASL_SSL, SASL_PLAINTEXT and mutual-TLS SSL next to its PLAINTEXT port, for trying and
-testing the pipeline's Kafka security settings.
+Its jars come from Maven Central through bin/setup; a node's state (config, data, log, pid)
+lives under one directory, ``.local/kafka`` by default. With :class:`SecureListeners` a
+single node also serves SASL_SSL, SASL_PLAINTEXT and mutual-TLS SSL next to its PLAINTEXT
+port, for trying and testing the pipeline's Kafka security settings.
 """
 from __future__ import annotations
 
@@ -75,6 +76,10 @@ class EmbeddedKafka:
     controller_port: int = 9093
     heap: str = "512m"
     secure: SecureListeners | None = None
+    # Membership of a cluster (see EmbeddedKafkaCluster); the defaults are a cluster of one.
+    node_id: int = 1
+    quorum_voters: str = ""
+    replication: int = 1
 
     @property
     def tls(self) -> DevTls:
@@ -154,25 +159,32 @@ class EmbeddedKafka:
     def _write_config(self) -> Path:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         props = self.state_dir / "server.properties"
+        # Replicated topics and internal topics need a quorum of replicas for acks=all writes.
+        min_isr = 2 if self.replication >= 3 else 1
         write_private_file(props, "\n".join([  # it may hold the PLAIN user's password
             "process.roles=broker,controller",
-            "node.id=1",
-            f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
+            f"node.id={self.node_id}",
+            f"controller.quorum.voters={self.quorum_voters or f'{self.node_id}@127.0.0.1:{self.controller_port}'}",
             *self._listener_lines(),
             "inter.broker.listener.name=PLAINTEXT",
             "controller.listener.names=CONTROLLER",
             f"log.dirs={self.state_dir / 'data'}",
             "num.partitions=3",
-            # One broker: internal topics cannot have the default replication of 3.
-            "offsets.topic.replication.factor=1",
+            # Topics created without a replication factor (the pipeline's) get the node count.
+            f"default.replication.factor={self.replication}",
+            f"min.insync.replicas={min_isr}",
+            f"offsets.topic.replication.factor={self.replication}",
             "offsets.topic.num.partitions=3",
-            "transaction.state.log.replication.factor=1",
-            "transaction.state.log.min.isr=1",
+            f"transaction.state.log.replication.factor={self.replication}",
+            f"transaction.state.log.min.isr={min_isr}",
             "transaction.state.log.num.partitions=3",
-            "share.coordinator.state.topic.replication.factor=1",
-            "share.coordinator.state.topic.min.isr=1",
+            f"share.coordinator.state.topic.replication.factor={self.replication}",
+            f"share.coordinator.state.topic.min.isr={min_isr}",
             "group.initial.rebalance.delay.ms=0",
             "auto.create.topics.enable=false",
+            # A killed node's partitions move to another leader after this long without heartbeats.
+            "broker.session.timeout.ms=6000",
+            "broker.heartbeat.interval.ms=1000",
             "",
         ]))
         (self.state_dir / "log4j2.properties").write_text("\n".join([
@@ -215,26 +227,39 @@ class EmbeddedKafka:
 
     def start(self, timeout: float = 90.0) -> None:
         """Start the broker (formatting its storage the first time) and wait until it serves."""
-        if self.pid() is not None and self.is_listening():
+        if self.is_running():
             log.info("Kafka broker already running at %s (pid %s)", self.bootstrap_servers, self.pid())
             return
+        self.wait_ready(self.launch(), timeout)
+
+    def is_running(self) -> bool:
+        return self.pid() is not None and self.is_listening()
+
+    def new_cluster_id(self) -> str:
+        # The last line: before the node's first config is written, log4j complains above it.
+        return subprocess.run(self._java("kafka.tools.StorageTool", "random-uuid"), check=True, capture_output=True,
+                              text=True).stdout.split()[-1]
+
+    def launch(self, cluster_id: str | None = None) -> subprocess.Popen:
+        """Start the broker's JVM without waiting for it (a cluster's nodes only become ready
+        together, once a quorum of their controllers runs). All nodes of a cluster are
+        formatted with one cluster id."""
         if self.is_listening():
             raise BrokerStartError(f"port {self.port} is taken by another process; pick another port")
         props = self._write_config()
         if not (self.state_dir / "data" / "meta.properties").exists():
-            cluster_id = subprocess.run(self._java("kafka.tools.StorageTool", "random-uuid"),
-                                        check=True, capture_output=True, text=True).stdout.strip()
+            cluster_id = cluster_id or self.new_cluster_id()
             log.info("formatting KRaft storage in %s (cluster id %s)", self.state_dir / "data", cluster_id)
             subprocess.run(self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)),
                            check=True, capture_output=True, text=True)
-        log.info("starting Kafka broker at %s (log: %s)", self.bootstrap_servers, self.log_file)
+        log.info("starting Kafka broker %d at %s (log: %s)", self.node_id, self.bootstrap_servers, self.log_file)
         with open(self.state_dir / "broker.out", "ab") as out:
             proc = subprocess.Popen(self._java("kafka.Kafka", str(props)), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self._pid_file.write_text(str(proc.pid))
-        self._wait_ready(proc, timeout)
+        return proc
 
-    def _wait_ready(self, proc: subprocess.Popen, timeout: float) -> None:
+    def wait_ready(self, proc: subprocess.Popen, timeout: float, brokers: int = 1) -> None:
         from kafka import KafkaAdminClient
         from kafka.errors import KafkaError
 
@@ -246,8 +271,13 @@ class EmbeddedKafka:
             if self.is_listening():
                 try:
                     client = KafkaAdminClient(bootstrap_servers=self.bootstrap_servers, request_timeout_ms=5000)
-                    client.describe_cluster()
-                    client.close()
+                    try:
+                        seen = len(client.describe_cluster()["brokers"])
+                    finally:
+                        client.close()
+                    if seen < brokers:  # a cluster's node: ready once it sees every broker
+                        time.sleep(0.5)
+                        continue
                     log.info("Kafka broker ready at %s", self.bootstrap_servers)
                     if self.secure is not None:
                         self._add_scram_user()
@@ -294,13 +324,32 @@ class EmbeddedKafka:
                         from None
                 time.sleep(0.5)
 
+    def kill(self) -> None:
+        """SIGKILL the broker, as a crashed machine would stop it (for failure tests)."""
+        pid = self.pid()
+        if pid is not None:
+            log.info("killing Kafka broker %d (pid %d)", self.node_id, pid)
+            os.kill(pid, signal.SIGKILL)
+            while self.pid() is not None:
+                time.sleep(0.1)
+
     def stop(self, timeout: float = 30.0) -> None:
+        self.wait_stopped(self.terminate(), timeout)
+
+    def terminate(self) -> int | None:
+        """Ask the broker to shut down (SIGTERM) without waiting; its pid, or None."""
         pid = self.pid()
         if pid is None:
             log.info("Kafka broker is not running")
-            return
-        log.info("stopping Kafka broker (pid %d)", pid)
+            return None
+        log.info("stopping Kafka broker %d (pid %d)", self.node_id, pid)
         os.kill(pid, signal.SIGTERM)
+        return pid
+
+    def wait_stopped(self, pid: int | None, timeout: float = 30.0) -> None:
+        """Wait for a terminated broker to exit; SIGKILL it after ``timeout``."""
+        if pid is None:
+            return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.pid() is not None:
             time.sleep(0.3)
@@ -313,3 +362,69 @@ class EmbeddedKafka:
         if pid is not None and self.is_listening():
             return f"running at {self.bootstrap_servers} (pid {pid}, state {self.state_dir})"
         return "not running"
+
+
+@dataclass(frozen=True)
+class EmbeddedKafkaCluster:
+    """Three (or ``len(ports)``) KRaft nodes, each broker and controller, on 127.0.0.1: what
+    users run, so a node can die (a partition's leader, the group's coordinator, the active
+    controller) while the others serve. Topics get replication factor 3 and
+    min.insync.replicas 2 by default, so acks=all writes survive one node's loss."""
+    state_dir: Path = STATE_DIR / "kafka-cluster"
+    ports: tuple[int, ...] = (9092, 9094, 9096)
+    controller_ports: tuple[int, ...] = (9093, 9095, 9097)
+    heap: str = "384m"
+
+    @classmethod
+    def from_port(cls, port: int, state_dir: Path, nodes: int = 3) -> "EmbeddedKafkaCluster":
+        """Node i (from 0) serves clients on port + 2i and its controller on port + 2i + 1."""
+        return cls(state_dir=state_dir, ports=tuple(port + 2 * i for i in range(nodes)),
+                   controller_ports=tuple(port + 2 * i + 1 for i in range(nodes)))
+
+    @property
+    def nodes(self) -> list[EmbeddedKafka]:
+        voters = ",".join(f"{i}@127.0.0.1:{c}" for i, c in enumerate(self.controller_ports, start=1))
+        return [EmbeddedKafka(state_dir=self.state_dir / f"node-{i}", port=port, controller_port=controller,
+                              heap=self.heap, node_id=i, quorum_voters=voters, replication=min(3, len(self.ports)))
+                for i, (port, controller) in enumerate(zip(self.ports, self.controller_ports), start=1)]
+
+    def node(self, node_id: int) -> EmbeddedKafka:
+        return self.nodes[node_id - 1]
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(node.bootstrap_servers for node in self.nodes)
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Start the nodes that are not running (all of them, or one killed earlier) and wait
+        until every node sees all brokers."""
+        nodes = self.nodes
+        down = [node for node in nodes if not node.is_running()]
+        if not down:
+            log.info("Kafka cluster already running at %s", self.bootstrap_servers)
+            return
+        id_file = self.state_dir / "cluster.id"
+        if not id_file.exists():
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(nodes[0].new_cluster_id())
+        procs = [(node, node.launch(id_file.read_text().strip())) for node in down]
+        try:
+            for node, proc in procs:
+                node.wait_ready(proc, timeout, brokers=len(nodes))
+        except BrokerStartError:
+            self.stop()
+            raise
+        log.info("Kafka cluster ready at %s (%d nodes)", self.bootstrap_servers, len(nodes))
+
+    def stop(self) -> None:
+        # All at once: a node shutting down alone waits for a controller quorum that the
+        # nodes stopped before it no longer make up.
+        pids = [(node, node.terminate()) for node in self.nodes]
+        for node, pid in pids:
+            node.wait_stopped(pid)
+
+    def status(self) -> str:
+        return "\n".join(f"node {node.node_id}: {node.status()}" for node in self.nodes)
+
+    def running_nodes(self) -> int:
+        return sum(node.is_running() for node in self.nodes)

@@ -266,10 +266,11 @@ def _group_start(cfg: PipelineConfig, earliest: Mapping[int, int], latest: Mappi
 
 
 def create_topic(cfg: PipelineConfig, partitions: int) -> bool:
-    """Create the topic; False (and a log line) if it already exists."""
+    """Create the topic, replicated as the brokers' ``default.replication.factor`` says;
+    False (and a log line) if it already exists."""
     with admin_client(cfg) as client:
         try:
-            client.create_topics({cfg.topic: {"num_partitions": partitions, "replication_factor": 1}})
+            client.create_topics({cfg.topic: {"num_partitions": partitions}}, wait_for_metadata=True)
         except TopicAlreadyExistsError:
             log.info("topic %s already exists", cfg.topic)
             return False

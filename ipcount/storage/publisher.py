@@ -36,10 +36,11 @@ def publisher_id(cfg: PipelineConfig) -> str:
 
 
 def create_sink_topic(cfg: PipelineConfig, topic: str, partitions: int = 3) -> bool:
-    """The sink topic, compacted (the latest count per key stays); False if it exists."""
+    """The sink topic, compacted (the latest count per key stays) and replicated as the
+    brokers' ``default.replication.factor`` says; False if it exists."""
     with admin_client(cfg) as client:
         try:
-            client.create_topics({topic: {"num_partitions": partitions, "replication_factor": 1,
+            client.create_topics({topic: {"num_partitions": partitions,
                                           "configs": {"cleanup.policy": "compact"}}}, wait_for_metadata=True)
         except TopicAlreadyExistsError:
             return False
