@@ -9,7 +9,7 @@ RUN apt-get update \
 
 WORKDIR /opt/ipcount
 COPY requirements.txt constraints.txt ./
-RUN pip install --no-cache-dir -r requirements.txt -c constraints.txt psycopg2-binary==2.9.13
+RUN pip install --no-cache-dir -r requirements.txt -c constraints.txt
 COPY jars ./jars
 RUN for pom in kafka-broker:kafka spark-extras:spark; do \
       mvn -s jars/maven-settings.xml -B -q -f "jars/${pom%%:*}.xml" dependency:copy-dependencies \

@@ -15,6 +15,7 @@
                a three-node cluster); create-topic
     s3         start / stop / status of an embedded S3-compatible server (s3proxy), for tables on S3
     spark-cluster  start / stop / status of a local Spark standalone master and workers
+    postgres   start / stop / status of an embedded PostgreSQL server for Airflow's metadata
     consumer-groups  Kafka's kafka-consumer-groups tool, logged in with the pipeline's settings
     config     print the effective configuration
 """
@@ -614,6 +615,34 @@ def _spark_cluster(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     return EXIT_OK
 
 
+def _postgres_arguments(sub) -> None:
+    p = sub.add_parser("postgres", help="manage an embedded PostgreSQL server for Airflow's metadata",
+                       description="Start, stop or inspect Debian's PostgreSQL server (bin/setup --postgres "
+                                   "installs it) on 127.0.0.1 with a database and role `airflow` (its password "
+                                   "in STATE_DIR/password, mode 0600). Then run Airflow on it with "
+                                   "`bin/ipcount airflow --database postgres ...` or `bin/run --airflow-db "
+                                   "postgres`. Run as root, the server runs as the OS user postgres.")
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("--port", type=int, default=5433, help="port on 127.0.0.1 (default 5433; 5432 is left to a "
+                                                         "system cluster)")
+    p.add_argument("--state-dir", default=str(STATE_DIR / "postgres"), help="the cluster, its log and password")
+    _add_config_flags(p)
+
+
+def _postgres(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.devtools.embedded_postgres import EmbeddedPostgres
+
+    server = EmbeddedPostgres(state_dir=Path(args.state_dir), port=args.port)
+    if args.action == "start":
+        server.start()
+    elif args.action == "stop":
+        server.stop()
+    else:
+        print(server.status())
+        return EXIT_OK if server.pid() is not None else EXIT_FAILED
+    return EXIT_OK
+
+
 def _consumer_groups_arguments(sub) -> None:
     p = sub.add_parser("consumer-groups", help="Kafka's kafka-consumer-groups, logged in as the pipeline",
                        description="Run Kafka's kafka-consumer-groups tool against the pipeline's broker with "
@@ -634,10 +663,17 @@ def _consumer_groups(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 def _airflow_arguments(sub) -> None:
     p = sub.add_parser("airflow", help="run an airflow command in the embedded stack's environment",
                        description="Run `airflow ARGS...` with the embedded stack's settings (SQLite in "
-                                   "AIRFLOW_HOME, LocalExecutor, this repo's dags/ and plugins/, the "
-                                   "spark_default connection), e.g. `bin/ipcount airflow dags list`.")
+                                   "AIRFLOW_HOME or the embedded PostgreSQL, LocalExecutor, this repo's dags/ "
+                                   "and plugins/, the spark_default connection), e.g. `bin/ipcount airflow "
+                                   "dags list`.")
     p.add_argument("--airflow-home", default=str(STATE_DIR / "airflow"), help="AIRFLOW_HOME (default .local/airflow)")
     p.add_argument("--api-port", type=int, default=8080, help="api-server port (default 8080)")
+    p.add_argument("--database", choices=("sqlite", "postgres"), default="sqlite",
+                   help="the metadata database: SQLite in AIRFLOW_HOME (default), or the embedded PostgreSQL "
+                        "(`bin/ipcount postgres start` first)")
+    p.add_argument("--postgres-port", type=int, default=5433, help="the embedded PostgreSQL's port (default 5433)")
+    p.add_argument("--postgres-state-dir", default=str(STATE_DIR / "postgres"),
+                   help="the embedded PostgreSQL's state dir (default .local/postgres)")
     p.add_argument("airflow_args", nargs=argparse.REMAINDER, help="arguments for airflow")
     _add_config_flags(p)
 
@@ -646,7 +682,13 @@ def _airflow(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.devtools.embedded_airflow import airflow_env, keep_passwords_private
 
     keep_passwords_private(Path(args.airflow_home))
-    env = airflow_env(Path(args.airflow_home), args.api_port, spark_master=cfg.spark_master)
+    database = None
+    if args.database == "postgres":
+        from ipcount.devtools.embedded_postgres import EmbeddedPostgres
+
+        database = EmbeddedPostgres(state_dir=Path(args.postgres_state_dir), port=args.postgres_port) \
+            .airflow_environment()
+    env = airflow_env(Path(args.airflow_home), args.api_port, spark_master=cfg.spark_master, database=database)
     # The DAG reads its settings from IPCOUNT_* variables: hand over any given as flags.
     for name, value in cfg.to_dict().items():
         if getattr(args, name, None) is not None:
@@ -684,6 +726,7 @@ COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
     "kafka": (_kafka_arguments, _kafka),
     "s3": (_s3_arguments, _s3),
     "spark-cluster": (_spark_cluster_arguments, _spark_cluster),
+    "postgres": (_postgres_arguments, _postgres),
     "consumer-groups": (_consumer_groups_arguments, _consumer_groups),
     "airflow": (_airflow_arguments, _airflow),
     "config": (_config_arguments, _config),

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -19,8 +21,8 @@ from ipcount.rules.config import PipelineConfig
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
 
 
-def service_env(home: Path, cfg: PipelineConfig, port: int) -> dict[str, str]:
-    env = airflow_env(home, api_port=port, spark_master=cfg.spark_master)
+def service_env(home: Path, cfg: PipelineConfig, port: int, database: dict | None = None) -> dict[str, str]:
+    env = airflow_env(home, api_port=port, spark_master=cfg.spark_master, database=database)
     env.update(cfg.to_env())
     return env
 
@@ -72,3 +74,38 @@ def access_token(base_url: str, home: Path, user: str = ADMIN_USER) -> str:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.load(response)["access_token"]
+
+
+@contextmanager
+def airflow_database(kind: str):
+    """Settings for a fresh metadata database (``airflow_env(database=...)``): ``"sqlite"``, a
+    file in the Airflow home (no settings), or ``"postgres"``, a PostgreSQL server of its own
+    (Debian's, through the project's module; it starts in about a second), removed afterwards.
+    Its state dir is under /tmp, which the server's OS user can reach when the tests run as root."""
+    if kind == "sqlite":
+        yield {}
+        return
+    from ipcount.devtools.embedded_postgres import EmbeddedPostgres
+    from tests.conftest import free_port
+
+    server = EmbeddedPostgres(state_dir=Path(tempfile.mkdtemp(prefix="ipcount-airflow-db-")), port=free_port())
+    server.start()
+    try:
+        yield server.airflow_environment()
+    finally:
+        server.stop()
+        shutil.rmtree(server.state_dir, ignore_errors=True)
+
+
+def metadata_rows(env: dict, sql: str, **params) -> list[tuple]:
+    """Rows of a query on the Airflow metadata database ``env`` points at (PostgreSQL, or the
+    SQLite file in AIRFLOW_HOME); ``:name`` placeholders take ``params``."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN")
+                           or f"sqlite:///{env['AIRFLOW_HOME']}/airflow.db")
+    try:
+        with engine.connect() as connection:
+            return [tuple(row) for row in connection.execute(text(sql), params)]
+    finally:
+        engine.dispose()

@@ -1,5 +1,6 @@
-"""The environment Airflow runs in on the embedded stack (SQLite, LocalExecutor, this repo's
-DAGs and plugins). Used by ``bin/ipcount airflow ...``, bin/run and the tests alike."""
+"""The environment Airflow runs in on the embedded stack (SQLite, or PostgreSQL from
+:mod:`ipcount.devtools.embedded_postgres`; LocalExecutor; this repo's DAGs and plugins). Used
+by ``bin/ipcount airflow ...``, bin/run and the tests alike."""
 from __future__ import annotations
 
 import json
@@ -20,9 +21,11 @@ SQLITE_CONNECT_ARGS = {"timeout": 60}
 
 
 def airflow_env(home: Path = DEFAULT_AIRFLOW_HOME, api_port: int = 8080, spark_master: str = "local[*]",
-                base: Mapping[str, str] | None = None) -> dict[str, str]:
+                base: Mapping[str, str] | None = None, database: Mapping[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) plus Airflow's settings. ``IPCOUNT_*``
-    variables in ``base`` pass through to the DAG, which reads its config from them."""
+    variables in ``base`` pass through to the DAG, which reads its config from them.
+    ``database``: the metadata database's settings (EmbeddedPostgres.airflow_environment());
+    default SQLite in ``home``."""
     env = dict(os.environ if base is None else base)
     venv_bin = str(Path(sys.executable).parent)
     env.update({
@@ -44,6 +47,7 @@ def airflow_env(home: Path = DEFAULT_AIRFLOW_HOME, api_port: int = 8080, spark_m
         # spark-submit runs the epoch; the connection names the master (local mode here).
         "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": spark_master}),
         "PATH": venv_bin + os.pathsep + env.get("PATH", ""),
+        **(database or {}),
     })
     return env
 

@@ -2,18 +2,18 @@
 
 Each backfill run counts the records whose Kafka timestamps fall in its data interval and
 that the ledger does not own yet; an interval the scheduled chain already counted is a
-reported no-op.
+reported no-op. On SQLite and on PostgreSQL, where the backfill is created while the
+scheduler runs.
 """
 from __future__ import annotations
 
-import sqlite3
 import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from ipcount.devtools.generator import TrafficGenerator, produce
-from tests.airflow_services import airflow, airflow_services, service_env
+from tests.airflow_services import airflow, airflow_database, airflow_services, metadata_rows, service_env
 from tests.conftest import free_port, run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, lanes, ledger, owned_offsets
@@ -21,30 +21,34 @@ from tests.tables import counts, lanes, ledger, owned_offsets
 pytestmark = pytest.mark.airflow
 
 
-def _runs(home, run_type):
-    db = sqlite3.connect(home / "airflow.db")
-    try:
-        return db.execute("SELECT run_id, state, data_interval_start FROM dag_run WHERE dag_id = 'ipcount_epoch' "
-                          "AND run_type = ? ORDER BY data_interval_start", (run_type,)).fetchall()
-    finally:
-        db.close()
+def _runs(env, run_type):
+    return metadata_rows(env, "SELECT run_id, state, data_interval_start FROM dag_run WHERE dag_id = 'ipcount_epoch' "
+                              "AND run_type = :run_type ORDER BY data_interval_start", run_type=run_type)
 
 
-def _wait_for(home, run_type, count, timeout=600):
+def _wait_for(env, run_type, count, timeout=600):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        runs = _runs(home, run_type)
+        runs = _runs(env, run_type)
         if len(runs) >= count and all(state in ("success", "failed") for _, state, _ in runs):
             return runs
         time.sleep(3)
-    raise AssertionError(f"{run_type} runs did not finish: {_runs(home, run_type)}; see {home}/*.log and {home}/logs")
+    home = env["AIRFLOW_HOME"]
+    raise AssertionError(f"{run_type} runs did not finish: {_runs(env, run_type)}; see {home}/*.log and {home}/logs")
 
 
-def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path, epoch_server):
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(request):
+    with airflow_database(request.param) as settings:
+        yield request.param, settings
+
+
+def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path, epoch_server, database):
+    kind, settings = database
     cfg = epoch_server.serve(cfg.replace(schedule="@daily"))  # the runs' Spark jobs go to the server
     home = tmp_path / "airflow"
     home.mkdir()
-    env = service_env(home, cfg, free_port())
+    env = service_env(home, cfg, free_port(), database=settings)
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     day = lambda n: int((today - timedelta(days=n)).timestamp() * 1000)  # noqa: E731
     gen = TrafficGenerator(seed=71, events_per_second=50, malformed_share=0.03)
@@ -57,20 +61,25 @@ def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path,
     airflow(env, "dags", "reserialize")
     with airflow_services(home, env):
         # The scheduler's own run (the latest interval) finds nothing new.
-        (scheduled,) = _wait_for(home, "scheduled", 1)
+        (scheduled,) = _wait_for(env, "scheduled", 1)
         assert scheduled[1] == "success"
-    # Then history arrives that only a backfill will count: records stamped two days ago.
-    # The backfill is created while the scheduler is stopped: on SQLite, `backfill create`
-    # racing a busy scheduler can fail with "database is locked" (a snapshot conflict that no
-    # lock timeout waits out), and Airflow's clean-up after it can crash the scheduler.
-    second = produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=72, events_per_second=50)
-                     .records(90, day(2) + 3_600_000), partition_of=lambda i, r: i % 3,
-                     timestamp_of=lambda i, r: day(2) + 3_600_000 + i * 1000)
-    start, end = today - timedelta(days=3), today - timedelta(days=2)
-    airflow(env, "backfill", "create", "--dag-id", "ipcount_epoch", "--from-date", start.isoformat(),
-            "--to-date", end.isoformat())
-    with airflow_services(home, env):
-        runs = _wait_for(home, "backfill", 2)
+        # Then history arrives that only a backfill will count: records stamped two days ago.
+        second = produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=72, events_per_second=50)
+                         .records(90, day(2) + 3_600_000), partition_of=lambda i, r: i % 3,
+                         timestamp_of=lambda i, r: day(2) + 3_600_000 + i * 1000)
+        start, end = today - timedelta(days=3), today - timedelta(days=2)
+        backfill = ("backfill", "create", "--dag-id", "ipcount_epoch", "--from-date", start.isoformat(),
+                    "--to-date", end.isoformat())
+        if kind == "postgres":  # beside the running scheduler, as users do
+            airflow(env, *backfill)
+            runs = _wait_for(env, "backfill", 2)
+    if kind == "sqlite":
+        # With the scheduler stopped: on SQLite, `backfill create` racing a busy scheduler can
+        # fail with "database is locked" (a snapshot conflict that no lock timeout waits out),
+        # and Airflow's clean-up after it can crash the scheduler.
+        airflow(env, *backfill)
+        with airflow_services(home, env):
+            runs = _wait_for(env, "backfill", 2)
     assert [state for _, state, _ in runs] == ["success", "success"], runs
     (covered_run, _, _), (new_run, _, _) = runs
     produced = first + second

@@ -1,8 +1,8 @@
-"""The real Airflow: the DAG folder imports cleanly, and `airflow dags test` runs a real epoch."""
+"""The real Airflow: the DAG folder imports cleanly, and `airflow dags test` runs a real epoch,
+on each metadata database the pipeline supports: SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 from collections import Counter
@@ -17,6 +17,7 @@ from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.orchestration.monitor.links import run_page_path
 from ipcount.storage import broker as broker_io
 from ipcount.storage.ledger import committed_epochs
+from tests.airflow_services import airflow_database, metadata_rows
 from tests.conftest import BROKER_PASSWORD, free_port
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
@@ -28,27 +29,29 @@ def _iso_ms(text: str) -> int:
     return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
 
 
-def _env(home, cfg=None):
-    env = airflow_env(home, api_port=18080)
+def _env(airflow, cfg=None):
+    env = dict(airflow)
     if cfg is not None:
         env.update(cfg.to_env())
     return env
 
 
-def _airflow(home, *args, cfg=None, timeout=600):
+def _airflow(airflow, *args, cfg=None, timeout=600):
     return subprocess.run([str(Path(sys.executable).parent / "airflow"), *args],
-                          env=_env(home, cfg), capture_output=True, text=True, timeout=timeout)
+                          env=_env(airflow, cfg), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def airflow_home(tmp_path_factory):
-    home = tmp_path_factory.mktemp("airflow")
-    proc = _airflow(home, "db", "migrate")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return home
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def airflow(request, tmp_path_factory):
+    """An Airflow home's environment, its metadata in a fresh database of the given kind."""
+    with airflow_database(request.param) as database:
+        env = airflow_env(tmp_path_factory.mktemp("airflow"), api_port=18080, database=database)
+        proc = _airflow(env, "db", "migrate")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        yield env
 
 
-def test_dag_folder_imports_without_errors(airflow_home):
+def test_dag_folder_imports_without_errors(airflow):
     script = (
         "import json\n"
         "from airflow.dag_processing.dagbag import DagBag\n"
@@ -62,7 +65,7 @@ def test_dag_folder_imports_without_errors(airflow_home):
         "    'periodic': getattr(d.timetable, 'periodic', False), 'timetable': type(d.timetable).__name__,\n"
         "    'params': sorted(d.params.keys())}\n"
         "print(json.dumps(info))\n")
-    proc = subprocess.run([sys.executable, "-c", script], env=_env(airflow_home), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], env=_env(airflow), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -79,14 +82,14 @@ def test_dag_folder_imports_without_errors(airflow_home):
                              "periodic": False, "timetable": "NullTimetable", "params": sorted(BACKFILL_PARAMS)},
     }
     # the lowest-latency schedule: each run as the last one ends
-    proc = subprocess.run([sys.executable, "-c", script], env={**_env(airflow_home), "IPCOUNT_SCHEDULE": "@continuous"},
+    proc = subprocess.run([sys.executable, "-c", script], env={**_env(airflow), "IPCOUNT_SCHEDULE": "@continuous"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     epoch_dag = json.loads(proc.stdout.strip().splitlines()[-1])["ipcount_epoch"]
     assert (epoch_dag["timetable"], epoch_dag["max_active_runs"]) == ("ContinuousTimetable", 1), epoch_dag
 
 
-def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
+def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow, cfg):
     gen = TrafficGenerator(seed=31, events_per_second=50, malformed_share=0.03)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(400, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
@@ -95,7 +98,7 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     cfg = cfg.replace(epoch_server=f"http://127.0.0.1:{free_port()}", publish=True,
                       publish_topic=f"sink_{cfg.topic}")
 
-    proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", cfg=cfg)
+    proc = _airflow(airflow, "dags", "test", "ipcount_epoch", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert f"no epoch server answers at {cfg.epoch_server}: running the command with spark-submit" \
         in proc.stdout + proc.stderr
@@ -117,9 +120,10 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     assert Counter({(_iso_ms(v["window_start"]), v["ip"]): v["count"] for v in values}) == counts(cfg)
     assert len(values) == len(counts(cfg))  # each row once
 
-    db = sqlite3.connect(airflow_home / "airflow.db")
-    (extra,) = db.execute("SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id "
-                          "WHERE a.uri = ?", (f"file://{cfg.counts_path}",)).fetchone()
+    db = lambda sql, **params: metadata_rows(airflow, sql, **params)  # noqa: E731
+    # JSON columns as their text, which SQLite and PostgreSQL both give.
+    ((extra,),) = db("SELECT CAST(e.extra AS TEXT) FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+                     "WHERE a.uri = :uri", uri=f"file://{cfg.counts_path}")
     published = json.loads(extra)
     assert published["epochs"][0]["epoch"] == 1
     assert published["epochs"][0]["ranges"] == {
@@ -127,27 +131,27 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_home, cfg):
     assert published["records_counted"] == sum(expected.counts.values())
 
     # The run's note (written by the monitoring plugin's listener) and the epoch task's link.
-    (run_id, note), = db.execute("SELECT r.run_id, n.content FROM dag_run r JOIN dag_run_note n "
-                                 "ON n.dag_run_id = r.id WHERE r.dag_id = 'ipcount_epoch'").fetchall()
+    (run_id, note), = db("SELECT r.run_id, n.content FROM dag_run r JOIN dag_run_note n "
+                         "ON n.dag_run_id = r.id WHERE r.dag_id = 'ipcount_epoch'")
     spans = " ".join(f"p{p} [{f}, {u})" for p, (f, u) in sorted(epoch_ranges(cfg)[0].items()))
     assert f"**epoch 1** (scheduled) committed: {spans}; read {len(produced)}, counted " \
            f"{sum(expected.counts.values())}" in note
-    (link,) = db.execute("SELECT value FROM xcom WHERE run_id = ? AND task_id = 'run_epoch' "
-                         "AND key = '_link_EpochPageLink'", (run_id,)).fetchone()
+    ((link,),) = db("SELECT CAST(value AS TEXT) FROM xcom WHERE run_id = :run_id AND task_id = 'run_epoch' "
+                    "AND key = '_link_EpochPageLink'", run_id=run_id)
     assert json.loads(link).endswith(run_page_path("ipcount_epoch", run_id))
 
     # Nothing new now: the next run finds that out without Spark and skips the epoch.
-    proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", cfg=cfg)
+    proc = _airflow(airflow, "dags", "test", "ipcount_epoch", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert "skipping the epoch: nothing new" in proc.stdout + proc.stderr
-    states = dict(db.execute("SELECT task_id, state FROM task_instance WHERE run_id = (SELECT run_id FROM dag_run "
-                             "WHERE dag_id = 'ipcount_epoch' AND run_id != ?)", (run_id,)).fetchall())
+    states = dict(db("SELECT task_id, state FROM task_instance WHERE run_id = (SELECT run_id FROM dag_run "
+                     "WHERE dag_id = 'ipcount_epoch' AND run_id != :run_id)", run_id=run_id))
     assert states == {"choose_path": "success", "run_epoch": "skipped", "backfill_interval": "skipped",
                       "commit_offsets": "skipped", "publish_counts": "skipped", "publish_summary": "skipped"}
     assert [e.epoch for e in committed_epochs(cfg.ledger_path)] == [1]
 
 
-def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow_home, cfg, broker, epoch_server):
+def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow, cfg, broker, epoch_server):
     """The run's Params reach the epoch server as the same flags spark-submit gets. The
     pipeline's Kafka settings come from an Airflow connection of type kafka (SASL_SSL, SCRAM):
     every task logs in with it (the idle check, the epoch, whose server logs in with its own
@@ -165,7 +169,7 @@ def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow_home, 
         "ssl.ca.location": secure.kafka_ssl_cafile}}
     dag_cfg = cfg.replace(epoch_server=served.epoch_server, epoch_server_token_file=served.epoch_server_token_file,
                           kafka_connection="ipcount_kafka", bootstrap_servers="127.0.0.1:1", commit_offsets=False)
-    env = {**_env(airflow_home, dag_cfg), "AIRFLOW_CONN_IPCOUNT_KAFKA": json.dumps(connection)}
+    env = {**_env(airflow, dag_cfg), "AIRFLOW_CONN_IPCOUNT_KAFKA": json.dumps(connection)}
     proc = subprocess.run([str(Path(sys.executable).parent / "airflow"), "dags", "test", "ipcount_epoch", "-c", conf],
                           env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
@@ -179,8 +183,8 @@ def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow_home, 
     assert broker_io.group_offsets(secure) == {p: u for p, (f, u) in ranges.items()}
 
 
-def test_invalid_run_params_are_refused_before_anything_runs(airflow_home, cfg):
-    proc = _airflow(airflow_home, "dags", "test", "ipcount_epoch", "-c", json.dumps({"window_seconds": 0}), cfg=cfg)
+def test_invalid_run_params_are_refused_before_anything_runs(airflow, cfg):
+    proc = _airflow(airflow, "dags", "test", "ipcount_epoch", "-c", json.dumps({"window_seconds": 0}), cfg=cfg)
     assert proc.returncode != 0
     assert "window_seconds" in proc.stdout + proc.stderr
     assert committed_epochs(cfg.ledger_path) == []
@@ -191,7 +195,7 @@ def _ledger_rows(cfg):
     return ledger(cfg) if Path(cfg.ledger_path).exists() else []
 
 
-def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home, cfg, epoch_server):
+def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow, cfg, epoch_server):
     from tests.tables import lanes
 
     cfg = epoch_server.serve(cfg)  # the backfill runs in the epoch server
@@ -200,7 +204,7 @@ def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home,
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
     conf = json.dumps({"offsets": "0:0-60,1:10-50", "max_records_per_epoch": 40})
-    proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
+    proc = _airflow(airflow, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert "running `backfill` in the epoch server" in proc.stdout + proc.stderr
     rows = _ledger_rows(cfg)
@@ -215,18 +219,18 @@ def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_home,
     assert counts(cfg) == expected_tables(produced, epochs).counts
 
     # The same request again: a reported no-op.
-    proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
+    proc = _airflow(airflow, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert "skipping what the ledger already owns" in proc.stdout + proc.stderr
     assert len(_ledger_rows(cfg)) == len(rows)
 
     # A bad request fails in check_request, before Spark starts and before any write ...
-    proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c", json.dumps({"offsets": "0:0-100000"}),
+    proc = _airflow(airflow, "dags", "test", "ipcount_backfill", "-c", json.dumps({"offsets": "0:0-100000"}),
                     cfg=cfg)
     assert proc.returncode != 0 and "beyond the end of the log" in proc.stdout + proc.stderr, \
         (proc.stdout + proc.stderr)[-3000:]
     # ... and a target that is not a plain identifier is refused by the form's JSON schema.
-    proc = _airflow(airflow_home, "dags", "test", "ipcount_backfill", "-c",
+    proc = _airflow(airflow, "dags", "test", "ipcount_backfill", "-c",
                     json.dumps({"offsets": "0:0-10", "target": "../x"}), cfg=cfg)
     assert proc.returncode != 0 and "target" in proc.stdout + proc.stderr
     assert len(_ledger_rows(cfg)) == len(rows)
@@ -252,3 +256,38 @@ def test_backfill_form_checks_say_what_to_fix(cfg):
     assert ok["target"] == "audit" and ok["ranges"] == [f"{cfg.topic}-0[0,10)"]
     assert not Path(cfg.warehouse).exists()
 
+
+
+def test_the_postgres_command_serves_airflow_commands(tmp_path_factory):
+    """`bin/ipcount postgres start`, then `bin/ipcount airflow --database postgres ...` on it."""
+    import shutil
+    import tempfile
+
+    from ipcount.devtools.embedded_postgres import EmbeddedPostgres
+
+    state = Path(tempfile.mkdtemp(prefix="ipcount-pg-cli-"))  # under /tmp: reachable by the OS user postgres
+    where = ["--port", str(free_port()), "--state-dir", str(state)]
+    cli = lambda *args: subprocess.run([sys.executable, "-m", "ipcount.cli", *args], capture_output=True,  # noqa: E731
+                                       text=True, timeout=300)
+    try:
+        assert cli("postgres", "status", *where).returncode != 0
+        started = cli("postgres", "start", *where)
+        assert started.returncode == 0, started.stderr[-3000:]
+        assert cli("postgres", "start", *where).returncode == 0          # idempotent
+        assert cli("postgres", "status", *where).returncode == 0
+        home = tmp_path_factory.mktemp("airflow_pg")
+        db = ["airflow", "--airflow-home", str(home), "--database", "postgres", "--postgres-port", where[1],
+              "--postgres-state-dir", str(state)]
+        for command in (["db", "migrate"], ["db", "check"]):
+            proc = cli(*db, *command)
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        # Airflow's tables are in PostgreSQL, not in a SQLite file in the home.
+        server = EmbeddedPostgres(state_dir=state, port=int(where[1]))
+        rows = metadata_rows({"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": server.sqlalchemy_url()},
+                             "SELECT count(*) FROM information_schema.tables WHERE table_name = 'dag_run'")
+        assert rows == [(1,)] and not (home / "airflow.db").exists()
+        assert (state / "password").stat().st_mode & 0o077 == 0
+    finally:
+        cli("postgres", "stop", *where)
+        shutil.rmtree(state, ignore_errors=True)
+    assert cli("postgres", "status", *where).returncode != 0
