@@ -11,6 +11,7 @@ tables. deltalake is imported inside the functions that need it.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -40,6 +41,25 @@ def has_table(path: str | Path) -> bool:
 
         return DeltaTable.is_deltatable(str(path))
     return (Path(path) / "_delta_log").is_dir()
+
+
+def subdirectory_names(location: str) -> list[str]:
+    """The directories right under ``location`` (a local path, or a prefix on object storage
+    reached with the same AWS_* variables delta-rs reads), sorted; [] if it does not exist."""
+    if not location_scheme(location):
+        root = Path(location)
+        return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    from pyarrow import fs
+
+    # pyarrow reads the credentials and region from the environment itself; an endpoint
+    # other than AWS's (and whether it speaks plain HTTP) comes from AWS_ENDPOINT_URL.
+    options: dict[str, Any] = {}
+    if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
+        scheme, _, host = endpoint.partition("://")
+        options.update(endpoint_override=host.rstrip("/"), scheme=scheme)
+    store = fs.S3FileSystem(**options)
+    found = store.get_file_info(fs.FileSelector(location.split("://", 1)[1].rstrip("/"), allow_not_found=True))
+    return sorted(info.base_name for info in found if info.type == fs.FileType.Directory)
 
 
 # -- SQL text for delta-rs queries ---------------------------------------------------------

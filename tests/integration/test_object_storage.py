@@ -15,8 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs import idle
+from ipcount.jobs.rebuild import rebuild
 from ipcount.jobs.verify import verify
-from ipcount.orchestration.monitor.data import PipelineTables
+from ipcount.orchestration.monitor.data import PipelineTables, replay_targets
+from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage.delta import DeltaReader
 from tests.conftest import free_port, run_until_idle
 from tests.ground_truth import expected_tables
@@ -53,9 +55,12 @@ def test_epochs_and_a_crash_on_object_storage_count_exactly(s3_cfg, spark, objec
     tables = PipelineTables(cfg, DeltaReader())
     assert [e.epoch for e in tables.epoch_index()] == list(range(len(ranges), 0, -1))
     assert tables.latest_window_end().timestamp() * 1000 == max(w for w, _ in expected.counts) + 5_000
+    assert replay_targets(cfg) == [MAIN_TARGET]
+    rebuild(cfg, spark, into="audit")          # a replay table set there: the monitor lists it
+    assert replay_targets(cfg) == [MAIN_TARGET, "audit"]
     # the tables are objects in the store's bucket, not files under a local warehouse
     stored = object_store.state_dir / "data" / object_store.bucket / cfg.topic / "warehouse"
-    assert {p.name for p in stored.iterdir()} == {"counts", "ledger", "dead_letters", "late_records"}
+    assert {p.name for p in stored.iterdir()} == {"counts", "ledger", "dead_letters", "late_records", "replays"}
 
 
 # -- racing commits ------------------------------------------------------------------------

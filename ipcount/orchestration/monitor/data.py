@@ -13,15 +13,15 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Callable
 
 from ipcount.orchestration.kafka_connection import resolved
-from ipcount.rules.config import PipelineConfig, location_scheme
+from ipcount.rules.config import PipelineConfig, join_location
 from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage import broker
-from ipcount.storage.delta import DeltaReader, has_table, sql_identifier, sql_literal, table_metadata
+from ipcount.storage.delta import (DeltaReader, has_table, sql_identifier, sql_literal, subdirectory_names,
+                                   table_metadata)
 from ipcount.storage.publisher import committed_cursor
 
 log = logging.getLogger(__name__)
@@ -114,11 +114,8 @@ def _window_filter(start: datetime, until: datetime) -> str:
 
 def replay_targets(cfg: PipelineConfig) -> list[str]:
     """``main`` and the replay table sets that exist under the warehouse."""
-    if location_scheme(cfg.warehouse):
-        return [MAIN_TARGET]  # not listed on object storage: `verify --target NAME` reads one
-    root = Path(cfg.warehouse) / "replays"
-    names = sorted(p.name for p in root.iterdir() if has_table(p / "ledger")) if root.is_dir() else []
-    return [MAIN_TARGET, *names]
+    root = join_location(cfg.warehouse, "replays")
+    return [MAIN_TARGET, *(name for name in subdirectory_names(root) if has_table(join_location(root, name, "ledger")))]
 
 
 @dataclass(frozen=True)
