@@ -11,7 +11,7 @@ WORKDIR /opt/ipcount
 COPY requirements.txt constraints.txt ./
 RUN pip install --no-cache-dir -r requirements.txt -c constraints.txt
 COPY jars ./jars
-RUN for pom in kafka-broker:kafka spark-extras:spark; do \
+RUN for pom in kafka-broker:kafka spark-extras:spark s3proxy:s3proxy; do \
       mvn -s jars/maven-settings.xml -B -q -f "jars/${pom%%:*}.xml" dependency:copy-dependencies \
         -DoutputDirectory="/opt/ipcount/.local/jars/${pom##*:}" -DincludeScope=runtime; \
     done && rm -rf /root/.m2
@@ -22,8 +22,8 @@ ENV SPARK_HOME=/usr/local/lib/python3.11/site-packages/pyspark \
 # Every service runs as this user, not root. The directories the compose volumes mount are
 # made (and owned) here, so fresh named volumes take this owner.
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin ipcount \
- && mkdir -p /data/warehouse /opt/airflow /run/ipcount /run/kafka-tls \
- && chown ipcount:ipcount /data/warehouse /opt/airflow /run/ipcount \
+ && mkdir -p /data/s3 /opt/airflow /run/ipcount /run/kafka-tls \
+ && chown ipcount:ipcount /data/s3 /opt/airflow /run/ipcount \
  && chmod 700 /run/ipcount \
  && chown 1000:1000 /run/kafka-tls && chmod 700 /run/kafka-tls  # the Kafka image's appuser
 USER 10001

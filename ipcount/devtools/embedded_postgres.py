@@ -150,11 +150,10 @@ class EmbeddedPostgres:
         """Airflow's database settings for this server; apply them after embedded_airflow.airflow_env(),
         whose SQLite connect args they replace."""
         return {
+            # Airflow 3 derives its async URL from this one (postgresql+asyncpg) and opens that
+            # engine in every process, so asyncpg must be installed; docker-compose.yml relies on
+            # the same derivation.
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.sqlalchemy_url("psycopg2"),
-            # Airflow 3 derives this itself (settings._get_async_conn_uri_from_sync: postgresql+<any> ->
-            # postgresql+asyncpg) and makes the async engine in every process, so asyncpg must be
-            # installed either way; set here so it does not depend on that derivation.
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC": self.sqlalchemy_url("asyncpg"),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.POSTGRES_CONNECT_ARGS",
         }
 

@@ -13,6 +13,8 @@ import sys
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
+
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs import idle
 from ipcount.jobs.rebuild import rebuild
@@ -205,3 +207,50 @@ def test_the_s3_command_starts_a_store_the_pipeline_can_use(tmp_path):
     finally:
         s3("stop")
     assert s3("status").returncode == 1
+
+
+def test_the_compose_object_store_takes_one_commit_per_version(tmp_path):
+    """docker-compose.yml's s3 service, its command run here (its port and paths moved onto this
+    machine), with the pipeline's AWS settings from the same file: delta-rs commits there, and
+    of two commits of one version the store takes one."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    import pyarrow as pa
+    import yaml
+    from deltalake import CommitProperties, DeltaTable, write_deltalake
+    from deltalake.exceptions import CommitFailedError
+
+    from ipcount.rules.config import REPO_ROOT
+
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+    port, secret = free_port(), f"compose-{os.getpid()}-{free_port()}"
+    command = (compose["services"]["s3"]["command"][-1].replace("$$", "$").replace(":9000", f":{port}")
+               .replace("/data/s3", str(tmp_path / "s3")).replace("/tmp/s3proxy.conf", str(tmp_path / "s3proxy.conf")))
+    with open(tmp_path / "s3.log", "w") as log:
+        store = subprocess.Popen(["bash", "-c", command], cwd=REPO_ROOT, env={**os.environ, "S3_SECRET": secret},
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).close()
+            except urllib.error.HTTPError:
+                break                                  # refused unsigned: it answers
+            except OSError:
+                assert store.poll() is None, (tmp_path / "s3.log").read_text()[-3000:]
+                time.sleep(0.2)
+        env = compose["x-ipcount-env"]
+        options = {**{k: v for k, v in env.items() if k.startswith("AWS_")},
+                   "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_SECRET_ACCESS_KEY": secret}
+        path = env["IPCOUNT_WAREHOUSE"] + "/probe"
+        write_deltalake(path, pa.table({"n": [0]}), storage_options=options)
+        first, second = (DeltaTable(path, storage_options=options) for _ in range(2))   # one snapshot, twice
+        no_retry = CommitProperties(max_commit_retries=0)
+        write_deltalake(first, pa.table({"n": [1]}), mode="append", commit_properties=no_retry)
+        with pytest.raises(CommitFailedError):
+            write_deltalake(second, pa.table({"n": [2]}), mode="append", commit_properties=no_retry)
+        assert sorted(DeltaTable(path, storage_options=options).to_pyarrow_table()["n"].to_pylist()) == [0, 1]
+    finally:
+        os.killpg(store.pid, 15)
+        store.wait(timeout=30)

@@ -12,9 +12,9 @@ def _compose() -> dict:
 
 def test_compose_pipeline_settings_are_valid_config():
     env = _compose()["x-ipcount-env"]
-    values = {k[len("IPCOUNT_"):].lower(): v for k, v in env.items()}
+    values = {k[len("IPCOUNT_"):].lower(): v for k, v in env.items() if k.startswith("IPCOUNT_")}
     cfg = PipelineConfig.from_mapping(values)  # raises on an unknown or invalid setting
-    assert cfg.bootstrap_servers == "kafka:9092" and cfg.warehouse == "/data/warehouse"
+    assert cfg.bootstrap_servers == "kafka:9092" and cfg.warehouse == "s3://ipcount/warehouse"
 
 
 def test_compose_airflow_points_at_this_repos_dags_and_spark_master():
@@ -24,15 +24,35 @@ def test_compose_airflow_points_at_this_repos_dags_and_spark_master():
     assert "spark://spark-master" in env["AIRFLOW_CONN_SPARK_DEFAULT"]
     # the drivers (Airflow's tasks, the epoch server) write the tables; executors never do
     assert "volumes" not in services["spark-worker"]
-    assert "/data/warehouse" in " ".join(services["airflow-worker" if "airflow-worker" in services
-                                                  else "airflow-scheduler"]["volumes"])
+    assert services["spark-worker"]["deploy"]["replicas"] == 2            # as `ipcount spark-cluster` starts
     assert services["kafka"]["image"].endswith(":4.1.1")  # the broker version bin/setup fetches
+
+
+def test_compose_keeps_the_tables_in_its_object_store():
+    compose = _compose()
+    services, env = compose["services"], compose["x-ipcount-env"]
+    bucket = env["IPCOUNT_WAREHOUSE"].removeprefix("s3://").split("/")[0]
+    host, port = env["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
+    store = services[host]["command"][-1]
+    # s3proxy's filesystem backend (conditional writes honoured), signed requests with the
+    # pipeline's key, the bucket made, on the port the pipeline's endpoint names
+    for setting in (f"s3proxy.endpoint=http://0.0.0.0:{port}", "jclouds.provider=filesystem",
+                    "s3proxy.authorization=aws-v2-or-v4", f"s3proxy.identity={env['AWS_ACCESS_KEY_ID']}",
+                    f"mkdir -p /data/s3/{bucket}", "jclouds.filesystem.basedir=/data/s3"):
+        assert setting in store, setting
+    assert services[host]["environment"]["S3_SECRET"] == env["AWS_SECRET_ACCESS_KEY"]
+    for name in ("epoch-server", "airflow-init", "airflow-scheduler", "airflow-apiserver"):
+        assert services[name]["environment"]["AWS_ENDPOINT_URL"] == env["AWS_ENDPOINT_URL"]
+        assert not any("warehouse" in v for v in services[name].get("volumes", [])), name
+    for name in ("epoch-server", "airflow-init"):  # Airflow's other services start after airflow-init
+        assert services[name]["depends_on"][host] == {"condition": "service_healthy"}
+    assert services["postgres"]["image"] == "postgres:15"   # the major version the Airflow tests run on
 
 
 def test_image_fetches_jars_from_the_same_poms_as_setup():
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     setup = (REPO_ROOT / "bin" / "setup").read_text()
-    for pom in ("kafka-broker", "spark-extras"):
+    for pom in ("kafka-broker", "spark-extras", "s3proxy"):
         assert (REPO_ROOT / "jars" / f"{pom}.xml").is_file()
         assert pom in dockerfile and f"jars/{pom}.xml" in setup
 
@@ -45,7 +65,6 @@ def test_compose_epoch_server_is_what_the_airflow_tasks_point_at():
     url = services["airflow-scheduler"]["environment"]["IPCOUNT_EPOCH_SERVER"]
     assert url == f"http://{server['hostname']}:{port}"
     assert PipelineConfig.from_mapping({"epoch_server": url}).epoch_server == url
-    assert "/data/warehouse" in " ".join(server["volumes"])  # the driver reads the tables' logs
 
 
 def test_compose_airflow_tasks_can_read_the_token_the_epoch_server_makes():
@@ -67,7 +86,7 @@ def test_compose_holds_no_secret_and_publishes_ports_on_loopback_only():
         env.update(service.get("environment") or {})
     # Every secret is a reference to .env that fails when unset, never a value.
     for name in ("POSTGRES_PASSWORD", "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD",
-                 "KAFKA_EXTERNAL_PASSWORD"):
+                 "KAFKA_EXTERNAL_PASSWORD", "S3_SECRET", "AWS_SECRET_ACCESS_KEY"):
         assert env[name].startswith("${IPCOUNT_") and ":?" in env[name], name
     assert ":${IPCOUNT_POSTGRES_PASSWORD:?" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
     for leaked in ("change-me", '\\"admin\\": \\"admin', "airflow:airflow@", "PASSWORD: airflow"):
@@ -88,15 +107,15 @@ def test_compose_env_makes_private_random_secrets_once(tmp_path):
     run()
     first = env_file.read_text()
     assert os.stat(env_file).st_mode & 0o777 == 0o600
-    values = dict(re.findall(r"^(IPCOUNT_[A-Z_]+)=(\S+)$", first, re.M))
+    values = dict(re.findall(r"^(IPCOUNT_[A-Z0-9_]+)=(\S+)$", first, re.M))
     compose = (REPO_ROOT / "docker-compose.yml").read_text()
-    assert set(values) == set(re.findall(r"\$\{(IPCOUNT_[A-Z_]+):\?", compose))  # exactly what compose needs
-    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == len(values) == 4
+    assert set(values) == set(re.findall(r"\$\{(IPCOUNT_[A-Z0-9_]+):\?", compose))  # exactly what compose needs
+    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == len(values) == 5
     assert "0 secret(s) added" in run().stdout and env_file.read_text() == first  # never overwrites
     # A file from an older release gets what it lacks, and keeps the rest.
     env_file.write_text("".join(line + "\n" for line in first.splitlines() if "KAFKA_EXTERNAL" not in line))
     assert "1 secret(s) added" in run().stdout
-    again = dict(re.findall(r"^(IPCOUNT_[A-Z_]+)=(\S+)$", env_file.read_text(), re.M))
+    again = dict(re.findall(r"^(IPCOUNT_[A-Z0-9_]+)=(\S+)$", env_file.read_text(), re.M))
     assert set(again) == set(values) and all(again[k] == values[k] for k in values if "KAFKA_EXTERNAL" not in k)
     assert os.stat(env_file).st_mode & 0o777 == 0o600
 
