@@ -550,8 +550,10 @@ def _s3_arguments(sub) -> None:
                                    "STATE_DIR/data, conditional writes honoured). `start` prints the AWS "
                                    "variables that point the pipeline at it; then set warehouse to an s3:// URI "
                                    "in its bucket (docs/scaling-out.md).")
-    p.add_argument("action", choices=("start", "stop", "status"))
-    p.add_argument("--port", type=int, default=9000, help="port on 127.0.0.1 (default 9000)")
+    p.add_argument("action", choices=("start", "stop", "status", "serve"),
+                   help="serve: start and stay in the foreground until SIGTERM (a container's main process)")
+    p.add_argument("--port", type=int, default=9000, help="port (default 9000)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--state-dir", default=str(STATE_DIR / "s3"), help="its config, secret, objects and log")
     p.add_argument("--bucket", default="ipcount", help="the bucket it serves (default ipcount)")
     _add_config_flags(p)
@@ -560,7 +562,9 @@ def _s3_arguments(sub) -> None:
 def _s3(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.devtools.embedded_s3 import EmbeddedS3
 
-    store = EmbeddedS3(state_dir=Path(args.state_dir), port=args.port, bucket=args.bucket)
+    store = EmbeddedS3(state_dir=Path(args.state_dir), port=args.port, bucket=args.bucket, host=args.host)
+    if args.action == "serve":
+        return store.serve()
     if args.action == "start":
         store.start()
         import shlex
@@ -639,7 +643,7 @@ def _postgres(args: argparse.Namespace, cfg: PipelineConfig) -> int:
         server.stop()
     else:
         print(server.status())
-        return EXIT_OK if server.pid() is not None else EXIT_FAILED
+        return EXIT_OK if server.pid() is not None and server.is_listening() else EXIT_FAILED
     return EXIT_OK
 
 

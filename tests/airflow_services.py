@@ -89,8 +89,8 @@ def airflow_database(kind: str):
     from tests.conftest import free_port
 
     server = EmbeddedPostgres(state_dir=Path(tempfile.mkdtemp(prefix="ipcount-airflow-db-")), port=free_port())
-    server.start()
     try:
+        server.start()
         yield server.airflow_environment()
     finally:
         server.stop()

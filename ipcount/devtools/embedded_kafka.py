@@ -407,19 +407,24 @@ class EmbeddedKafkaCluster:
         if not id_file.exists():
             self.state_dir.mkdir(parents=True, exist_ok=True)
             id_file.write_text(nodes[0].new_cluster_id())
-        procs = [(node, node.launch(id_file.read_text().strip())) for node in down]
+        deadline = time.monotonic() + timeout
         try:
+            procs = [(node, node.launch(id_file.read_text().strip())) for node in down]
             for node, proc in procs:
-                node.wait_ready(proc, timeout, brokers=len(nodes))
-        except BrokerStartError:
-            self.stop()
+                node.wait_ready(proc, max(deadline - time.monotonic(), 1.0), brokers=len(nodes))
+        except BaseException:
+            self._stop(down)  # only what this call started: the nodes that ran before keep running
             raise
         log.info("Kafka cluster ready at %s (%d nodes)", self.bootstrap_servers, len(nodes))
 
     def stop(self) -> None:
+        self._stop(self.nodes)
+
+    @staticmethod
+    def _stop(nodes: list[EmbeddedKafka]) -> None:
         # All at once: a node shutting down alone waits for a controller quorum that the
         # nodes stopped before it no longer make up.
-        pids = [(node, node.terminate()) for node in self.nodes]
+        pids = [(node, node.terminate()) for node in nodes]
         for node, pid in pids:
             node.wait_stopped(pid)
 

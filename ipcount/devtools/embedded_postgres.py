@@ -31,7 +31,7 @@ from urllib.parse import quote
 
 from ipcount.devtools.embedded_kafka import proc_stat
 from ipcount.rules.config import STATE_DIR
-from ipcount.rules.errors import IpcountError
+from ipcount.rules.errors import DatabaseStartError
 from ipcount.rules.private_files import read_private_file, write_private_file
 
 log = logging.getLogger(__name__)
@@ -40,10 +40,6 @@ ROLE = DATABASE = "airflow"
 # Airflow's sync engine takes these instead of embedded_airflow's SQLite ones (psycopg2 refuses
 # SQLite's "timeout"). libpq would otherwise wait forever on a server that accepts but never answers.
 POSTGRES_CONNECT_ARGS = {"connect_timeout": 10}
-
-
-class DatabaseStartError(IpcountError, RuntimeError):
-    """The embedded PostgreSQL server is not installed or did not start (the message says why)."""
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -290,12 +286,13 @@ class EmbeddedPostgres:
         self._write_settings()
         log.info("starting PostgreSQL at 127.0.0.1:%d (log: %s)", self.port, self.log_file)
         started = time.monotonic()
-        # -w: pg_ctl returns once the server accepts connections (or fails, or the timeout passes).
-        self._run(self._bin("pg_ctl"), "start", "-D", str(self.data_dir), "-l", str(self.log_file), "-w",
-                  "-t", str(int(timeout)), "-s")
         try:
+            # -w: pg_ctl returns once the server accepts connections (or fails, or the timeout
+            # passes, when the server may still be starting: stopped below).
+            self._run(self._bin("pg_ctl"), "start", "-D", str(self.data_dir), "-l", str(self.log_file), "-w",
+                      "-t", str(int(timeout)), "-s")
             self._ensure_database()
-        except Exception:
+        except BaseException:
             self.stop()
             raise
         log.info("PostgreSQL ready at 127.0.0.1:%d in %.1f s (pid %s)", self.port, time.monotonic() - started,

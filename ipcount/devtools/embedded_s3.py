@@ -35,6 +35,7 @@ class ObjectStoreStartError(RuntimeError):
 class EmbeddedS3:
     state_dir: Path = STATE_DIR / "s3"
     port: int = 9000
+    host: str = "127.0.0.1"  # the address it listens on (0.0.0.0 in a container)
     bucket: str = "ipcount"
     access_key_id: str = "ipcount"
     # False: requests are not signed-checked (a test's proxy that rewrites headers needs it).
@@ -43,7 +44,8 @@ class EmbeddedS3:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """Where clients on this machine reach it."""
+        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
 
     @property
     def log_file(self) -> Path:
@@ -58,7 +60,8 @@ class EmbeddedS3:
         return "/".join([f"s3://{self.bucket}", *parts])
 
     def secret_access_key(self) -> str:
-        """The server's secret, made once and kept in a private file of the state directory."""
+        """The server's secret, made once and kept in a private file of the state directory
+        (unless written there before the first start, as docker-compose.yml does)."""
         path = self.state_dir / "secret"
         if not path.exists():
             write_private_file(path, secrets.token_urlsafe(24) + "\n")
@@ -79,7 +82,7 @@ class EmbeddedS3:
     def _write_config(self) -> Path:
         data = self.state_dir / "data"
         (data / self.bucket).mkdir(parents=True, exist_ok=True)  # a bucket is a directory here
-        lines = [f"s3proxy.endpoint={self.endpoint}", "jclouds.provider=filesystem",
+        lines = [f"s3proxy.endpoint=http://{self.host}:{self.port}", "jclouds.provider=filesystem",
                  f"jclouds.filesystem.basedir={data}"]
         if self.authorization:
             lines += ["s3proxy.authorization=aws-v2-or-v4", f"s3proxy.identity={self.access_key_id}",
@@ -131,6 +134,19 @@ class EmbeddedS3:
         self.stop()
         raise ObjectStoreStartError(f"s3proxy did not answer at {self.endpoint} within {timeout:.0f} s; "
                                     f"{self.log_file}:\n{self._log_tail()}")
+
+    def serve(self) -> int:
+        """Run in the foreground (a container's main process): start, then wait until the
+        server exits, or until SIGTERM or SIGINT, which stop it. Its exit code."""
+        self.start()
+        pid = self.pid()
+        stopping = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stopping.append(True))
+        while not stopping and pid is not None and self.pid() == pid:
+            time.sleep(0.5)
+        self.stop()
+        return 0 if stopping else 1
 
     def _log_tail(self) -> str:
         try:

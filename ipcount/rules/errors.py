@@ -54,6 +54,10 @@ class BrokerStartError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
     """The embedded broker did not start."""
 
 
+class DatabaseStartError(IpcountError, RuntimeError):
+    """The embedded PostgreSQL server is not installed or did not start (the message says why)."""
+
+
 class PlanConflict(IpcountError, RuntimeError):
     """Another planner recorded offsets (or the epoch id) this plan wanted: plan again."""
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from kafka import IsolationLevel, KafkaAdminClient, OffsetSpec, TopicPartition
-from kafka.errors import (KafkaConnectionError, KafkaTimeoutError, RetriableError, SaslAuthenticationFailedError,
-                          TopicAlreadyExistsError, UnsupportedSaslMechanismError)
+from kafka.errors import (KafkaConnectionError, KafkaTimeoutError, NoError, RetriableError,
+                          SaslAuthenticationFailedError, TopicAlreadyExistsError, UnsupportedSaslMechanismError)
 from kafka.structs import OffsetAndMetadata
 
 from ipcount.rules.config import REPO_ROOT, PipelineConfig
@@ -286,8 +286,20 @@ def commit_group_offsets(cfg: PipelineConfig, positions: Mapping[int, int], epoc
     """
     offsets = {TopicPartition(cfg.topic, p): OffsetAndMetadata(o, f"{cfg.pipeline_id} epoch {epoch}", -1)
                for p, o in sorted(positions.items())}
-    with admin_client(cfg) as client:
-        _retrying(lambda: client.alter_group_offsets(cfg.group_id, offsets), cfg.kafka_timeout_seconds)
+
+    def commit() -> None:
+        # A client per attempt: one that saw the coordinator die keeps asking that broker.
+        with admin_client(cfg) as client:
+            answer = client.alter_group_offsets(cfg.group_id, offsets)
+        # The answer names an error per partition instead of raising (a coordinator that
+        # moved or is still loading, say): raised here, so retriable ones are retried.
+        refused = {tp.partition: error for tp, error in answer.items() if error is not NoError}
+        if refused:
+            error = next(iter(refused.values()))
+            raise error(f"group {cfg.group_id} refused offsets of partitions "
+                        f"{', '.join(f'{p} ({e.__name__})' for p, e in sorted(refused.items()))}")
+
+    _retrying(commit, cfg.kafka_timeout_seconds)
 
 
 def _retrying(call, timeout_seconds: float):

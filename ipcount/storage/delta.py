@@ -53,10 +53,10 @@ def subdirectory_names(location: str) -> list[str]:
 
     # pyarrow reads the credentials and region from the environment itself; an endpoint
     # other than AWS's (and whether it speaks plain HTTP) comes from AWS_ENDPOINT_URL.
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")}
     if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
-        scheme, _, host = endpoint.partition("://")
-        options.update(endpoint_override=host.rstrip("/"), scheme=scheme)
+        scheme, _, host = endpoint.rpartition("://")
+        options.update(endpoint_override=host.rstrip("/"), scheme=scheme or "https")
     store = fs.S3FileSystem(**options)
     found = store.get_file_info(fs.FileSelector(location.split("://", 1)[1].rstrip("/"), allow_not_found=True))
     return sorted(info.base_name for info in found if info.type == fs.FileType.Directory)

@@ -29,20 +29,20 @@ def _iso_ms(text: str) -> int:
     return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
 
 
-def _env(airflow, cfg=None):
-    env = dict(airflow)
+def _env(airflow_environ, cfg=None):
+    env = dict(airflow_environ)
     if cfg is not None:
         env.update(cfg.to_env())
     return env
 
 
-def _airflow(airflow, *args, cfg=None, timeout=600):
+def _airflow(airflow_environ, *args, cfg=None, timeout=600):
     return subprocess.run([str(Path(sys.executable).parent / "airflow"), *args],
-                          env=_env(airflow, cfg), capture_output=True, text=True, timeout=timeout)
+                          env=_env(airflow_environ, cfg), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
-def airflow(request, tmp_path_factory):
+def airflow_environ(request, tmp_path_factory):
     """An Airflow home's environment, its metadata in a fresh database of the given kind."""
     with airflow_database(request.param) as database:
         env = airflow_env(tmp_path_factory.mktemp("airflow"), api_port=18080, database=database)
@@ -51,7 +51,7 @@ def airflow(request, tmp_path_factory):
         yield env
 
 
-def test_dag_folder_imports_without_errors(airflow):
+def test_dag_folder_imports_without_errors(airflow_environ):
     script = (
         "import json\n"
         "from airflow.dag_processing.dagbag import DagBag\n"
@@ -65,7 +65,7 @@ def test_dag_folder_imports_without_errors(airflow):
         "    'periodic': getattr(d.timetable, 'periodic', False), 'timetable': type(d.timetable).__name__,\n"
         "    'params': sorted(d.params.keys())}\n"
         "print(json.dumps(info))\n")
-    proc = subprocess.run([sys.executable, "-c", script], env=_env(airflow), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], env=_env(airflow_environ), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -82,14 +82,15 @@ def test_dag_folder_imports_without_errors(airflow):
                              "periodic": False, "timetable": "NullTimetable", "params": sorted(BACKFILL_PARAMS)},
     }
     # the lowest-latency schedule: each run as the last one ends
-    proc = subprocess.run([sys.executable, "-c", script], env={**_env(airflow), "IPCOUNT_SCHEDULE": "@continuous"},
+    proc = subprocess.run([sys.executable, "-c", script],
+                          env={**_env(airflow_environ), "IPCOUNT_SCHEDULE": "@continuous"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     epoch_dag = json.loads(proc.stdout.strip().splitlines()[-1])["ipcount_epoch"]
     assert (epoch_dag["timetable"], epoch_dag["max_active_runs"]) == ("ContinuousTimetable", 1), epoch_dag
 
 
-def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow, cfg):
+def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_environ, cfg):
     gen = TrafficGenerator(seed=31, events_per_second=50, malformed_share=0.03)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(400, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
@@ -98,7 +99,7 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow, cfg):
     cfg = cfg.replace(epoch_server=f"http://127.0.0.1:{free_port()}", publish=True,
                       publish_topic=f"sink_{cfg.topic}")
 
-    proc = _airflow(airflow, "dags", "test", "ipcount_epoch", cfg=cfg)
+    proc = _airflow(airflow_environ, "dags", "test", "ipcount_epoch", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert f"no epoch server answers at {cfg.epoch_server}: running the command with spark-submit" \
         in proc.stdout + proc.stderr
@@ -120,7 +121,7 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow, cfg):
     assert Counter({(_iso_ms(v["window_start"]), v["ip"]): v["count"] for v in values}) == counts(cfg)
     assert len(values) == len(counts(cfg))  # each row once
 
-    db = lambda sql, **params: metadata_rows(airflow, sql, **params)  # noqa: E731
+    db = lambda sql, **params: metadata_rows(airflow_environ, sql, **params)  # noqa: E731
     # JSON columns as their text, which SQLite and PostgreSQL both give.
     ((extra,),) = db("SELECT CAST(e.extra AS TEXT) FROM asset_event e JOIN asset a ON a.id = e.asset_id "
                      "WHERE a.uri = :uri", uri=f"file://{cfg.counts_path}")
@@ -141,7 +142,7 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow, cfg):
     assert json.loads(link).endswith(run_page_path("ipcount_epoch", run_id))
 
     # Nothing new now: the next run finds that out without Spark and skips the epoch.
-    proc = _airflow(airflow, "dags", "test", "ipcount_epoch", cfg=cfg)
+    proc = _airflow(airflow_environ, "dags", "test", "ipcount_epoch", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert "skipping the epoch: nothing new" in proc.stdout + proc.stderr
     states = dict(db("SELECT task_id, state FROM task_instance WHERE run_id = (SELECT run_id FROM dag_run "
@@ -151,7 +152,7 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow, cfg):
     assert [e.epoch for e in committed_epochs(cfg.ledger_path)] == [1]
 
 
-def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow, cfg, broker, epoch_server):
+def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow_environ, cfg, broker, epoch_server):
     """The run's Params reach the epoch server as the same flags spark-submit gets. The
     pipeline's Kafka settings come from an Airflow connection of type kafka (SASL_SSL, SCRAM):
     every task logs in with it (the idle check, the epoch, whose server logs in with its own
@@ -169,7 +170,7 @@ def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow, cfg, 
         "ssl.ca.location": secure.kafka_ssl_cafile}}
     dag_cfg = cfg.replace(epoch_server=served.epoch_server, epoch_server_token_file=served.epoch_server_token_file,
                           kafka_connection="ipcount_kafka", bootstrap_servers="127.0.0.1:1", commit_offsets=False)
-    env = {**_env(airflow, dag_cfg), "AIRFLOW_CONN_IPCOUNT_KAFKA": json.dumps(connection)}
+    env = {**_env(airflow_environ, dag_cfg), "AIRFLOW_CONN_IPCOUNT_KAFKA": json.dumps(connection)}
     proc = subprocess.run([str(Path(sys.executable).parent / "airflow"), "dags", "test", "ipcount_epoch", "-c", conf],
                           env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
@@ -183,8 +184,8 @@ def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow, cfg, 
     assert broker_io.group_offsets(secure) == {p: u for p, (f, u) in ranges.items()}
 
 
-def test_invalid_run_params_are_refused_before_anything_runs(airflow, cfg):
-    proc = _airflow(airflow, "dags", "test", "ipcount_epoch", "-c", json.dumps({"window_seconds": 0}), cfg=cfg)
+def test_invalid_run_params_are_refused_before_anything_runs(airflow_environ, cfg):
+    proc = _airflow(airflow_environ, "dags", "test", "ipcount_epoch", "-c", json.dumps({"window_seconds": 0}), cfg=cfg)
     assert proc.returncode != 0
     assert "window_seconds" in proc.stdout + proc.stderr
     assert committed_epochs(cfg.ledger_path) == []
@@ -195,7 +196,7 @@ def _ledger_rows(cfg):
     return ledger(cfg) if Path(cfg.ledger_path).exists() else []
 
 
-def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow, cfg, epoch_server):
+def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_environ, cfg, epoch_server):
     from tests.tables import lanes
 
     cfg = epoch_server.serve(cfg)  # the backfill runs in the epoch server
@@ -204,7 +205,7 @@ def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow, cfg,
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
     conf = json.dumps({"offsets": "0:0-60,1:10-50", "max_records_per_epoch": 40})
-    proc = _airflow(airflow, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
+    proc = _airflow(airflow_environ, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert "running `backfill` in the epoch server" in proc.stdout + proc.stderr
     rows = _ledger_rows(cfg)
@@ -219,18 +220,18 @@ def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow, cfg,
     assert counts(cfg) == expected_tables(produced, epochs).counts
 
     # The same request again: a reported no-op.
-    proc = _airflow(airflow, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
+    proc = _airflow(airflow_environ, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert "skipping what the ledger already owns" in proc.stdout + proc.stderr
     assert len(_ledger_rows(cfg)) == len(rows)
 
     # A bad request fails in check_request, before Spark starts and before any write ...
-    proc = _airflow(airflow, "dags", "test", "ipcount_backfill", "-c", json.dumps({"offsets": "0:0-100000"}),
+    proc = _airflow(airflow_environ, "dags", "test", "ipcount_backfill", "-c", json.dumps({"offsets": "0:0-100000"}),
                     cfg=cfg)
     assert proc.returncode != 0 and "beyond the end of the log" in proc.stdout + proc.stderr, \
         (proc.stdout + proc.stderr)[-3000:]
     # ... and a target that is not a plain identifier is refused by the form's JSON schema.
-    proc = _airflow(airflow, "dags", "test", "ipcount_backfill", "-c",
+    proc = _airflow(airflow_environ, "dags", "test", "ipcount_backfill", "-c",
                     json.dumps({"offsets": "0:0-10", "target": "../x"}), cfg=cfg)
     assert proc.returncode != 0 and "target" in proc.stdout + proc.stderr
     assert len(_ledger_rows(cfg)) == len(rows)
@@ -255,7 +256,6 @@ def test_backfill_form_checks_say_what_to_fix(cfg):
     ok = check_backfill_request(cfg, {"offsets": "0:0-10", "target": "audit"})
     assert ok["target"] == "audit" and ok["ranges"] == [f"{cfg.topic}-0[0,10)"]
     assert not Path(cfg.warehouse).exists()
-
 
 
 def test_the_postgres_command_serves_airflow_commands(tmp_path_factory):

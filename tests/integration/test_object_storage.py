@@ -226,11 +226,13 @@ def test_the_compose_object_store_takes_one_commit_per_version(tmp_path):
 
     compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
     port, secret = free_port(), f"compose-{os.getpid()}-{free_port()}"
-    command = (compose["services"]["s3"]["command"][-1].replace("$$", "$").replace(":9000", f":{port}")
-               .replace("/data/s3", str(tmp_path / "s3")).replace("/tmp/s3proxy.conf", str(tmp_path / "s3proxy.conf")))
+    command = (compose["services"]["s3"]["command"][-1].replace("$$", "$").replace("--port 9000", f"--port {port}")
+               .replace("/data/s3", str(tmp_path / "s3")))
+    (tmp_path / "s3").mkdir()
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])  # `python`: this venv's
     with open(tmp_path / "s3.log", "w") as log:
-        store = subprocess.Popen(["bash", "-c", command], cwd=REPO_ROOT, env={**os.environ, "S3_SECRET": secret},
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        store = subprocess.Popen(["bash", "-c", command], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "S3_SECRET": secret, "PATH": path}, start_new_session=True)
     try:
         for _ in range(300):
             try:
@@ -240,6 +242,8 @@ def test_the_compose_object_store_takes_one_commit_per_version(tmp_path):
             except OSError:
                 assert store.poll() is None, (tmp_path / "s3.log").read_text()[-3000:]
                 time.sleep(0.2)
+        else:
+            raise AssertionError("the compose s3 command did not answer: " + (tmp_path / "s3.log").read_text()[-3000:])
         env = compose["x-ipcount-env"]
         options = {**{k: v for k, v in env.items() if k.startswith("AWS_")},
                    "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_SECRET_ACCESS_KEY": secret}
@@ -252,5 +256,5 @@ def test_the_compose_object_store_takes_one_commit_per_version(tmp_path):
             write_deltalake(second, pa.table({"n": [2]}), mode="append", commit_properties=no_retry)
         assert sorted(DeltaTable(path, storage_options=options).to_pyarrow_table()["n"].to_pylist()) == [0, 1]
     finally:
-        os.killpg(store.pid, 15)
-        store.wait(timeout=30)
+        store.terminate()                      # as docker stops a container: SIGTERM to its main process
+        assert store.wait(timeout=60) == 0, (tmp_path / "s3.log").read_text()[-3000:]

@@ -10,7 +10,7 @@ def test_each_error_carries_the_exit_code_the_docs_promise():
     assert codes == {"ConfigError": 2, "BadRequestError": 2, "StartPositionError": 2, "MissingJarsError": 2,
                      "DataLossError": 3, "BrokerUnavailableError": 4, "UnknownTopicError": 4,
                      "BrokerStartError": 4, "PlanConflict": 1, "PublisherFenced": 1, "TableSetMismatch": 2,
-                     "EpochServerError": 2}
+                     "EpochServerError": 2, "DatabaseStartError": 1}
     assert issubclass(errors.ConfigError, ValueError) and issubclass(errors.DataLossError, RuntimeError)
 
 
