@@ -52,6 +52,12 @@ def test_epochs_and_a_crash_on_object_storage_count_exactly(s3_cfg, spark, objec
     assert finality(cfg) == {key: key[0] + 10_000 <= expected.watermark_ms for key in expected.counts}
     # what reads the tables reads them there: verify, the idle check, the monitor's queries
     assert verify(cfg).ok
+    watched = subprocess.run([sys.executable, "-m", "ipcount.cli", "watch", "--from-start", "--epochs",
+                              str(len(ranges)), "--timeout", "60", *cfg.to_args()],
+                             capture_output=True, text=True, timeout=120)   # the AWS variables come along
+    assert watched.returncode == 0, watched.stderr[-3000:]
+    assert [line.split(" committed")[0] for line in watched.stdout.splitlines()[1:]] == \
+        [f"epoch {n}" for n in range(1, len(ranges) + 1)]
     verdict = idle.check(cfg)
     assert not verdict.run and verdict.why.startswith("nothing new"), verdict
     tables = PipelineTables(cfg, DeltaReader())
