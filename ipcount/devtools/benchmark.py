@@ -45,7 +45,7 @@ from ipcount.server import auth, client
 from ipcount.server.vetting import Pipelines
 from ipcount.storage.spark import DRIVER_ENV
 
-MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile")
+MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "growth")
 COLD = ("spark_count", "peer", "pipeline")
 # Ratios, as (label, the pipeline's contender, the other): throughput ratios, > 1 when the pipeline is faster.
 WARM_RATIOS = (("pipeline / peer", "pipeline", "peer"), ("pipeline / read limit", "pipeline", "spark_count"),
@@ -532,6 +532,12 @@ def render(report: dict) -> str:
             lines.append(f"  {part:<7} " + ", ".join(f"{k} {v:.2f} ({v * per:.1f})" for k, v in prof[part].items()))
         lines.append(f"  codegen {prof['codegen']['compiles']} classes compiled in "
                      f"{prof['codegen']['compile_seconds']:.2f} s")
+    grown = report.get("growth")
+    if grown:
+        lines.append(f"growth: {grown['epochs']} epochs' counts MERGEs of {grown['rows_per_epoch']:,} rows each: "
+                     f"epochs 5-15 {grown['early_median']:.3f} s, the last 10 {grown['last10_median']:.3f} s "
+                     f"(x{grown['ratio']:.2f}); the table: {grown['table_rows']:,} rows in {grown['files']} "
+                     f"file(s), the largest {grown['largest_file_rows']:,} rows")
     drain = report.get("kafka_python")
     if drain:
         lines.append(f"kafka_python: a plain consumer draining the range: {_range(drain['seconds'], ' s')}")
@@ -555,13 +561,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--epoch-records", type=int, default=2000, help="records per small epoch (default 2000)")
     p.add_argument("--cold-repeats", type=int, default=3,
                    help="cold: runs of each contender; profile: runs per figure (default 3)")
+    p.add_argument("--growth-epochs", type=int, default=1000,
+                   help="growth: scheduled epochs' counts merged one after another (default 1000)")
+    p.add_argument("--growth-ips", type=int, default=1000,
+                   help="growth: clients per window in each epoch (default 1000: 7,000 counts rows an epoch)")
     p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=11)
     args = p.parse_args(argv)
     for flag, value, least in (("--records", args.records, 1), ("--rounds", args.rounds, 2),
                                ("--epochs", args.epochs, 1), ("--small-epochs", args.small_epochs, 2),
-                               ("--cold-repeats", args.cold_repeats, 1)):
+                               ("--cold-repeats", args.cold_repeats, 1), ("--growth-epochs", args.growth_epochs, 2),
+                               ("--growth-ips", args.growth_ips, 1)):
         if value < least:
             p.error(f"{flag} must be at least {least}")
     if args.epoch_records < args.partitions:
@@ -620,6 +631,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "profile" in only:
             say(f"measuring profile: where the read stage's time goes (log {logs / 'profile.log'})")
             report["profile"] = measure_profile(cfg, ending, args.records, args.cold_repeats, logs, workdir)
+        if "growth" in only:
+            from ipcount.devtools import bench_growth
+
+            say(f"measuring growth: {args.growth_epochs} epochs' counts MERGEs (delta-rs, no Spark)")
+            report["growth"] = bench_growth.growth(workdir, args.growth_epochs, args.growth_ips, args.seed, say=say)
         check_totals(report)
         print(render(report), flush=True)
         out = args.json or STATE_DIR / "benchmark" / f"{datetime.now():%Y%m%d-%H%M%S}.json"

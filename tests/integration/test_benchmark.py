@@ -14,6 +14,7 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", "--records", "3000", "--rounds", "2",
                            "--epochs", "2", "--small-epochs", "2", "--epoch-records", "150", "--cold-repeats", "1",
+                           "--growth-epochs", "12", "--growth-ips", "20",
                            "--bootstrap-servers", broker.bootstrap_servers, "--json", str(out),
                            "--workdir", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=900)
@@ -68,8 +69,11 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
         profile["pieces"])
     assert all(v > 0 for part in ("path", "pieces") for v in profile[part].values())
     assert profile["codegen"]["compiles"] > 0 and profile["codegen"]["compile_seconds"] > 0
+    grown = report["growth"]  # its total read back from the table equals what was merged (else it raises)
+    assert grown["epochs"] == 12 and len(grown["seconds"]) == 12 and grown["rows_per_epoch"] == 7 * 20
+    assert grown["requests"] > 12 * 7 * 20 and 0 < grown["table_rows"] <= 12 * 7 * 20 and grown["files"] >= 1
     for text in ("warm: one Spark session", "pipeline / peer", "cold: each contender", "paths: epoch server start",
-                 "kafka_python: a plain consumer", "profile: 3,000 records"):
+                 "kafka_python: a plain consumer", "profile: 3,000 records", "growth: 12 epochs"):
         assert text in proc.stdout, text
 
 
