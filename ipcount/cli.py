@@ -643,7 +643,7 @@ def _postgres(args: argparse.Namespace, cfg: PipelineConfig) -> int:
         server.stop()
     else:
         print(server.status())
-        return EXIT_OK if server.pid() is not None and server.is_listening() else EXIT_FAILED
+        return EXIT_OK if server.is_running() else EXIT_FAILED
     return EXIT_OK
 
 

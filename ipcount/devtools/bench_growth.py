@@ -65,7 +65,7 @@ def growth(workdir: Path, epochs: int, per_window: int, seed: int = 7, say=print
             say(f"growth: epoch {epoch}: {seconds[-1]:.3f} s")
     table = DeltaTable(cfg.counts_path)
     files = pa.table(table.get_add_actions(flatten=True))
-    stored = pc.sum(pa.table(table.to_pyarrow_dataset().to_table(columns=["count"]))["count"]).as_py()
+    stored = pc.sum(table.to_pyarrow_dataset().to_table(columns=["count"])["count"]).as_py()
     if stored != merged:
         raise RuntimeError(f"growth: the counts table holds {stored} requests, {merged} were merged")
     early = seconds[4:15] or seconds

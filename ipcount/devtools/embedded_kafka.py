@@ -44,6 +44,14 @@ def proc_stat(pid: int | str) -> list[str] | None:
         return None
 
 
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a server's log, for an error message that says why it did not start."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 def _is_zombie(pid: int) -> bool:
     """An exited child not yet reaped still answers kill(pid, 0); reap it and say so."""
     stat = proc_stat(pid)

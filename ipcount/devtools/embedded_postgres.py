@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from ipcount.devtools.embedded_kafka import proc_stat
+from ipcount.devtools.embedded_kafka import log_tail, proc_stat
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.errors import DatabaseStartError
 from ipcount.rules.private_files import read_private_file, write_private_file
@@ -186,7 +186,8 @@ class EmbeddedPostgres:
                               stdin=None if stdin is not None else subprocess.DEVNULL, **as_user)
         if proc.returncode != 0:
             raise DatabaseStartError(f"{Path(args[0]).name} failed (exit {proc.returncode}): "
-                                     f"{(proc.stderr or proc.stdout).strip()}\n{self.log_file}:\n{self._log_tail()}")
+                                     f"{(proc.stderr or proc.stdout).strip()}\n"
+                                     f"{self.log_file}:\n{log_tail(self.log_file)}")
         return proc.stdout
 
     def _own_dir(self, path: Path) -> None:
@@ -319,14 +320,10 @@ class EmbeddedPostgres:
                 return
             log.warning("PostgreSQL did not stop on %s within %.0f s", sig.name, timeout)
 
-    def status(self) -> str:
-        pid = self.pid()
-        if pid is not None and self.is_listening():
-            return f"running at 127.0.0.1:{self.port} (pid {pid}, state {self.state_dir})"
-        return "not running"
+    def is_running(self) -> bool:
+        return self.pid() is not None and self.is_listening()
 
-    def _log_tail(self) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-15:])
-        except OSError:
-            return "(no log)"
+    def status(self) -> str:
+        if self.is_running():
+            return f"running at 127.0.0.1:{self.port} (pid {self.pid()}, state {self.state_dir})"
+        return "not running"

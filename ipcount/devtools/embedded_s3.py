@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipcount.devtools.embedded_kafka import proc_stat
+from ipcount.devtools.embedded_kafka import log_tail, proc_stat
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.private_files import read_private_file, write_private_file
 
@@ -127,13 +127,13 @@ class EmbeddedS3:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise ObjectStoreStartError(f"s3proxy exited with {proc.returncode} at start; "
-                                            f"{self.log_file}:\n{self._log_tail()}")
+                                            f"{self.log_file}:\n{log_tail(self.log_file)}")
             if self.is_serving():
                 return
             time.sleep(0.1)
         self.stop()
         raise ObjectStoreStartError(f"s3proxy did not answer at {self.endpoint} within {timeout:.0f} s; "
-                                    f"{self.log_file}:\n{self._log_tail()}")
+                                    f"{self.log_file}:\n{log_tail(self.log_file)}")
 
     def serve(self) -> int:
         """Run in the foreground (a container's main process): start, then wait until the
@@ -147,12 +147,6 @@ class EmbeddedS3:
             time.sleep(0.5)
         self.stop()
         return 0 if stopping else 1
-
-    def _log_tail(self) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-15:])
-        except OSError:
-            return "(no log)"
 
     def stop(self, timeout: float = 15.0) -> None:
         pid = self.pid()

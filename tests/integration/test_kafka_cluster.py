@@ -117,7 +117,7 @@ def test_a_leader_killed_mid_read_and_the_coordinator_mid_commit(cluster_cfg, ka
 
     def kill_the_leader_soon(point: str) -> None:
         # Epoch 1's ranges are recorded; its Spark read of 40,000 records starts now.
-        if point == "after_plan" and not killer.is_alive() and not killer.finished.is_set():
+        if point == "after_plan" and killer.ident is None:  # not started yet
             killer.start()
 
     try:
