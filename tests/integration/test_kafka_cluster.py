@@ -65,11 +65,17 @@ def cluster_cfg(cfg, kafka_cluster):
     return cfg
 
 
-def partitions(cfg, topic: str) -> dict[int, dict]:
-    with admin_client(cfg) as client:
-        (described,) = client.describe_topics([topic])
-    assert described["error_code"] == 0 and described["partitions"], described  # no answer is no pass
-    return {p["partition_index"]: p for p in described["partitions"]}
+def partitions(cfg, topic: str, timeout: float = 30.0) -> dict[int, dict]:
+    """The topic's partitions as the brokers describe them; a broker whose metadata has not
+    caught up yet (a topic just made) is asked again, and no answer in time is no pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with admin_client(cfg) as client:
+            (described,) = client.describe_topics([topic])
+        if described["error_code"] == 0 and described["partitions"]:
+            return {p["partition_index"]: p for p in described["partitions"]}
+        assert time.monotonic() < deadline, described
+        time.sleep(0.5)
 
 
 def wait_in_sync(cfg, topics=(), timeout: float = 120.0) -> None:
