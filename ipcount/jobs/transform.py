@@ -52,13 +52,7 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
     json_ts = F.try_variant_get(doc, "$.ts", "string")
     fields = split.select(
         "*",
-        # parse_json stops after the first value and ignores what follows; a record must be
-        # exactly one object. Wrapped in an array, the text must be one element, and one more
-        # element appended must make two (text that closes the array early fails the second).
-        F.when(doc.isNotNull(),
-               (F.json_array_length(F.concat(F.lit("["), text, F.lit("]"))) == 1)
-               & (F.json_array_length(F.concat(F.lit("["), text, F.lit(",0]"))) == 2)).alias("_whole"),
-        F.when(doc.isNotNull(), F.schema_of_variant(doc).startswith("OBJECT")).alias("_is_object"),
+        F.when(doc.isNotNull(), whole_value(text)).alias("_whole"),
         _variant_kind(doc, "$.ip").alias("_ip_kind"), _variant_kind(doc, "$.ts").alias("_ts_kind"),
         F.when(is_json, F.try_variant_get(doc, "$.ip", "string")).otherwise(F.col("_nginx_ip")).alias("_ip"),
         json_ts.alias("_json_ts"),
@@ -92,7 +86,6 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
         .when(F.length(value) > max_value_bytes, R.TOO_LARGE)
         .when(F.try_validate_utf8(value).isNull(), R.NOT_UTF8)
         .when(is_json & (doc.isNull() | ~F.coalesce(F.col("_whole"), F.lit(False))), R.BAD_JSON)
-        .when(is_json & ~F.col("_is_object"), R.BAD_JSON)
         .when(is_json & (ip_kind.isNull() | (ip_kind != "STRING") | ~ts_ok), R.BAD_SHAPE)
         .when(~is_json & (F.col("_nginx_ip") == ""), R.UNRECOGNIZED)
         .when(~ip.rlike(R.IP_PATTERN), R.INVALID_IP)
@@ -111,6 +104,24 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
             .select(*kafka, "reason",
                     F.coalesce("_ipv4", _canonical_ipv6(F.col("_groups"), F.col("_framed"))).alias("ip"),
                     F.when(F.col("reason").isNull(), F.col("_event_ms")).alias("event_ms")))
+
+
+def whole_value(text: Column) -> Column:
+    """Whether ``text``, which parses as JSON, is exactly one JSON value: parse_json stops
+    after the first value and ignores what follows.
+
+    The object parsed ends at a "}", so when the text's only "}" is its last character,
+    nothing follows it: most records, at the cost of two searches. The text must hold no "["
+    either, since the wrapped parse below is also what caps the nesting
+    (:data:`ipcount.rules.records.MAX_JSON_DEPTH`), and without "[" and with one "}" there is
+    no nesting. Otherwise, wrapped in an array, the text must be one element, and one more
+    element appended must make two (text that closes the array early fails the second): two
+    more parses.
+    """
+    simple = (F.instr(text, "}") == F.length(text)) & (F.instr(text, "[") == 0)
+    return F.when(simple, F.lit(True)).otherwise(
+        (F.json_array_length(F.concat(F.lit("["), text, F.lit("]"))) == 1)
+        & (F.json_array_length(F.concat(F.lit("["), text, F.lit(",0]"))) == 2))
 
 
 def _without_ipv4_tail(ip: Column) -> Column:
