@@ -6,13 +6,13 @@ completion with Spark's ``noop`` sink (every selected column computed, nothing w
 
 * ``path``: the epoch's read stage built up step by step, as :func:`ipcount.jobs.epoch.run_epoch`
   runs it - scan the cache; + parse (and the parse again with another planning time each
-  run, as every epoch has its own); + classify; + per-partition metrics; the same with
-  the classified rows cached on the way (the epoch's read stage); then the per-window counts
-  from that cache alone. Each step's cost is its figure less the one before.
+  run, as every epoch has its own); + classify; + tally (the one aggregation everything
+  the epoch writes comes from); the tally collected as Arrow and its metrics taken (the
+  epoch's read stage). Each step's cost is its figure less the one before.
 * ``pieces``: the parse's costly expressions one at a time, over a second cache that holds
   each record's trimmed text and parsed JSON already (so a piece's figure less ``scan`` is
   that piece alone): the JSON parse itself (over the raw cache), the exactly-one-value
-  check, the three JSON type lookups, the NGINX match, the ISO time, the IP syntax check
+  check (and its fallback's two parses, run for every record), the three JSON type lookups, the NGINX match, the ISO time, the IP syntax check
   and the canonical IPv6 text.
 
 The pieces use :mod:`ipcount.jobs.transform`'s own expressions, so the profile follows the
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ipcount.devtools import peer
 from ipcount.jobs import transform
+from ipcount.jobs.tally import EpochTally
 from ipcount.rules import records as R
 from ipcount.rules.config import PipelineConfig
 
@@ -64,22 +65,16 @@ def profile(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], re
     middle = parsed.agg(F.percentile_approx("event_ms", 0.5)).first()[0]
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, middle)
     path["classify"] = _timed(classified, repeats)
-    metrics = transform.partition_metrics(classified)
-    path["metrics"] = _timed(metrics, repeats)
-
+    tally = transform.tally(classified, R.dead_letter_prefix_bytes(cfg.max_value_bytes))
+    path["tally"] = _timed(tally, repeats)
     seconds = []
-    for n in range(repeats):  # the epoch's read stage: cache the classified rows, collect the metrics
+    for _ in range(repeats):  # the epoch's read stage: the tally collected as Arrow
         started = time.monotonic()
-        cached = classified.persist(StorageLevel.MEMORY_AND_DISK)
-        read = sum(r.records_read for r in transform.partition_metrics(cached).collect())
+        read = sum(m.records_read for m in EpochTally(tally.toArrow()).metrics().values())
         seconds.append(time.monotonic() - started)
         if read != records:
-            raise RuntimeError(f"profile: the metrics counted {read} records of {records}")
-        if n < repeats - 1:
-            cached.unpersist(blocking=True)
-    path["metrics_with_cache"] = round(statistics.median(seconds), 3)
-    path["counts_from_cache"] = _timed(transform.window_counts(cached, cfg.window_ms), repeats)
-    cached.unpersist(blocking=True)
+            raise RuntimeError(f"profile: the tally holds {read} records of {records}")
+    path["read_stage"] = round(statistics.median(seconds), 3)
     say("profile: path " + ", ".join(f"{k} {v:.2f} s" for k, v in path.items()))
 
     text = F.btrim(F.col("value").cast("string"), F.lit(R.WHITESPACE))
@@ -92,7 +87,8 @@ def profile(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], re
     prepared.count()
     t, d, ip = F.col("t"), F.col("d"), F.col("ip")
     pieces["scan"] = _timed(prepared, repeats)
-    pieces["whole_value_check"] = _timed(prepared.select(
+    pieces["whole_value_check"] = _timed(prepared.select(F.when(d.isNotNull(), transform.whole_value(t))), repeats)
+    pieces["whole_value_wrapped"] = _timed(prepared.select(  # the check's fallback, for every record
         F.json_array_length(F.concat(F.lit("["), t, F.lit("]"))),
         F.json_array_length(F.concat(F.lit("["), t, F.lit(",0]")))), repeats)
     pieces["json_kinds"] = _timed(prepared.select(

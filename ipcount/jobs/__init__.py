@@ -6,5 +6,6 @@
 - :mod:`.rebuild`       replay a ledger's committed epochs into a fresh replay table set
 - :mod:`.verify`        recount from Kafka in plain Python and compare
 - :mod:`.idle`          does the scheduled chain have anything to do? (no JVM)
-- :mod:`.transform`     the Spark parse, classify and aggregate steps
+- :mod:`.transform`     the Spark parse, classify and tally steps
+- :mod:`.tally`         an epoch's tally split (Arrow) into metrics, counts, dead letters, late rows
 """

@@ -24,19 +24,21 @@ from typing import TYPE_CHECKING, Callable
 
 from ipcount.jobs import transform
 from ipcount.jobs.crash import Crash, no_crash
+from ipcount.jobs.tally import EpochTally
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import PlanConflict
 from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, EpochSummary, LedgerState, PartitionMetrics
 from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
                                    skip_deleted)
+from ipcount.rules.records import dead_letter_prefix_bytes
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.sink import Sink
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +111,18 @@ class EpochRunner:
         stages["plan"] = time.monotonic() - started
 
         t = time.monotonic()
-        classified = _read_and_classify(self.spark, cfg, plan)
-        metrics_rows = transform.partition_metrics(classified).collect() if classified is not None else []
-        stages["read"] = time.monotonic() - t  # Kafka read, parse, classify, per-partition metrics
+        tally = _read_and_tally(self.spark, cfg, plan)
+        stages["read"] = time.monotonic() - t  # Kafka read, parse, classify, aggregate: one Spark job
 
-        metrics = {r.partition: PartitionMetrics(r.records_read, r.records_counted, r.records_late,
-                                                 r.records_malformed) for r in metrics_rows}
-        epoch_max = max((r.max_event_ms for r in metrics_rows if r.max_event_ms is not None), default=None)
+        metrics = tally.metrics() if tally is not None else {}
+        epoch_max = tally.max_event_ms() if tally is not None else None
         watermark_after = max((w for w in (plan.watermark_ms, epoch_max) if w is not None), default=None)
         totals = PartitionMetrics(*(sum(getattr(m, f.name) for m in metrics.values())
                                     for f in fields(PartitionMetrics)))
 
         sink_version = None
-        if classified is not None:
-            sink_version = self._write(plan, classified, totals, watermark_after, stages)
+        if tally is not None:
+            sink_version = self._write(plan, tally, watermark_after, stages)
         self.crash("after_sink")
 
         t = time.monotonic()
@@ -168,21 +168,21 @@ class EpochRunner:
         self.sink.remove_epoch_rows(plan.epoch)
         self.ledger.release(plan, lost)
 
-    def _write(self, plan: EpochPlan, classified: DataFrame, totals: PartitionMetrics,
-               watermark_after: int | None, stages: dict[str, float]) -> int | None:
-        """Aggregate and write the epoch's rows to the sink; the counts table's version."""
+    def _write(self, plan: EpochPlan, tally: EpochTally, watermark_after: int | None,
+               stages: dict[str, float]) -> int | None:
+        """Write the epoch's rows to the sink; the counts table's version."""
         t = time.monotonic()
-        counts = transform.window_counts(classified, self.cfg.window_ms).toArrow()  # few rows: one per window, ip
-        stages["aggregate"] = time.monotonic() - t
+        window_ms = self.cfg.window_ms
+        counts, dead_letters = tally.counts(window_ms), tally.dead_letters(plan.epoch)
+        late = tally.late_records(plan.epoch, window_ms, plan.watermark_ms)
+        stages["aggregate"] = time.monotonic() - t  # the tally split into the sink's rows (Arrow)
 
         t = time.monotonic()
         # What the chain's last counts commits left final, so the MERGE reads only what it must.
         chain = self.ledger.chain_commits(self.cfg.topic) if plan.kind == SCHEDULED else ()
-        sink_version = self.sink.write(plan, classified, counts, malformed=totals.records_malformed,
-                                       late=totals.records_late, counted=totals.records_counted,
-                                       watermark_after_ms=watermark_after, chain=chain)
+        sink_version = self.sink.write(plan, counts, dead_letters, late, watermark_after_ms=watermark_after,
+                                       chain=chain)
         stages["merge"] = time.monotonic() - t  # dead letters, late records, MERGE into counts
-        classified.unpersist()
         return sink_version
 
 
@@ -270,10 +270,9 @@ def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int]
     return plan
 
 
-def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -> DataFrame | None:
-    from pyspark import StorageLevel
-    from pyspark.sql import functions as F
-
+def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -> EpochTally | None:
+    """Read the plan's ranges, parse, classify and tally them in one Spark job (None when the
+    plan reads nothing)."""
     if not plan.nonempty_ranges:
         return None
     raw = (spark.read.format("kafka")
@@ -287,12 +286,7 @@ def _read_and_classify(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan
            .load())
     parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, plan.planned_at_ms)
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
-    # Only dead letters keep the raw key and value; dropping them from the rest keeps the
-    # cached rows small.
-    bad = F.col("reason").isNotNull()
-    classified = classified.withColumns({"key": F.when(bad, F.col("key")), "value": F.when(bad, F.col("value"))})
-    # Read Kafka once: the sink's three writes and the metrics all use these rows.
-    return classified.persist(StorageLevel.MEMORY_AND_DISK)
+    return EpochTally(transform.tally(classified, dead_letter_prefix_bytes(cfg.max_value_bytes)).toArrow())
 
 
 def _assign_json(plan: EpochPlan) -> str:

@@ -189,22 +189,28 @@ def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int,
         "late", F.when(F.col("reason").isNull(), late))
 
 
-def window_counts(classified: DataFrame, window_ms: int) -> DataFrame:
-    """Counts per (window, ip) of the records that are neither malformed nor late."""
-    return (classified.where(F.col("reason").isNull() & ~F.col("late"))
-            .groupBy("window_start_ms", "ip").agg(F.count(F.lit(1)).alias("count"))
-            .select(F.timestamp_millis("window_start_ms").alias("window_start"),
-                    F.timestamp_millis(F.col("window_start_ms") + window_ms).alias("window_end"),
-                    "ip", "count"))
+def tally(classified: DataFrame, dead_letter_prefix: int) -> DataFrame:
+    """The epoch's records in one aggregation, from which everything it writes comes
+    (:mod:`ipcount.jobs.tally` splits it): counted records collapse into one row per
+    partition, window and client; a record that is not counted (malformed or late) stays a
+    row of its own, its offset in the grouping key, with what its dead-letter or late-record
+    row needs. ``records`` is how many records a row stands for.
 
-
-def partition_metrics(classified: DataFrame) -> DataFrame:
-    """Per partition: records read, counted, late, malformed, and the max event time."""
-    is_bad = F.col("reason").isNotNull()
-    return classified.groupBy("partition").agg(
-        F.count(F.lit(1)).alias("records_read"),
-        F.count(F.when(~is_bad & ~F.col("late"), 1)).alias("records_counted"),
-        F.count(F.when(~is_bad & F.col("late"), 1)).alias("records_late"),
-        F.count(F.when(is_bad, 1)).alias("records_malformed"),
-        F.max("event_ms").alias("max_event_ms"),
-    )
+    One pass over the records and no cache: a cache of the classified records, read once
+    for each output, cost as much to build as the parse itself. Grouping keys may be of any
+    width, unlike aggregation buffers, so Spark keeps its hash aggregation.
+    """
+    reason, late, value = F.col("reason"), F.col("late"), F.col("value")
+    bad = reason.isNotNull()
+    kept = bad | late  # not counted: late is NULL exactly when the record is malformed
+    return classified.groupBy(
+        "topic", "partition", reason, late,
+        F.when(~bad, F.col("window_start_ms")).alias("window_start_ms"), F.when(~bad, F.col("ip")).alias("ip"),
+        F.when(kept, F.col("offset")).alias("offset"), F.when(bad, F.col("timestamp")).alias("timestamp"),
+        F.when(late, F.col("event_ms")).alias("event_ms"), F.when(bad, F.col("key")).alias("key"),
+        # A too_large dead letter keeps a prefix of its value, with the whole value's size and hash.
+        F.when(bad, F.when(reason == R.TOO_LARGE, F.substring(value, 1, dead_letter_prefix)).otherwise(value)
+               ).alias("value"),
+        F.when(bad, F.length(value).cast("long")).alias("value_bytes"),
+        F.when(bad, F.sha2(value, 256)).alias("value_sha256"),
+    ).agg(F.count(F.lit(1)).alias("records"), F.max("event_ms").alias("max_event_ms"))

@@ -19,19 +19,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Sequence
 
-from pyspark.sql import functions as F
-
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.finality import ChainCommit, finalized_below
 from ipcount.rules.publish import CHANGE_DATA_FEED
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
-from ipcount.rules.records import TOO_LARGE, dead_letter_prefix_bytes
 from ipcount.storage.delta import (arrow_schema, query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
                                    rs_create_table, sql_timestamp, version_with_metadata)
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    from pyspark.sql import DataFrame
 
 log = logging.getLogger(__name__)
 
@@ -92,35 +88,24 @@ class Sink:
     def txn_app_id(self, epoch: int) -> str:
         return f"{self.cfg.pipeline_id}/epoch-{epoch}"
 
-    def write(self, plan: EpochPlan, classified: DataFrame, counts: pa.Table,
-              malformed: int, late: int, counted: int, watermark_after_ms: int | None = None,
-              chain: Sequence[ChainCommit] = ()) -> int | None:
-        """Write the epoch's dead letters, late records and ``counts`` (its per-window counts,
-        :func:`ipcount.jobs.transform.window_counts`, as Arrow); return the counts table
-        version that holds this epoch (None if it counted nothing). ``chain``: the scheduled
-        chain's counts commits, newest first (:meth:`ipcount.storage.ledger.Ledger.chain_commits`).
+    def write(self, plan: EpochPlan, counts: pa.Table, dead_letters: pa.Table, late_records: pa.Table,
+              watermark_after_ms: int | None = None, chain: Sequence[ChainCommit] = ()) -> int | None:
+        """Write the epoch's dead letters, late records and ``counts`` (its counts per window
+        and client), each as Arrow (:class:`ipcount.jobs.tally.EpochTally`); return the
+        counts table version that holds this epoch (None if it counted nothing). ``chain``:
+        the scheduled chain's counts commits, newest first
+        (:meth:`ipcount.storage.ledger.Ledger.chain_commits`).
 
         Each write is skipped if a previous attempt of the epoch committed it. A write with
         no rows is not attempted at all: a replay finds no rows either, so skipping it is
         just as idempotent and saves a commit.
         """
-        epoch, watermark_ms = plan.epoch, plan.watermark_ms
-        record = (F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset")  # RECORD_COLUMNS
-        if malformed:
-            value, prefix = F.col("value"), dead_letter_prefix_bytes(self.cfg.max_value_bytes)
-            bad = classified.where(F.col("reason").isNotNull())
-            self._append(epoch, self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, bad.select(
-                *record, F.col("timestamp").alias("kafka_timestamp"), "key",
-                F.when(F.col("reason") == TOO_LARGE, F.substring(value, 1, prefix)).otherwise(value).alias("value"),
-                "reason", F.length(value).cast("long").alias("value_bytes"), F.sha2(value, 256).alias("value_sha256")))
-        if late and watermark_ms is not None:  # before the first watermark nothing can be late
-            self._append(epoch, self.cfg.late_path, LATE_COLUMNS, classified.where(F.col("late")).select(
-                *record, "ip",
-                F.timestamp_millis("event_ms").alias("event_time"),
-                F.timestamp_millis("window_start_ms").alias("window_start"),
-                F.timestamp_millis(F.col("window_start_ms") + self.cfg.window_ms).alias("window_end"),
-                F.timestamp_millis(F.lit(watermark_ms)).alias("watermark")))
-        if not counted:
+        epoch = plan.epoch
+        for path, columns, rows in ((self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, dead_letters),
+                                    (self.cfg.late_path, LATE_COLUMNS, late_records)):
+            if rows.num_rows:
+                rs_append_once(path, _conform(rows, columns), self.txn_app_id(epoch), epoch, f"epoch={epoch}")
+        if not counts.num_rows:
             return None
         if plan.kind == SCHEDULED:
             return self._merge_counts(epoch, counts, watermark_after_ms, finalize_untouched=True, chain=chain)
@@ -129,11 +114,6 @@ class Sink:
         # window the backfill's own watermark has passed. The chain's later epochs finalize
         # them as its watermark moves on.
         return self._merge_counts(epoch, counts, plan.chain_watermark_ms, finalize_untouched=False)
-
-    def _append(self, epoch: int, path: str, columns: Columns, rows: DataFrame) -> None:
-        """Append the epoch's rows (few: a share of its records) once: one Spark job collects
-        them, delta-rs commits them."""
-        rs_append_once(path, _conform(rows.toArrow(), columns), self.txn_app_id(epoch), epoch, f"epoch={epoch}")
 
     def _merge_counts(self, epoch: int, counts: pa.Table, watermark_ms: int | None, finalize_untouched: bool,
                       chain: Sequence[ChainCommit] = ()) -> int | None:

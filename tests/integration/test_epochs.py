@@ -98,8 +98,7 @@ def test_offset_commit_off_leaves_the_group_untouched(cfg, spark):
 
 def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
     """The sink's writes and the ledger commit, repeated for a committed epoch, are no-ops."""
-    from ipcount.jobs.epoch import _read_and_classify
-    from ipcount.jobs.transform import window_counts
+    from ipcount.jobs.epoch import _read_and_tally
     from ipcount.storage.ledger import Ledger
 
     produce_dataset(cfg, n=200)
@@ -108,11 +107,11 @@ def test_replaying_a_committed_epoch_changes_nothing(cfg, spark):
     second = epoch_mod.run_epoch(cfg, spark)
     before = snapshot(cfg)
     for s in (first, second):
-        classified = _read_and_classify(spark, cfg, s.plan)
-        counts_update = window_counts(classified, cfg.window_ms).toArrow()
-        assert Sink(cfg).write(s.plan, classified, counts_update,
-                               malformed=s.records_malformed, late=s.records_late,
-                               counted=s.records_counted, watermark_after_ms=s.watermark_ms) == s.sink_version
+        tally = _read_and_tally(spark, cfg, s.plan)
+        assert sum(m.records_read for m in tally.metrics().values()) == s.records_read
+        late = tally.late_records(s.plan.epoch, cfg.window_ms, s.plan.watermark_ms)
+        assert Sink(cfg).write(s.plan, tally.counts(cfg.window_ms), tally.dead_letters(s.plan.epoch), late,
+                               watermark_after_ms=s.watermark_ms) == s.sink_version
         Ledger(cfg.ledger_path).commit(s.plan, {}, None, None, 0.0, "replay")
     assert snapshot(cfg) == before
     assert epoch_mod.run_epoch(cfg, spark) is None
