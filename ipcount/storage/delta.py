@@ -222,10 +222,11 @@ def rs_concurrent_errors() -> tuple[type[BaseException], ...]:
     return (CommitFailedError,)
 
 
-def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = None) -> None:
+def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = None,
+                    partition_by: list[str] | None = None) -> None:
     """Create an empty Delta table at ``path`` with delta-rs unless one is there; one made
     by an older version (delta-spark's included) gets the (nullable) columns and the table
-    properties it lacks. Version 0 is put-if-absent like every commit: of concurrent
+    properties it lacks, and keeps its partitioning. Version 0 is put-if-absent like every commit: of concurrent
     creators one wins and the others find its table. What a creator killed before its
     commit left behind (a log directory, a temporary file) is no table, and is created over."""
     from deltalake import CommitProperties, DeltaTable, Schema
@@ -238,7 +239,7 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
             # No retry: a retried creation is committed on top of the winner's, as a new
             # table (another id, and its metadata replacing the winner's).
             DeltaTable.create(path, schema=schema, mode="error", configuration=properties or None,
-                              commit_properties=CommitProperties(max_commit_retries=0))
+                              partition_by=partition_by, commit_properties=CommitProperties(max_commit_retries=0))
             return
         except (DeltaError, TableNotFoundError) as e:
             table = _open(path)

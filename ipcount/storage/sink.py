@@ -41,9 +41,13 @@ COUNTS_COLUMNS: Columns = (
     ("first_epoch", "bigint", False),
     ("last_epoch", "bigint", False),
     ("is_final", "boolean", True),
+    # The window's hour (UTC, "2026-11-24T10"), by which counts tables are partitioned since
+    # it was added: a MERGE then rewrites the files of the hours it touches, not the table.
+    ("window_hour", "string", True),
 )
+COUNTS_PARTITION = "window_hour"
 # A counts MERGE's source: the epoch's counts, and (``touched`` false) rows it makes final.
-MERGE_SOURCE_COLUMNS: Columns = (*COUNTS_COLUMNS[:4], ("touched", "boolean", False))
+MERGE_SOURCE_COLUMNS: Columns = (*COUNTS_COLUMNS[:4], ("window_hour", "string", False), ("touched", "boolean", False))
 # Which record of which epoch a side-table row is: both side tables start with these.
 RECORD_COLUMNS: Columns = (
     ("epoch", "bigint", False),
@@ -82,8 +86,10 @@ class Sink:
     def ensure(self) -> None:
         for path, columns in self.tables():
             # Publishing reads each counts version's changes from Delta's change data feed.
-            wanted = {CHANGE_DATA_FEED: "true"} if path == self.cfg.counts_path and self.cfg.publish else None
-            rs_create_table(path, arrow_schema(columns), wanted)
+            counts = path == self.cfg.counts_path
+            wanted = {CHANGE_DATA_FEED: "true"} if counts and self.cfg.publish else None
+            # Only a new table is partitioned: an older one keeps its layout (and gains the column).
+            rs_create_table(path, arrow_schema(columns), wanted, partition_by=[COUNTS_PARTITION] if counts else None)
 
     def txn_app_id(self, epoch: int) -> str:
         return f"{self.cfg.pipeline_id}/epoch-{epoch}"
@@ -135,7 +141,8 @@ class Sink:
         import pyarrow.compute as pc
 
         path, lateness_ms = self.cfg.counts_path, self.cfg.allowed_lateness_ms
-        touched = _conform(counts.append_column("touched", pa.repeat(True, counts.num_rows)), MERGE_SOURCE_COLUMNS)
+        touched = _conform(_with_window_hour(counts).append_column("touched", pa.repeat(True, counts.num_rows)),
+                           MERGE_SOURCE_COLUMNS)
         final_until = None if watermark_ms is None else sql_timestamp(watermark_ms - lateness_ms)
 
         def final(col: str) -> str:  # end + lateness <= watermark
@@ -154,7 +161,11 @@ class Sink:
             lo, hi = (sql_timestamp(b.value // 1000) for b in (bounds["min"], bounds["max"]))  # us -> ms
             log.info("epoch %d: merging counts into windows %s..%s%s", epoch, lo, hi,
                      ", finalizing untouched rows in a full pass" if full_pass else "")
-            merger = (table.merge(source, "t.window_start = s.window_start AND t.ip = s.ip AND "
+            # In a partitioned table every row has its hour; delta-rs then reads and rewrites
+            # only the partitions the source's hours name. (An older table's rows may lack it.)
+            same_hour = (f"t.{COUNTS_PARTITION} = s.{COUNTS_PARTITION} AND "
+                         if COUNTS_PARTITION in table.metadata().partition_columns else "")
+            merger = (table.merge(source, f"{same_hour}t.window_start = s.window_start AND t.ip = s.ip AND "
                                   f"t.window_start BETWEEN {lo} AND {hi}", source_alias="s", target_alias="t",
                                   streamed_exec=False, commit_properties=properties)
                       .when_matched_update({
@@ -167,7 +178,7 @@ class Sink:
                       .when_not_matched_insert({
                           "window_start": "s.window_start", "window_end": "s.window_end", "ip": "s.ip",
                           "count": "s.count", "first_epoch": str(epoch), "last_epoch": str(epoch),
-                          "is_final": final("s.window_end")}, predicate="s.touched"))
+                          "is_final": final("s.window_end"), "window_hour": "s.window_hour"}, predicate="s.touched"))
             if full_pass:
                 merger = merger.when_not_matched_by_source_update(
                     {"is_final": "true"}, predicate=f"NOT coalesce(t.is_final, false) AND {final('t.window_end')}")
@@ -189,8 +200,9 @@ class Sink:
                                   "NOT coalesce(is_final, false)")
         rows = _conform(rows, MERGE_SOURCE_COLUMNS[:3])
         rows = rows.join(touched.select(["window_start", "ip"]), ["window_start", "ip"], join_type="left anti")
-        return _conform(rows.append_column("count", pa.repeat(pa.scalar(0, pa.int64()), rows.num_rows))
-                            .append_column("touched", pa.repeat(False, rows.num_rows)), MERGE_SOURCE_COLUMNS)
+        return _conform(_with_window_hour(rows)
+                        .append_column("count", pa.repeat(pa.scalar(0, pa.int64()), rows.num_rows))
+                        .append_column("touched", pa.repeat(False, rows.num_rows)), MERGE_SOURCE_COLUMNS)
 
     def fence(self, epoch: int) -> None:
         """Make sure no write of ``epoch`` lands from now on: an empty commit with its
@@ -213,6 +225,15 @@ class Sink:
         """The table version whose commit wrote ``epoch`` (None if the epoch wrote nothing,
         e.g. a MERGE with no source rows)."""
         return version_with_metadata(path, f"epoch={epoch}", search)
+
+
+def _with_window_hour(rows: pa.Table) -> pa.Table:
+    """``rows`` with the partition column :data:`COUNTS_PARTITION`, from ``window_start``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    start = rows["window_start"].cast(pa.timestamp("us", tz="UTC"))
+    return rows.append_column(COUNTS_PARTITION, pc.strftime(start, format="%Y-%m-%dT%H"))
 
 
 def _conform(rows: pa.Table, columns: Columns) -> pa.Table:
