@@ -2,7 +2,8 @@
 ``Trigger.AvailableNow``, the same parsing, the same tumbling windows with the watermark
 delayed by the allowed lateness, written to Delta by ``foreachBatch`` + MERGE with
 ``txnAppId``/``txnVersion`` (Delta's documented idempotent recipe) and its own checkpoint.
-Used by the benchmark only; it is not part of the pipeline.
+It reads Kafka with as many tasks as the pipeline does (:func:`read_options`). Used by the
+benchmark only; it is not part of the pipeline.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pyspark.sql import functions as F
 from ipcount.jobs import transform
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
+from ipcount.rules.offsets import read_tasks
 from ipcount.storage.broker import client_options
 
 if TYPE_CHECKING:
@@ -49,7 +51,8 @@ def run_peer(cfg: PipelineConfig, spark: SparkSession, table_path: str, checkpoi
     from delta.tables import DeltaTable
 
     create_table(spark, table_path)
-    reader = spark.readStream.format("kafka")
+    reader = spark.readStream.format("kafka").options(
+        **read_options(spark, max_offsets_per_trigger or sum(ending.values()), len(ending)))
     if max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
     raw = (reader
@@ -102,10 +105,18 @@ def kafka_range(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]
     """The whole range, from offset 0 to ``ending``, as a batch Kafka read."""
     start = json.dumps({cfg.topic: {str(p): 0 for p in ending}})
     end = json.dumps({cfg.topic: {str(p): o for p, o in ending.items()}})
-    return (spark.read.format("kafka").option("kafka.bootstrap.servers", cfg.bootstrap_servers)
+    return (spark.read.format("kafka").options(**read_options(spark, sum(ending.values()), len(ending)))
+            .option("kafka.bootstrap.servers", cfg.bootstrap_servers)
             .option("subscribe", cfg.topic).option("startingOffsets", start).option("endingOffsets", end)
             .option("kafka.isolation.level", "read_committed")
             .options(**spark_kafka_options(cfg, sasl_password(cfg))).load())
+
+
+def read_options(spark: SparkSession, records: int, partitions: int) -> dict[str, str]:
+    """The Kafka source's task count as the pipeline sets it for a read of ``records``
+    (:func:`ipcount.rules.offsets.read_tasks`), so that every contender reads alike."""
+    tasks = read_tasks(records, partitions, spark.sparkContext.defaultParallelism)
+    return {} if tasks is None else {"minPartitions": str(tasks)}
 
 
 def spark_count(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]) -> int:

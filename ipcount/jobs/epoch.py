@@ -30,7 +30,7 @@ from ipcount.rules.errors import PlanConflict
 from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, EpochSummary, LedgerState, PartitionMetrics
 from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
-                                   skip_deleted)
+                                   read_tasks, skip_deleted)
 from ipcount.rules.records import dead_letter_prefix_bytes
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
@@ -275,7 +275,9 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
     plan reads nothing)."""
     if not plan.nonempty_ranges:
         return None
-    raw = (spark.read.format("kafka")
+    tasks = read_tasks(plan.size, len(plan.nonempty_ranges), spark.sparkContext.defaultParallelism)
+    reader = spark.read.format("kafka") if tasks is None else spark.read.format("kafka").option("minPartitions", tasks)
+    raw = (reader
            .option("kafka.bootstrap.servers", cfg.bootstrap_servers)
            .option("assign", _assign_json(plan))
            .option("startingOffsets", plan.starting_offsets_json())

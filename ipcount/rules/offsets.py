@@ -182,3 +182,23 @@ def split_cap(backlog: Mapping[int, int], cap: int) -> dict[int, int]:
         shares[p] = 1
     return shares
 
+
+
+# Below this many records an epoch reads one task per partition: splitting costs more than it saves.
+SPLIT_READ_RECORDS = 100_000
+TASKS_PER_CORE = 3
+
+
+def read_tasks(records: int, partitions: int, cores: int) -> int | None:
+    """How many Spark tasks to read ``records`` from ``partitions`` Kafka partitions with (the
+    Kafka source's ``minPartitions``), or None for its default of one task per partition.
+
+    One task per partition leaves cores idle whenever the partitions do not divide evenly
+    among them (3 partitions on 2 cores: the third reads alone, a third of the stage on one
+    core). A few tasks per core keep every core busy to the end; Spark splits each
+    partition's range in proportion to its size.
+    """
+    want = TASKS_PER_CORE * cores
+    if records < SPLIT_READ_RECORDS or want <= partitions:
+        return None
+    return want

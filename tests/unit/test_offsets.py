@@ -5,7 +5,7 @@ import pytest
 
 from ipcount.rules.errors import DataLossError
 from ipcount.rules.ledger import EpochPlan
-from ipcount.rules.offsets import OffsetRange, plan_ranges, split_cap
+from ipcount.rules.offsets import OffsetRange, plan_ranges, read_tasks, split_cap
 
 T = "ip_count_source"
 
@@ -108,3 +108,10 @@ def test_skip_policy_does_not_claim_offsets_a_backfill_owns():
     moved, lost = skip_deleted(T, {0: 5, 1: 0}, earliest={0: 40, 1: 40}, coverage=owned)
     assert moved == {0: 40, 1: 40}
     assert lost == (r(0, 5, 10), r(0, 20, 25), r(0, 30, 40))  # partition 1: all owned, nothing lost
+
+
+def test_a_large_read_gets_a_few_tasks_per_core_and_a_small_one_the_default():
+    assert read_tasks(1_000_000, partitions=3, cores=2) == 6   # not 3 tasks on 2 cores
+    assert read_tasks(99_999, partitions=3, cores=2) is None   # small: splitting costs more
+    assert read_tasks(1_000_000, partitions=12, cores=2) is None  # already enough tasks
+    assert read_tasks(1_000_000, partitions=1, cores=8) == 24
