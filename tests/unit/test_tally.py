@@ -39,7 +39,8 @@ ROWS = [
     row(0, 3, window=T0, ip="1.2.3.4", max_event_ms=T0 + 9_000),
     row(1, 2, window=T0, ip="1.2.3.4", max_event_ms=T0 + 4_000),
     row(1, 7, window=T0 + W, ip="::1", max_event_ms=T0 + W + 1),
-    row(1, 1, window=T0 - 5 * W, ip="1.2.3.4", late=True, offset=41, event_ms=T0 - 5 * W + 3, max_event_ms=T0 - 5 * W + 3),
+    row(1, 1, window=T0 - 5 * W, ip="1.2.3.4", late=True, offset=41, event_ms=T0 - 5 * W + 3,
+        max_event_ms=T0 - 5 * W + 3),
     row(0, 1, reason=BAD_JSON, offset=12, value=b"{"),
     row(2, 1, reason=TOO_LARGE, offset=3, value=b"x" * 4),
 ]
