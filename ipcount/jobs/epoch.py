@@ -112,10 +112,10 @@ class EpochRunner:
 
         t = time.monotonic()
         tally = _read_and_tally(self.spark, cfg, plan)
-        stages["read"] = time.monotonic() - t  # Kafka read, parse, classify, aggregate: one Spark job
-
         metrics = tally.metrics() if tally is not None else {}
         epoch_max = tally.max_event_ms() if tally is not None else None
+        stages["read"] = time.monotonic() - t  # Kafka read, parse, classify, tally (one Spark job), metrics
+
         watermark_after = max((w for w in (plan.watermark_ms, epoch_max) if w is not None), default=None)
         totals = PartitionMetrics(*(sum(getattr(m, f.name) for m in metrics.values())
                                     for f in fields(PartitionMetrics)))

@@ -1,8 +1,8 @@
 """An epoch's tally, split in Arrow into what it writes and reports.
 
 :func:`ipcount.jobs.transform.tally` aggregates the epoch's records in one Spark job and
-hands the result over as Arrow: one row per partition, window and client for the counted
-records, one row per record that is not counted. It is small (the counts the sink merges,
+hands the result over as Arrow: one row per topic, partition, window and client for the
+counted records, one row per record that is not counted. It is small (the counts the sink merges,
 plus the bad and late records it appends), and this module splits it without Spark: the
 per-partition metrics, the counts per window and client, the dead letters and the late
 records.

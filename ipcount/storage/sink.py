@@ -161,10 +161,10 @@ class Sink:
             lo, hi = (sql_timestamp(b.value // 1000) for b in (bounds["min"], bounds["max"]))  # us -> ms
             log.info("epoch %d: merging counts into windows %s..%s%s", epoch, lo, hi,
                      ", finalizing untouched rows in a full pass" if full_pass else "")
-            # In a partitioned table every row has its hour; delta-rs then reads and rewrites
-            # only the partitions the source's hours name. (An older table's rows may lack it.)
-            same_hour = (f"t.{COUNTS_PARTITION} = s.{COUNTS_PARTITION} AND "
-                         if COUNTS_PARTITION in table.metadata().partition_columns else "")
+            # Where every row has its hour, delta-rs reads and rewrites only the partitions the
+            # source's hours name (outside a full pass). An older table's rows may lack it, and
+            # so may rows a writer of an older version put into a partitioned table.
+            same_hour = f"t.{COUNTS_PARTITION} = s.{COUNTS_PARTITION} AND " if _every_row_has_hour(table) else ""
             merger = (table.merge(source, f"{same_hour}t.window_start = s.window_start AND t.ip = s.ip AND "
                                   f"t.window_start BETWEEN {lo} AND {hi}", source_alias="s", target_alias="t",
                                   streamed_exec=False, commit_properties=properties)
@@ -225,6 +225,17 @@ class Sink:
         """The table version whose commit wrote ``epoch`` (None if the epoch wrote nothing,
         e.g. a MERGE with no source rows)."""
         return version_with_metadata(path, f"epoch={epoch}", search)
+
+
+def _every_row_has_hour(table) -> bool:
+    """Whether the counts snapshot ``table`` is partitioned by :data:`COUNTS_PARTITION` and no
+    file of it lacks the hour (from the snapshot's file list: no data is read)."""
+    import pyarrow as pa
+
+    if COUNTS_PARTITION not in table.metadata().partition_columns:
+        return False
+    files = pa.table(table.get_add_actions(flatten=True))
+    return files.num_rows == 0 or files.column(f"partition.{COUNTS_PARTITION}").null_count == 0
 
 
 def _with_window_hour(rows: pa.Table) -> pa.Table:

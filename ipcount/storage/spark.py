@@ -42,9 +42,10 @@ def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         # Only path-based Delta tables are used; keep Spark's catalog directory out of the cwd.
         "spark.sql.warehouse.dir": str(STATE_DIR / "spark-warehouse"),
-        # Spark walks a parsed JSON value recursively (schema_of_variant): 4 MB thread stacks
-        # leave room for the deepest record Jackson accepts, where 1 MB overflowed in a cold
-        # JVM, and a StackOverflowError kills the executor.
+        # Spark recurses once per nesting level of a JSON value (parse_json, schema_of_variant):
+        # 4 MB thread stacks leave room for the deepest record Jackson accepts, where 1 MB
+        # overflowed in a cold JVM, and a StackOverflowError kills the executor. (These
+        # replace any extraJavaOptions of spark-defaults.conf: add -Xss4m to your own.)
         "spark.driver.extraJavaOptions": "-Dlog4j2.level=warn -Xss4m",
         "spark.executor.extraJavaOptions": "-Xss4m",
     }

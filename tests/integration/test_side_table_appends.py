@@ -102,3 +102,31 @@ def test_processes_merging_one_epoch_s_counts_at_once_commit_it_once(tmp_path):
     merges = [h for h in DeltaTable(cfg.counts_path).history() if h["operation"] == "MERGE"]
     assert [h.get("userMetadata") for h in merges] == ["epoch=5"]
     assert sorted(counts(cfg).values()) == [3, 4]
+
+
+def test_a_row_without_its_hour_in_a_partitioned_counts_table_is_merged_into_not_doubled(tmp_path):
+    """A writer of an older version puts rows without window_hour into a partitioned counts
+    table; the next MERGE must still find them (one row per window and client)."""
+    from datetime import datetime, timezone
+
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.storage.sink import COUNTS_COLUMNS, Sink
+
+    cfg = PipelineConfig(warehouse=str(tmp_path), window_seconds=10)
+    sink = Sink(cfg)
+    sink.ensure()
+    assert DeltaTable(cfg.counts_path).metadata().partition_columns == ["window_hour"]
+    start = datetime(2026, 11, 24, 10, 0, 10, tzinfo=timezone.utc)
+    end = datetime(2026, 11, 24, 10, 0, 20, tzinfo=timezone.utc)
+    old = {"window_start": [start], "window_end": [end], "ip": ["1.2.3.4"], "count": [2], "first_epoch": [1],
+           "last_epoch": [1], "is_final": [False], "window_hour": [None]}
+    write_deltalake(cfg.counts_path, pa.table(old, schema=arrow_schema(COUNTS_COLUMNS)), mode="append")
+    counts = pa.table({"window_start": [start, start], "window_end": [end, end], "ip": ["1.2.3.4", "5.6.7.8"],
+                       "count": [3, 1]})
+    sink._merge_counts(2, counts, None, finalize_untouched=False)  # noqa: SLF001
+    got = sorted((r["ip"], r["count"], r["first_epoch"], r["last_epoch"])
+                 for r in DeltaTable(cfg.counts_path).to_pyarrow_table().to_pylist())
+    assert got == [("1.2.3.4", 5, 1, 2), ("5.6.7.8", 1, 2, 2)]
