@@ -2,8 +2,9 @@
 ``Trigger.AvailableNow``, the same parsing, the same tumbling windows with the watermark
 delayed by the allowed lateness, written to Delta by ``foreachBatch`` + MERGE with
 ``txnAppId``/``txnVersion`` (Delta's documented idempotent recipe) and its own checkpoint.
-It reads Kafka with as many tasks as the pipeline does (:func:`read_options`). Used by the
-benchmark only; it is not part of the pipeline.
+It reads Kafka with as many tasks as the pipeline does
+(:func:`ipcount.jobs.epoch.read_options`). Used by the benchmark only; it is not part of the
+pipeline.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from typing import TYPE_CHECKING
 from pyspark.sql import functions as F
 
 from ipcount.jobs import transform
+from ipcount.jobs.epoch import read_options
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
-from ipcount.rules.offsets import read_tasks
 from ipcount.storage.broker import client_options
 
 if TYPE_CHECKING:
@@ -110,13 +111,6 @@ def kafka_range(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]
             .option("subscribe", cfg.topic).option("startingOffsets", start).option("endingOffsets", end)
             .option("kafka.isolation.level", "read_committed")
             .options(**spark_kafka_options(cfg, sasl_password(cfg))).load())
-
-
-def read_options(spark: SparkSession, records: int, partitions: int) -> dict[str, str]:
-    """The Kafka source's task count as the pipeline sets it for a read of ``records``
-    (:func:`ipcount.rules.offsets.read_tasks`), so that every contender reads alike."""
-    tasks = read_tasks(records, partitions, spark.sparkContext.defaultParallelism)
-    return {} if tasks is None else {"minPartitions": str(tasks)}
 
 
 def spark_count(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]) -> int:

@@ -275,9 +275,7 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
     plan reads nothing)."""
     if not plan.nonempty_ranges:
         return None
-    tasks = read_tasks(plan.size, len(plan.nonempty_ranges), spark.sparkContext.defaultParallelism)
-    reader = spark.read.format("kafka") if tasks is None else spark.read.format("kafka").option("minPartitions", tasks)
-    raw = (reader
+    raw = (spark.read.format("kafka").options(**read_options(spark, plan.size, len(plan.nonempty_ranges)))
            .option("kafka.bootstrap.servers", cfg.bootstrap_servers)
            .option("assign", _assign_json(plan))
            .option("startingOffsets", plan.starting_offsets_json())
@@ -289,6 +287,13 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
     parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, plan.planned_at_ms)
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
     return EpochTally(transform.tally(classified, dead_letter_prefix_bytes(cfg.max_value_bytes)).toArrow())
+
+
+def read_options(spark: SparkSession, records: int, partitions: int) -> dict[str, str]:
+    """The Kafka source's task count for a read of ``records`` from ``partitions``
+    partitions (:func:`ipcount.rules.offsets.read_tasks`): ``minPartitions``, or nothing."""
+    tasks = read_tasks(records, partitions, spark.sparkContext.defaultParallelism)
+    return {} if tasks is None else {"minPartitions": str(tasks)}
 
 
 def _assign_json(plan: EpochPlan) -> str:

@@ -183,7 +183,6 @@ def split_cap(backlog: Mapping[int, int], cap: int) -> dict[int, int]:
     return shares
 
 
-
 # Below this many records an epoch reads one task per partition: splitting costs more than it saves.
 SPLIT_READ_RECORDS = 100_000
 TASKS_PER_CORE = 3

@@ -47,7 +47,8 @@ COUNTS_COLUMNS: Columns = (
 )
 COUNTS_PARTITION = "window_hour"
 # A counts MERGE's source: the epoch's counts, and (``touched`` false) rows it makes final.
-MERGE_SOURCE_COLUMNS: Columns = (*COUNTS_COLUMNS[:4], ("window_hour", "string", False), ("touched", "boolean", False))
+MERGE_SOURCE_COLUMNS: Columns = (*COUNTS_COLUMNS[:4], (COUNTS_PARTITION, "string", False),
+                                 ("touched", "boolean", False))
 # Which record of which epoch a side-table row is: both side tables start with these.
 RECORD_COLUMNS: Columns = (
     ("epoch", "bigint", False),
