@@ -82,11 +82,23 @@ def _ipv6_pattern() -> str:
 
 
 IP_PATTERN = rf"^(({_IPV4})|{_ipv6_pattern()})$"
+# The same test for text without ":" (IP_PATTERN's only such branch), at a third of its cost.
+IPV4_PATTERN = rf"^{_IPV4}$"
 ISO_PATTERN = (r"^([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})"
                r"(\.([0-9]{1,9}))?(Z|[+-][0-9]{2}:[0-9]{2})$")
 # remote_addr - remote_user [time_local] "request" status body_bytes_sent ["referer" "agent"]
 NGINX_PATTERN = (r'^([^ ]+) [^ ]+ [^ ]+ \[([^\]]+)\] "[^"]*" [0-9]{3} ([0-9]+|-)'
                  r'( "[^"]*" "[^"]*")?$')
+# A flat JSON object of just "ip" and "ts" (either order), with string values that need no
+# unescaping and an integer ts of at most 18 digits (a long): the Spark job reads most records
+# with this one match, and hands the rest to its JSON parser. What it matches is valid JSON
+# with no duplicate key, one value and no nesting; group 1 or 4 is the ip, 2 or 3 the ts
+# (a string with its quotes, or the integer's digits).
+_WS = "[ \\t\\r\\n]*"
+_FLAT_IP = f'"ip"{_WS}:{_WS}"([0-9A-Fa-f:.]{{1,45}})"'
+_FLAT_TS = f'"ts"{_WS}:{_WS}("[0-9A-Za-z:.+-]{{1,64}}"|[1-9][0-9]{{0,17}})'
+FLAT_JSON_PATTERN = (rf"^\{{{_WS}{_FLAT_IP}{_WS},{_WS}{_FLAT_TS}{_WS}\}}$"
+                     rf"|^\{{{_WS}{_FLAT_TS}{_WS},{_WS}{_FLAT_IP}{_WS}\}}$")
 NGINX_TIME_PATTERN = r"^[0-9]{2}/[A-Z][a-z]{2}/[0-9]{4}:[0-9]{2}:[0-9]{2}:[0-9]{2} [+-][0-9]{4}$"
 
 _iso = re.compile(ISO_PATTERN)

@@ -9,6 +9,7 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, Str
 
 from ipcount.devtools.generator import MALFORMED_SAMPLES, TrafficGenerator
 from ipcount.jobs import transform
+from tests.unit.test_records import FLAT_JSON
 from ipcount.rules.records import REASONS, Event, parse_value
 
 KAFKA_SCHEMA = StructType([
@@ -65,6 +66,13 @@ HAND_PICKED = [
     b'{"ip": "::1.2.3.4", "ts": 1795255203000}', b'{"ip": "1:0:0:1:0:0:0:1", "ts": 1795255203000}',
     b'{"ip": "0:0:1:0:0:1:0:0", "ts": 1795255203000}', b'{"ip": "1:0:3:4:5:6:7:8", "ts": 1795255203000}',
     b'::ffff:10.0.0.1 - - [21/Nov/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512',
+    # ISO times read by Spark's cast: fraction digits past the microsecond, leap seconds,
+    # impossible dates, year 0, zero offsets
+    *(b'{"ip": "1.2.3.4", "ts": "%s"}' % t for t in (
+        b"2026-11-21T10:00:03.1234567Z", b"2026-11-21T10:00:03.0009Z", b"2026-11-21T10:00:03.999999999-00:00",
+        b"2026-11-21T23:59:60Z", b"2026-13-01T00:00:00Z", b"2026-00-10T00:00:00Z", b"2026-11-00T00:00:00Z",
+        b"2028-02-29T00:00:00Z", b"2027-02-29T00:00:00Z", b"0000-01-01T00:00:00Z", b"2026-11-21T10:60:00+00:00",
+        b"2026-11-21T10:00:03.Z", b"2026-11-21T10:00:03,5Z", b"2026-11-21t10:00:03Z", b"2026-11-21T10:00:03z")),
     # a record from a bad clock, far ahead of its Kafka timestamp
     b'{"ip": "1.2.3.4", "ts": 4102444700000}',
 ]
@@ -94,7 +102,7 @@ NO_TS = [b'{"ip": "203.0.113.9"}', b'{"ip": "203.0.113.9", "ts": [1]}', b'{"ts":
 def test_spark_parser_matches_python_spec_on_every_record(spark, event_time):
     start = 1_795_255_203_000
     generated = [r.value for r in TrafficGenerator(seed=5, malformed_share=0.05).records(3000, start)]
-    values = HAND_PICKED + NO_TS + [v for _, v in MALFORMED_SAMPLES] + generated
+    values = HAND_PICKED + [t.encode() for t in FLAT_JSON] + NO_TS + [v for _, v in MALFORMED_SAMPLES] + generated
     values += _mutations(random.Random(9), [v for v in generated[:400] if v])
     # Kafka timestamps: mostly plausible, some outside the valid event-time range, some
     # hours before the payload's time or after the planning time (event_time_ahead).
