@@ -583,6 +583,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in only if m not in MEASUREMENTS]
     if unknown or not only:
         p.error(f"--only takes names from {', '.join(MEASUREMENTS)}; got {args.only!r}")
+    if args.workdir is not None and args.workdir.is_dir() and any(args.workdir.iterdir()):
+        # Its tables and checkpoints would be resumed, not measured from scratch.
+        p.error(f"--workdir {args.workdir} is not empty (an earlier run's tables and checkpoints?): "
+                "give a new or empty directory")
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ipcount-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
