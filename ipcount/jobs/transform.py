@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pyspark.sql import Column
 from pyspark.sql import functions as F
+from pyspark.sql.types import TimestampType
 
 from ipcount.rules import records as R
 
@@ -191,8 +192,9 @@ def iso_to_ms(ts: Column) -> Column:
     real instant. The pattern admits only forms Spark's own string-to-timestamp cast reads
     (fraction digits past the microsecond dropped, offsets checked by java.time), and
     unix_millis drops the fraction past the ms: one cast instead of three regex extractions
-    and a formatted parse."""
-    return F.when(ts.rlike(R.ISO_PATTERN), F.unix_millis(ts.try_cast("timestamp")))
+    and a formatted parse. The type is TimestampType (with local time zone), not the name
+    "timestamp", which spark.sql.timestampType could make one without a time zone."""
+    return F.when(ts.rlike(R.ISO_PATTERN), F.unix_millis(ts.try_cast(TimestampType())))
 
 
 def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int,

@@ -55,6 +55,10 @@ WHITESPACE = " \t\r\n"
 
 # One pattern per grammar so Python's re and Java's regex read them alike: no \s, \S, \d
 # (Python's are Unicode-aware, Java's ASCII-only); explicit ASCII classes only.
+# The end of the text is "nothing follows": "$" also matches before a final "\n" in Python,
+# and before a final "\n", "\r", U+0085, U+2028 or U+2029 in Java. ([\s\S] is any character
+# in both.)
+_END = r"(?![\s\S])"
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _IPV4 = rf"{_OCTET}(\.{_OCTET}){{3}}"
 
@@ -81,14 +85,14 @@ def _ipv6_pattern() -> str:
     return "(" + "|".join(f"({a})" for a in alternatives) + ")"
 
 
-IP_PATTERN = rf"^(({_IPV4})|{_ipv6_pattern()})$"
+IP_PATTERN = rf"^(({_IPV4})|{_ipv6_pattern()}){_END}"
 # The same test for text without ":" (IP_PATTERN's only such branch), at a third of its cost.
-IPV4_PATTERN = rf"^{_IPV4}$"
+IPV4_PATTERN = rf"^{_IPV4}{_END}"
 ISO_PATTERN = (r"^([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})"
-               r"(\.([0-9]{1,9}))?(Z|[+-][0-9]{2}:[0-9]{2})$")
+               r"(\.([0-9]{1,9}))?(Z|[+-][0-9]{2}:[0-9]{2})" + _END)
 # remote_addr - remote_user [time_local] "request" status body_bytes_sent ["referer" "agent"]
 NGINX_PATTERN = (r'^([^ ]+) [^ ]+ [^ ]+ \[([^\]]+)\] "[^"]*" [0-9]{3} ([0-9]+|-)'
-                 r'( "[^"]*" "[^"]*")?$')
+                 r'( "[^"]*" "[^"]*")?' + _END)
 # A flat JSON object of just "ip" and "ts" (either order), with string values that need no
 # unescaping and an integer ts of at most 18 digits (a long): the Spark job reads most records
 # with this one match, and hands the rest to its JSON parser. What it matches is valid JSON
@@ -97,9 +101,9 @@ NGINX_PATTERN = (r'^([^ ]+) [^ ]+ [^ ]+ \[([^\]]+)\] "[^"]*" [0-9]{3} ([0-9]+|-)
 _WS = "[ \\t\\r\\n]*"
 _FLAT_IP = f'"ip"{_WS}:{_WS}"([0-9A-Fa-f:.]{{1,45}})"'
 _FLAT_TS = f'"ts"{_WS}:{_WS}("[0-9A-Za-z:.+-]{{1,64}}"|[1-9][0-9]{{0,17}})'
-FLAT_JSON_PATTERN = (rf"^\{{{_WS}{_FLAT_IP}{_WS},{_WS}{_FLAT_TS}{_WS}\}}$"
-                     rf"|^\{{{_WS}{_FLAT_TS}{_WS},{_WS}{_FLAT_IP}{_WS}\}}$")
-NGINX_TIME_PATTERN = r"^[0-9]{2}/[A-Z][a-z]{2}/[0-9]{4}:[0-9]{2}:[0-9]{2}:[0-9]{2} [+-][0-9]{4}$"
+FLAT_JSON_PATTERN = (rf"^\{{{_WS}{_FLAT_IP}{_WS},{_WS}{_FLAT_TS}{_WS}\}}{_END}"
+                     rf"|^\{{{_WS}{_FLAT_TS}{_WS},{_WS}{_FLAT_IP}{_WS}\}}{_END}")
+NGINX_TIME_PATTERN = r"^[0-9]{2}/[A-Z][a-z]{2}/[0-9]{4}:[0-9]{2}:[0-9]{2}:[0-9]{2} [+-][0-9]{4}" + _END
 
 _iso = re.compile(ISO_PATTERN)
 _nginx = re.compile(NGINX_PATTERN)

@@ -166,6 +166,18 @@ def test_ip_pattern_agrees_with_ipaddress_module():
             assert bool(ipv4.match(text)) == expected, text
 
 
+@pytest.mark.parametrize("value, reason", [
+    (b'{"ip": "1.2.3.4", "ts": "2026-11-21T10:00:03Z\\n"}', R.INVALID_TIMESTAMP),
+    (b'{"ip": "1.2.3.4\\n", "ts": 1795255203000}', R.INVALID_IP),
+    (b'{"ip": "1.2.3.4", "ts": 1795255203000}\xe2\x80\xa8', R.BAD_JSON),
+    (b'1.2.3.4 - - [21/Nov/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512\xc2\x85', R.UNRECOGNIZED),
+])
+def test_a_line_terminator_at_the_end_is_not_the_end_of_the_text(value, reason):
+    """Every pattern ends where the text ends, not before a final line terminator as "$" does."""
+    assert parse_value(value) == Malformed(reason)
+    assert not re.match(R.IPV4_PATTERN, "1.2.3.4\n") and not re.match(R.ISO_PATTERN, "2026-11-21T10:00:03Z\n")
+
+
 FLAT_JSON = [
     '{"ip": "1.2.3.4", "ts": 1795255203000}', '{"ts":"2026-11-21T10:00:03Z","ip":"::1"}',
     '{ \t"ip"\n:\r"2001:DB8::A" ,\t"ts" :  123456789012345678 }', '{"ip": "1.2.3.4", "ts": 1234567890123456789}',
