@@ -226,19 +226,31 @@ def tally(classified: DataFrame, dead_letter_prefix: int) -> DataFrame:
 
     One pass over the records and no cache: a cache of the classified records, read once
     for each output, cost as much to build as the parse itself. Grouping keys may be of any
-    width, unlike aggregation buffers, so Spark keeps its hash aggregation.
+    width, unlike aggregation buffers, so Spark keeps its hash aggregation. What only a
+    record that is not counted needs is one struct in the key, NULL for counted records:
+    every record's key is hashed and compared, so five columns cost less than thirteen.
     """
     reason, late, value = F.col("reason"), F.col("late"), F.col("value")
     bad = reason.isNotNull()
     kept = bad | late  # not counted: late is NULL exactly when the record is malformed
-    return classified.groupBy(
-        "topic", "partition", reason, late,
-        F.when(~bad, F.col("window_start_ms")).alias("window_start_ms"), F.when(~bad, F.col("ip")).alias("ip"),
-        F.when(kept, F.col("offset")).alias("offset"), F.when(bad, F.col("timestamp")).alias("timestamp"),
-        F.when(late, F.col("event_ms")).alias("event_ms"), F.when(bad, F.col("key")).alias("key"),
+    detail = F.when(kept, F.struct(
+        reason.alias("reason"), late.alias("late"), F.col("offset").alias("offset"),
+        F.when(bad, F.col("timestamp")).alias("timestamp"), F.when(late, F.col("event_ms")).alias("event_ms"),
+        F.when(bad, F.col("key")).alias("key"),
         # A too_large dead letter keeps a prefix of its value, with the whole value's size and hash.
         F.when(bad, F.when(reason == R.TOO_LARGE, F.substring(value, 1, dead_letter_prefix)).otherwise(value)
                ).alias("value"),
         F.when(bad, F.length(value).cast("long")).alias("value_bytes"),
-        F.when(bad, F.sha2(value, 256)).alias("value_sha256"),
+        F.when(bad, F.sha2(value, 256)).alias("value_sha256")))
+    counted = classified.groupBy(
+        "topic", "partition", F.when(~bad, F.col("window_start_ms")).alias("window_start_ms"),
+        F.when(~bad, F.col("ip")).alias("ip"), detail.alias("_kept"),
     ).agg(F.count(F.lit(1)).alias("records"), F.max("event_ms").alias("max_event_ms"))
+    kept_row = F.col("_kept")
+    return counted.select(
+        "topic", "partition", kept_row["reason"].alias("reason"),
+        F.when(kept_row.isNull(), F.lit(False)).otherwise(kept_row["late"]).alias("late"),
+        "window_start_ms", "ip",
+        *(kept_row[c].alias(c) for c in ("offset", "timestamp", "event_ms", "key", "value", "value_bytes",
+                                          "value_sha256")),
+        "records", "max_event_ms")
