@@ -82,8 +82,7 @@ def profile(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], re
     text = F.btrim(F.col("value").cast("string"), F.lit(R.WHITESPACE))
     pieces: dict[str, float] = {"trim": _timed(raw.select(text.alias("t")), repeats),
                                 "parse_json": _timed(raw.select(F.try_parse_json(text).alias("d")), repeats),
-                                "flat_json": _timed(raw.select(
-                                    F.regexp_replace(text, R.FLAT_JSON_PATTERN, "$1$4 $2$3")), repeats),
+                                "flat_json": _timed(raw.select(transform.flat_fields(text)), repeats),
                                 "nginx_match": _timed(raw.select(F.regexp_extract(text, R.NGINX_PATTERN, 1)), repeats)}
     prepared = raw.select(text.alias("t"), F.try_parse_json(text).alias("d")).select(
         "t", "d", F.try_variant_get("d", "$.ip", "string").alias("ip"),

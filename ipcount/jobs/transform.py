@@ -47,14 +47,13 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
     trimmed = raw.select(*kafka, F.btrim(value.cast("string"), F.lit(R.WHITESPACE)).alias("_text"))
     # Most JSON records are flat {"ip", "ts"} objects, read with one regex match as "ip ts";
     # the JSON parser, the whole-value check and the type lookups are for the others.
-    flat = trimmed.select(*kafka, text, F.when(text.startswith("{"), F.regexp_replace(
-        text, R.FLAT_JSON_PATTERN, "$1$4 $2$3")).alias("_flat"))
+    flat = trimmed.select(*kafka, text, text.startswith("{").alias("_is_json")).select(
+        "*", F.when(is_json, flat_fields(text)).alias("_flat"))
     is_flat = F.coalesce(~F.col("_flat").startswith("{"), F.lit(False))
     split = flat.select(
-        *kafka, text, "_flat", text.startswith("{").alias("_is_json"),
-        F.when(text.startswith("{") & ~is_flat, F.try_parse_json(text)).alias("_doc"),
+        "*", F.when(is_json & ~is_flat, F.try_parse_json(text)).alias("_doc"),
         # NGINX's remote_addr group is never empty, so "" means the line did not match.
-        F.when(~text.startswith("{"), F.regexp_extract(text, R.NGINX_PATTERN, 1)).alias("_nginx_ip"))
+        F.when(~is_json, F.regexp_extract(text, R.NGINX_PATTERN, 1)).alias("_nginx_ip"))
     flat_ts = F.substring_index(F.col("_flat"), " ", -1)
     fields = split.select(
         "*",
@@ -116,6 +115,12 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
             .select(*kafka, "reason",
                     F.coalesce("_ipv4", _canonical_ipv6(F.col("_groups"), F.col("_framed"))).alias("ip"),
                     F.when(F.col("reason").isNull(), F.col("_event_ms")).alias("event_ms")))
+
+
+def flat_fields(text: Column) -> Column:
+    """``text`` (JSON, trimmed) as "ip ts" when it matches :data:`records.FLAT_JSON_PATTERN`
+    (ts a string with its quotes, or the integer's digits), else ``text`` unchanged."""
+    return F.regexp_replace(text, R.FLAT_JSON_PATTERN, "$1$4 $2$3")
 
 
 def whole_value(text: Column) -> Column:
@@ -233,15 +238,14 @@ def tally(classified: DataFrame, dead_letter_prefix: int) -> DataFrame:
     reason, late, value = F.col("reason"), F.col("late"), F.col("value")
     bad = reason.isNotNull()
     kept = bad | late  # not counted: late is NULL exactly when the record is malformed
-    detail = F.when(kept, F.struct(
-        reason.alias("reason"), late.alias("late"), F.col("offset").alias("offset"),
-        F.when(bad, F.col("timestamp")).alias("timestamp"), F.when(late, F.col("event_ms")).alias("event_ms"),
-        F.when(bad, F.col("key")).alias("key"),
+    # What only a record that is not counted needs, in the order of the tally's columns.
+    details = {
+        "reason": reason, "late": late, "offset": F.col("offset"), "timestamp": F.when(bad, F.col("timestamp")),
+        "event_ms": F.when(late, F.col("event_ms")), "key": F.when(bad, F.col("key")),
         # A too_large dead letter keeps a prefix of its value, with the whole value's size and hash.
-        F.when(bad, F.when(reason == R.TOO_LARGE, F.substring(value, 1, dead_letter_prefix)).otherwise(value)
-               ).alias("value"),
-        F.when(bad, F.length(value).cast("long")).alias("value_bytes"),
-        F.when(bad, F.sha2(value, 256)).alias("value_sha256")))
+        "value": F.when(bad, F.when(reason == R.TOO_LARGE, F.substring(value, 1, dead_letter_prefix)).otherwise(value)),
+        "value_bytes": F.when(bad, F.length(value).cast("long")), "value_sha256": F.when(bad, F.sha2(value, 256))}
+    detail = F.when(kept, F.struct(*(column.alias(name) for name, column in details.items())))
     counted = classified.groupBy(
         "topic", "partition", F.when(~bad, F.col("window_start_ms")).alias("window_start_ms"),
         F.when(~bad, F.col("ip")).alias("ip"), detail.alias("_kept"),
@@ -250,7 +254,5 @@ def tally(classified: DataFrame, dead_letter_prefix: int) -> DataFrame:
     return counted.select(
         "topic", "partition", kept_row["reason"].alias("reason"),
         F.when(kept_row.isNull(), F.lit(False)).otherwise(kept_row["late"]).alias("late"),
-        "window_start_ms", "ip",
-        *(kept_row[c].alias(c) for c in ("offset", "timestamp", "event_ms", "key", "value", "value_bytes",
-                                          "value_sha256")),
+        "window_start_ms", "ip", *(kept_row[name].alias(name) for name in details if name not in ("reason", "late")),
         "records", "max_event_ms")

@@ -50,8 +50,9 @@ def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
         # 4 MB thread stacks leave room for the deepest record Jackson accepts, where 1 MB
         # overflowed in a cold JVM, and a StackOverflowError kills the executor. (These
         # replace any extraJavaOptions of spark-defaults.conf: add these to your own.)
-        # The parse's generated code is one method over HotSpot's 8,000-byte limit for JIT
-        # compilation; without -XX:-DontCompileHugeMethods it runs interpreted (parse 20% slower).
+        # The parse's generated code has a method over HotSpot's 8,000-byte limit for JIT
+        # compilation; without -XX:-DontCompileHugeMethods it runs interpreted (over a cached
+        # 1M range the parse took 3.75 s against 2.67 s).
         "spark.driver.extraJavaOptions": f"-Dlog4j2.level=warn {JVM_OPTIONS}",
         "spark.executor.extraJavaOptions": JVM_OPTIONS,
     }
