@@ -4,6 +4,9 @@ Each round runs every contender once on the same records, in an order rotated fr
 to round:
 
 * ``spark_count``: the read-only limit, Spark's batch Kafka read of the range, counted;
+* ``parse_floor``: that read and the parse the peer and the pipeline share, every column
+  computed and written nowhere: the floor both stand on, so ``peer / parse_floor`` is the
+  most any pipeline with this parse could gain on the peer;
 * ``peer``: Structured Streaming (:mod:`ipcount.devtools.peer`) on a fresh table and checkpoint;
 * ``pipeline``: ``run_epoch`` until caught up, each epoch followed by the consumer-group
   commit (what the epoch server runs for a request), on a fresh table set;
@@ -22,6 +25,9 @@ single-epoch pipeline counts what the single-batch peer counts.
 
 Then ``small_epochs``: epochs of ``small_per_epoch`` records through both, each timed (the
 pipeline: an epoch with its group commit; the peer: each trigger's execution).
+
+``history`` (a spark-submit of its own): a long scheduled chain of whole epochs, each timed
+with its stages, for what history costs an epoch: its tables, ledger and logs grow.
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ from ipcount.storage.delta import DeltaReader
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-CONTENDERS = ("spark_count", "peer", "pipeline")
+CONTENDERS = ("spark_count", "parse_floor", "peer", "pipeline")
 EPOCH_CONTENDERS = ("peer_epochs", "pipeline_epochs")
 
 
@@ -59,6 +65,15 @@ class Run:
     batches: int = 1          # epochs, micro-batches
     stages: dict[str, float] = field(default_factory=dict)
     spill_bytes: int = 0      # memory and disk spill of its Spark stages
+    gc_seconds: float = 0.0   # JVM garbage collection in its Spark tasks
+
+
+@dataclass
+class EpochTime:
+    """One epoch of a pipeline run: its seconds (with the group commit) and its stages'."""
+
+    seconds: float
+    stages: dict[str, float]
 
 
 def warm_rounds(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], workdir: Path, rounds: int,
@@ -78,12 +93,14 @@ def warm_rounds(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int]
             spark.sparkContext.setJobGroup(group, f"benchmark {name}, round {r}")
             if name == "spark_count":
                 run = _spark_count(spark, cfg, ending, r)
+            elif name == "parse_floor":
+                run = _parse_floor(spark, cfg, ending, r)
             elif name.startswith("peer"):
                 run = _peer(spark, cfg, ending, where, r, name, per_epoch if name == "peer_epochs" else None)
             else:
                 run, _ = _pipeline(spark, cfg, where, r, name, per_epoch if name == "pipeline_epochs" else total)
             spark.sparkContext.setJobGroup("", "")
-            run.spill_bytes = _spill_bytes(spark, group)
+            run.spill_bytes, run.gc_seconds = _stage_totals(spark, group)
             runs.append(run)
             say(f"  round {r} {name}: {run.seconds:.2f} s, {run.records:,} records, counted {run.counted:,}"
                 + (f", late {run.late:,}, malformed {run.malformed:,}" if name.startswith("pipeline") else "")
@@ -101,9 +118,10 @@ def check(runs: list[Run], total: int) -> None:
         if run.contender.startswith("pipeline") and run.counted + run.late + run.malformed != total:
             raise RuntimeError(f"{run.contender} in round {run.round}: counted {run.counted} + late {run.late} + "
                                f"malformed {run.malformed} != {total} records read")
-    single = {run.counted for run in runs if run.contender in ("peer", "pipeline")}
+    single = {run.counted for run in runs if run.contender in ("parse_floor", "peer", "pipeline")}
     if len(single) > 1:
-        raise RuntimeError(f"the peer and the pipeline counted differently over one batch: {sorted(single)}")
+        raise RuntimeError(f"the parse floor, the peer and the pipeline counted differently over one batch: "
+                           f"{sorted(single)}")
     for name in EPOCH_CONTENDERS:
         if len({run.counted for run in runs if run.contender == name}) > 1:
             raise RuntimeError(f"{name} counted differently from round to round")
@@ -113,7 +131,8 @@ def small_epochs(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int
                  per_epoch: int) -> dict[str, list[float]]:
     """Seconds of each epoch of ``per_epoch`` records, the pipeline's and the peer's."""
     _settle(spark)
-    _, pipeline_seconds = _pipeline(spark, cfg, workdir / "small" / "pipeline", 0, "pipeline_small", per_epoch)
+    _, pipeline_epochs = _pipeline(spark, cfg, workdir / "small" / "pipeline", 0, "pipeline_small", per_epoch)
+    pipeline_seconds = [e.seconds for e in pipeline_epochs]
     _settle(spark)
     table, checkpoint = str(workdir / "small" / "peer" / "counts"), str(workdir / "small" / "peer" / "checkpoint")
     peer.create_table(spark, table)
@@ -123,10 +142,27 @@ def small_epochs(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int
     return {"pipeline": pipeline_seconds, "peer": result.batch_seconds}
 
 
+def history(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], where: Path,
+            per_epoch: int) -> dict:
+    """Epochs of ``per_epoch`` records through the pipeline into fresh tables at ``where``
+    until ``ending``, each timed with its stages; the run (totals read back and checked)."""
+    _settle(spark)
+    run, epochs = _pipeline(spark, cfg, where, 0, "pipeline_history", per_epoch)
+    check([run], sum(ending.values()))
+    return {"run": asdict(run), "seconds": [round(e.seconds, 4) for e in epochs],
+            "stages": [{k: round(v, 4) for k, v in e.stages.items()} for e in epochs]}
+
+
 def _spark_count(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], r: int) -> Run:
     started = time.monotonic()
     n = peer.spark_count(cfg, spark, ending)
     return Run("spark_count", r, time.monotonic() - started, records=n, counted=n)
+
+
+def _parse_floor(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], r: int) -> Run:
+    started = time.monotonic()
+    records, requests = peer.parse_floor(cfg, spark, ending)
+    return Run("parse_floor", r, time.monotonic() - started, records=records, counted=requests)
 
 
 def _peer(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], where: Path, r: int, name: str,
@@ -141,8 +177,8 @@ def _peer(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], wher
 
 
 def _pipeline(spark: SparkSession, cfg: PipelineConfig, where: Path, r: int, name: str,
-              per_epoch: int) -> tuple[Run, list[float]]:
-    """The run, and each epoch's seconds."""
+              per_epoch: int) -> tuple[Run, list[EpochTime]]:
+    """The run, and each epoch's time."""
     from ipcount.jobs.epoch import EpochRunner, run_epoch
     from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 
@@ -150,7 +186,8 @@ def _pipeline(spark: SparkSession, cfg: PipelineConfig, where: Path, r: int, nam
                           group_id=f"{cfg.group_id}_{name}_{r}", max_records_per_epoch=per_epoch)
     EpochRunner.open(run_cfg, spark)  # the tables, created before the timer starts
     stages: dict[str, float] = defaultdict(float)
-    epoch_seconds, records = [], 0
+    epochs: list[EpochTime] = []
+    records = 0
     started = time.monotonic()
     while True:
         epoch_started = time.monotonic()
@@ -160,7 +197,7 @@ def _pipeline(spark: SparkSession, cfg: PipelineConfig, where: Path, r: int, nam
         commit_started = time.monotonic()
         commit_group_offsets_from_ledger(run_cfg)
         summary = summary.with_stages(kafka_commit=time.monotonic() - commit_started)
-        epoch_seconds.append(time.monotonic() - epoch_started)
+        epochs.append(EpochTime(time.monotonic() - epoch_started, dict(summary.stage_seconds)))
         records += summary.records_read
         for stage, seconds in summary.stage_seconds.items():
             stages[stage] += seconds
@@ -170,8 +207,8 @@ def _pipeline(spark: SparkSession, cfg: PipelineConfig, where: Path, r: int, nam
     malformed = reader.query(run_cfg.dead_letter_path, "SELECT count(*) AS n FROM t")
     run = Run(name, r, seconds, records=records, counted=sum_count(run_cfg.counts_path, reader),
               late=late[0]["n"] if late else 0, malformed=malformed[0]["n"] if malformed else 0,
-              batches=len(epoch_seconds), stages=dict(stages))
-    return run, epoch_seconds
+              batches=len(epochs), stages=dict(stages))
+    return run, epochs
 
 
 def sum_count(table: str, reader: DeltaReader | None = None) -> int:
@@ -197,13 +234,12 @@ def _rest(spark: SparkSession, path: str) -> list[dict]:
         return json.load(response)
 
 
-def _spill_bytes(spark: SparkSession, group: str) -> int:
-    """Memory and disk spill of the stages of a job group's jobs."""
+def _stage_totals(spark: SparkSession, group: str) -> tuple[int, float]:
+    """Memory and disk spill (bytes) and JVM GC time (s) of the stages of a job group's jobs."""
     stage_ids = {s for job in _rest(spark, "jobs") if job.get("jobGroup") == group for s in job.get("stageIds", [])}
-    if not stage_ids:
-        return 0
-    return sum(s.get("memoryBytesSpilled", 0) + s.get("diskBytesSpilled", 0)
-               for s in _rest(spark, "stages") if s.get("stageId") in stage_ids)
+    stages = [s for s in _rest(spark, "stages") if s.get("stageId") in stage_ids] if stage_ids else []
+    return (sum(s.get("memoryBytesSpilled", 0) + s.get("diskBytesSpilled", 0) for s in stages),
+            round(sum(s.get("jvmGcTime", 0) for s in stages) / 1000, 3))
 
 
 def jvm_memory(spark: SparkSession) -> dict[str, float | None]:

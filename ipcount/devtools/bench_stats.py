@@ -48,6 +48,7 @@ def contender_summary(runs: Sequence[Mapping], contender: str, first_warm_round:
     out["records_per_second"] = round(last["records"] / median) if median else None
     spill = [r.get("spill_bytes", 0) for r in warm]
     out["spill_bytes_max"] = max(spill) if spill else 0
+    out["gc_seconds"] = spread(r.get("gc_seconds", 0.0) for r in warm).get("median", 0.0)
     return out
 
 
@@ -63,3 +64,23 @@ def growth(seconds: Sequence[float], early: slice = slice(3, 6), late: int = 3) 
     if len(seconds) < early.stop + late:
         return None
     return round(statistics.median(seconds[-late:]) / statistics.median(seconds[early]), 3)
+
+
+def history_summary(seconds: Sequence[float], stages: Sequence[Mapping[str, float]], early: slice = slice(5, 15),
+                    last: int = 10, hour: int = 60) -> dict:
+    """A long chain's epochs: the spread of epochs 6-15 and of the last ``last``, the ratio
+    of their medians, each stage's median at both ends, and the median of each ``hour``
+    epochs (an hour of event time at one minute an epoch: the counts table's partition)."""
+    first, final = list(seconds[early]), list(seconds[-last:])
+    if len(seconds) < early.stop + last:
+        return {"epochs": len(seconds), "early": spread(first), "last": spread(final), "ratio": None,
+                "stages": {}, "hours": []}
+    names = sorted({name for epoch in stages for name in epoch})
+
+    def stage_median(part: Sequence[Mapping[str, float]], name: str) -> float:
+        return round(statistics.median(epoch.get(name, 0.0) for epoch in part), 4)
+    return {"epochs": len(seconds), "early": spread(first), "last": spread(final),
+            "ratio": round(statistics.median(final) / statistics.median(first), 3),
+            "stages": {name: {"early": stage_median(stages[early], name), "last": stage_median(stages[-last:], name)}
+                       for name in names},
+            "hours": [round(statistics.median(seconds[i:i + hour]), 4) for i in range(0, len(seconds), hour)]}

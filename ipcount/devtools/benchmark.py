@@ -14,6 +14,9 @@ warm and cold against cold.
 * **paths**: the DAG's fixed costs: the epoch server's start, a small epoch and an empty one
   sent to it, and the DAG's JVM-free idle check.
 * **kafka_python**: a plain consumer draining the range, the limit without Spark.
+* **history**: a long scheduled chain of whole epochs (one spark-submit), each a minute of
+  event time, for what the history an epoch's tables, ledger and logs build up costs it.
+* **growth**: the counts MERGE alone over many more epochs (delta-rs, no Spark).
 
 Every figure is a median with its min and max (:mod:`ipcount.devtools.bench_stats`), every
 ratio is taken run by run, and every total is read back from its Delta table and checked
@@ -45,10 +48,15 @@ from ipcount.server import auth, client
 from ipcount.server.vetting import Pipelines
 from ipcount.storage.spark import DRIVER_ENV
 
-MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "growth")
+MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth")
+# The measurements that read the --records range (the others bring records of their own).
+READ_THE_RANGE = ("warm", "cold", "kafka_python", "profile")
 COLD = ("spark_count", "peer", "pipeline")
 # Ratios, as (label, the pipeline's contender, the other): throughput ratios, > 1 when the pipeline is faster.
 WARM_RATIOS = (("pipeline / peer", "pipeline", "peer"), ("pipeline / read limit", "pipeline", "spark_count"),
+               ("pipeline / parse floor", "pipeline", "parse_floor"),
+               # The most any pipeline sharing the peer's parse could gain on it: its time were the floor's.
+               ("parse floor / peer (the ceiling)", "parse_floor", "peer"),
                ("pipeline_epochs / peer_epochs", "pipeline_epochs", "peer_epochs"),
                ("pipeline_epochs / read limit", "pipeline_epochs", "spark_count"))
 BENCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "bench_job.py")
@@ -369,11 +377,28 @@ def measure_profile(cfg: PipelineConfig, ending: dict[int, int], records: int, r
     return result
 
 
+def measure_history(cfg: PipelineConfig, ending: dict[int, int], per_epoch: int, logs: Path,
+                    workdir: Path) -> dict:
+    """A long scheduled chain of whole epochs in one spark-submit (:func:`bench_rounds.history`)."""
+    where = workdir / "history"
+    command = spark_submit(cfg, BENCH_APPLICATION, [
+        "history", "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
+        "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(where),
+        "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds", str(cfg.allowed_lateness_seconds),
+        "--per-epoch", str(per_epoch)], "bench-history")
+    _, _, out = run_process(command, logs / "history.log", DRIVER_ENV)
+    result = _last_json(out)
+    summary = bench_stats.history_summary(result["seconds"], result["stages"])
+    return {"records_per_epoch": per_epoch, **summary, "run": result["run"], "seconds": result["seconds"],
+            "tables": table_sizes(cfg.replace(warehouse=str(where)))}
+
+
 def job_main(argv: Sequence[str] | None = None) -> int:
     """The peer, the limits and the warm rounds as jobs (``spark_jobs/bench_job.py``);
     prints a JSON line."""
     p = argparse.ArgumentParser(prog="bench_job.py", description="one benchmark measurement (used by bin/benchmark)")
-    p.add_argument("job", choices=("peer", "spark_count", "kafka_python", "idle_check", "rounds", "profile"))
+    p.add_argument("job", choices=("peer", "spark_count", "kafka_python", "idle_check", "rounds", "profile",
+                                   "history"))
     p.add_argument("--bootstrap-servers", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--ending", required=True, help="JSON: partition -> end offset")
@@ -386,6 +411,7 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--small-ending", default="{}", help="rounds: JSON, partition -> end offset of --small-topic")
     p.add_argument("--small-per-epoch", type=int, default=2000, help="rounds: records per small epoch")
     p.add_argument("--repeats", type=int, default=3, help="profile: runs per figure")
+    p.add_argument("--per-epoch", type=int, default=10_000, help="history: records per epoch")
     args = p.parse_args(argv)
     ending = {int(k): v for k, v in json.loads(args.ending).items()}
     cfg = PipelineConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic, window_seconds=args.window_seconds,
@@ -409,6 +435,10 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     spark = get_spark(cfg, app_name=f"bench-{args.job}")
     if args.job == "rounds":
         return _rounds_job(spark, cfg, ending, args)
+    if args.job == "history":
+        say(f"history: {sum(ending.values()):,} records in epochs of {args.per_epoch:,}")
+        print(json.dumps(bench_rounds.history(spark, cfg, ending, Path(args.workdir), args.per_epoch)), flush=True)
+        return 0
     if args.job == "profile":
         from ipcount.devtools import bench_profile
 
@@ -441,9 +471,11 @@ def _rounds_job(spark, cfg: PipelineConfig, ending: dict[int, int], args: argpar
     return 0
 
 
-def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, after: int = 0) -> dict[int, int]:
+def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, after: int = 0,
+             events_per_second: float = 2000) -> dict[int, int]:
     """``records`` generator records (JSON and NGINX lines, a few late and malformed) spread
-    over the partitions, after the ``after`` records already there; the log end per partition."""
+    over the partitions, after the ``after`` records already there, ``events_per_second`` of
+    event time; the log end per partition."""
     from kafka import KafkaProducer
 
     from ipcount.devtools.generator import TrafficGenerator
@@ -452,9 +484,10 @@ def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, afte
     create_topic(cfg, partitions)
     producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks=1, linger_ms=50,
                              batch_size=512 * 1024, compression_type=None, **client_options(cfg))
-    gen = TrafficGenerator(seed=seed + after, events_per_second=2000)
-    # 2000 events per second: records that follow ``after`` others follow them in time, too.
-    start_ms = int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000) + after // 2
+    gen = TrafficGenerator(seed=seed + after, events_per_second=events_per_second)
+    # Records that follow ``after`` others follow them in time, too.
+    start_ms = (int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000)
+                + int(after * 1000 / events_per_second))
     for i, rec in enumerate(gen.records(records, start_ms)):
         producer.send(cfg.topic, key=rec.key, value=rec.value, partition=(after + i) % partitions)
     producer.flush()
@@ -481,14 +514,15 @@ def render(report: dict) -> str:
                   f"round 1 of {warm['rounds']} is the cold session, rounds 2-{warm['rounds']} warm "
                   f"(seconds: median [min-max])",
                   f"{'contender':<16} {'round 1':>8} {'warm':>22} {'records/s':>11} {'counted':>10} {'late':>7} "
-                  f"{'malformed':>9} {'batches':>7}  stages (warm medians, s)"]
+                  f"{'malformed':>9} {'batches':>7} {'GC s':>5}  stages (warm medians, s)"]
         for name, c in warm["contenders"].items():
             stages = " ".join(f"{k} {v:.2f}" for k, v in c["stages"].items())
             cold = "-" if c["cold_seconds"] is None else f"{c['cold_seconds']:.2f}"
             late = c["late"] if name.startswith("pipeline") else "-"
             malformed = c["malformed"] if name.startswith("pipeline") else "-"
             lines.append(f"{name:<16} {cold:>8} {_range(c['warm']):>22} {c['records_per_second'] or 0:>11,} "
-                         f"{c['counted']:>10,} {late:>7} {malformed:>9} {c['batches']:>7}  {stages}")
+                         f"{c['counted']:>10,} {late:>7} {malformed:>9} {c['batches']:>7} "
+                         f"{c.get('gc_seconds', 0.0):>5.2f}  {stages}")
         lines.append("ratios (throughput, > 1: the pipeline is faster), round by round over the warm rounds:")
         lines += [f"  {label:<34} {_range(sp)}" for label, sp in warm["ratios"].items()]
         memory = warm["memory"]
@@ -538,6 +572,19 @@ def render(report: dict) -> str:
                      f"epochs 5-15 {grown['early_median']:.3f} s, the last 10 {grown['last10_median']:.3f} s "
                      f"(x{grown['ratio']:.2f}); the table: {grown['table_rows']:,} rows in {grown['files']} "
                      f"file(s), the largest {grown['largest_file_rows']:,} rows")
+    history = report.get("history")
+    if history:
+        ratio = "-" if history["ratio"] is None else f"x{history['ratio']:.2f}"
+        lines.append(f"history: {history['epochs']} epochs of {history['records_per_epoch']:,} records, a minute of "
+                     f"event time each: epochs 6-15 {_range(history['early'], ' s')}, the last 10 "
+                     f"{_range(history['last'], ' s')} ({ratio})")
+        if history["stages"]:
+            lines.append("  stages (median s, epochs 6-15 -> the last 10): " + ", ".join(
+                f"{name} {s['early']:.3f} -> {s['last']:.3f}" for name, s in history["stages"].items()))
+        lines.append("  median of each hour's 60 epochs (s): " + " ".join(f"{h:.3f}" for h in history["hours"]))
+        lines.append("  tables after it: " + ", ".join(
+            f"{name} {t['rows']:,} rows in {t['files']} files (version {t['version']})"
+            for name, t in history["tables"].items()))
     drain = report.get("kafka_python")
     if drain:
         lines.append(f"kafka_python: a plain consumer draining the range: {_range(drain['seconds'], ' s')}")
@@ -561,6 +608,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--epoch-records", type=int, default=2000, help="records per small epoch (default 2000)")
     p.add_argument("--cold-repeats", type=int, default=3,
                    help="cold: runs of each contender; profile: runs per figure (default 3)")
+    p.add_argument("--history-epochs", type=int, default=1000,
+                   help="history: whole epochs in the scheduled chain, a minute of event time each (default 1000)")
+    p.add_argument("--history-records", type=int, default=10_000,
+                   help="history: records per epoch (default 10000: about 170 requests a second)")
     p.add_argument("--growth-epochs", type=int, default=1000,
                    help="growth: scheduled epochs' counts merged one after another (default 1000)")
     p.add_argument("--growth-ips", type=int, default=1000,
@@ -572,11 +623,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag, value, least in (("--records", args.records, 1), ("--rounds", args.rounds, 2),
                                ("--epochs", args.epochs, 1), ("--small-epochs", args.small_epochs, 2),
                                ("--cold-repeats", args.cold_repeats, 1), ("--growth-epochs", args.growth_epochs, 2),
+                               ("--history-epochs", args.history_epochs, 2),
                                ("--growth-ips", args.growth_ips, 1)):
         if value < least:
             p.error(f"{flag} must be at least {least}")
-    if args.epoch_records < args.partitions:
-        p.error("--epoch-records must be at least --partitions")
+    for flag, value in (("--epoch-records", args.epoch_records), ("--history-records", args.history_records)):
+        if value < args.partitions:
+            p.error(f"{flag} must be at least --partitions")
     if not 1 <= args.partitions <= 64:
         p.error("--partitions must be between 1 and 64")
     only = [m.strip() for m in args.only.split(",") if m.strip()]
@@ -607,10 +660,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = PipelineConfig(bootstrap_servers=servers, topic=topic, group_id=f"g_{topic}", pipeline_id=f"p_{topic}",
                              warehouse=str(workdir / "pipeline"), spark_master="local[*]",
                              max_records_per_epoch=max(args.records, 1))
-        say(f"generating {args.records:,} records over {args.partitions} partitions of {topic}")
-        started = time.monotonic()
-        ending = generate(cfg, args.records, args.partitions, args.seed)
-        say(f"generated in {time.monotonic() - started:.1f} s: log ends {ending}")
+        ending: dict[int, int] = {}
+        if any(m in only for m in READ_THE_RANGE):
+            say(f"generating {args.records:,} records over {args.partitions} partitions of {topic}")
+            started = time.monotonic()
+            ending = generate(cfg, args.records, args.partitions, args.seed)
+            say(f"generated in {time.monotonic() - started:.1f} s: log ends {ending}")
         report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
                         "records": args.records, "partitions": args.partitions, "spark_master": cfg.spark_master}
         if "warm" in only:
@@ -635,6 +690,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "profile" in only:
             say(f"measuring profile: where the read stage's time goes (log {logs / 'profile.log'})")
             report["profile"] = measure_profile(cfg, ending, args.records, args.cold_repeats, logs, workdir)
+        if "history" in only:
+            history_cfg = cfg.replace(topic=f"{topic}_history")
+            history_records = args.history_epochs * args.history_records
+            say(f"generating {history_records:,} records for the history on {history_cfg.topic}, "
+                f"a minute of event time per {args.history_records:,}")
+            history_ending = generate(history_cfg, history_records, args.partitions, args.seed + 2,
+                                      events_per_second=args.history_records / 60)
+            say(f"measuring history: {args.history_epochs} epochs in one session (spark-submit bench_job.py "
+                f"history; log {logs / 'history.log'})")
+            report["history"] = measure_history(history_cfg, history_ending, args.history_records, logs, workdir)
         if "growth" in only:
             from ipcount.devtools import bench_growth
 

@@ -8,13 +8,15 @@ import subprocess
 import sys
 
 from ipcount.devtools.bench_rounds import CONTENDERS, EPOCH_CONTENDERS
+from ipcount.devtools.benchmark import COLD
 
 
 def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", "--records", "3000", "--rounds", "2",
                            "--epochs", "2", "--small-epochs", "2", "--epoch-records", "150", "--cold-repeats", "1",
-                           "--growth-epochs", "12", "--growth-ips", "20",
+                           "--growth-epochs", "12", "--growth-ips", "20", "--history-epochs", "3",
+                           "--history-records", "120",
                            "--bootstrap-servers", broker.bootstrap_servers, "--json", str(out),
                            "--workdir", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=900)
@@ -24,8 +26,9 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
 
     warm = report["warm"]
     assert [(r["round"], r["contender"]) for r in warm["runs"]] == [
-        (1, "spark_count"), (1, "peer"), (1, "pipeline"), (1, "peer_epochs"), (1, "pipeline_epochs"),
-        (2, "peer"), (2, "pipeline"), (2, "peer_epochs"), (2, "pipeline_epochs"), (2, "spark_count")]  # rotated
+        (1, "spark_count"), (1, "parse_floor"), (1, "peer"), (1, "pipeline"), (1, "peer_epochs"),
+        (1, "pipeline_epochs"), (2, "parse_floor"), (2, "peer"), (2, "pipeline"), (2, "peer_epochs"),
+        (2, "pipeline_epochs"), (2, "spark_count")]  # rotated
     c = warm["contenders"]
     assert set(c) == {*CONTENDERS, *EPOCH_CONTENDERS}
     for name, summary in c.items():
@@ -34,6 +37,7 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     # watermark moves and the pipeline keeps every record it finds late in its late table.
     # (What Spark's watermark drops is its own affair: counted, not asserted.)
     assert c["spark_count"]["counted"] == 3000
+    assert c["parse_floor"]["counted"] == c["pipeline"]["counted"]  # what it parsed into requests, in flight
     assert 0 < c["pipeline"]["counted"] == c["peer"]["counted"] < 3000 and c["pipeline"]["late"] == 0
     assert c["pipeline"]["counted"] + c["pipeline"]["malformed"] == 3000
     assert c["pipeline_epochs"]["batches"] == 2 and c["peer_epochs"]["batches"] >= 2  # (+ a no-data batch)
@@ -41,7 +45,8 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     assert c["pipeline_epochs"]["counted"] + c["pipeline_epochs"]["late"] == c["pipeline"]["counted"]
     assert 0 < c["peer_epochs"]["counted"] <= c["peer"]["counted"]
     assert set(c["pipeline"]["stages"]) == {"plan", "read", "aggregate", "merge", "ledger", "kafka_commit"}
-    assert set(warm["ratios"]) == {"pipeline / peer", "pipeline / read limit", "pipeline_epochs / peer_epochs",
+    assert set(warm["ratios"]) == {"pipeline / peer", "pipeline / read limit", "pipeline / parse floor",
+                                   "parse floor / peer (the ceiling)", "pipeline_epochs / peer_epochs",
                                    "pipeline_epochs / read limit"}
     assert all(r["n"] == 1 and r["median"] > 0 for r in warm["ratios"].values())
     assert warm["memory"]["peak_heap_mb"] > 50 and warm["peak_rss_mb"] > 50
@@ -51,7 +56,7 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     assert small["tables"]["ledger"]["version"] >= 2 and small["tables"]["counts"]["rows"] > 0
 
     cold = report["cold"]["contenders"]
-    assert set(cold) == set(CONTENDERS)
+    assert set(cold) == set(COLD)
     for name, summary in cold.items():
         assert summary["wall"]["median"] > summary["work"]["median"] > 0 and summary["peak_driver_mb"] > 50, name
     assert cold["pipeline"]["counted"] == cold["peer"]["counted"] == c["pipeline"]["counted"]
@@ -68,11 +73,18 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
             "canonical_ipv6"} <= set(profile["pieces"])
     assert all(v > 0 for part in ("path", "pieces") for v in profile[part].values())
     assert profile["codegen"]["compiles"] > 0 and profile["codegen"]["compile_seconds"] > 0
+    history = report["history"]  # a chain of whole epochs, each a minute of event time
+    assert history["epochs"] == 3 == history["run"]["batches"] and len(history["seconds"]) == 3
+    assert history["ratio"] is None and history["early"] == {}  # too short to say
+    run = history["run"]
+    assert run["records"] == 360 and run["counted"] + run["late"] + run["malformed"] == 360 and run["counted"] > 0
+    assert history["tables"]["ledger"]["rows"] > 0 and history["tables"]["counts"]["rows"] > 0
     grown = report["growth"]  # its total read back from the table equals what was merged (else it raises)
     assert grown["epochs"] == 12 and len(grown["seconds"]) == 12 and grown["rows_per_epoch"] == 7 * 20
     assert grown["requests"] > 12 * 7 * 20 and 0 < grown["table_rows"] <= 12 * 7 * 20 and grown["files"] >= 1
     for text in ("warm: one Spark session", "pipeline / peer", "cold: each contender", "paths: epoch server start",
-                 "kafka_python: a plain consumer", "profile: 3,000 records", "growth: 12 epochs"):
+                 "kafka_python: a plain consumer", "profile: 3,000 records", "history: 3 epochs of 120",
+                 "growth: 12 epochs"):
         assert text in proc.stdout, text
 
 
@@ -80,7 +92,8 @@ def test_benchmark_refuses_bad_arguments():
     for args, message in ((["--records", "0"], "--records must be at least 1"),
                           (["--only", "pipeline,nope"], "--only takes names from"),
                           (["--rounds", "1"], "--rounds must be at least 2"),
-                          (["--small-epochs", "1"], "--small-epochs must be at least 2")):
+                          (["--small-epochs", "1"], "--small-epochs must be at least 2"),
+                          (["--history-records", "2"], "--history-records must be at least --partitions")):
         proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", *args], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

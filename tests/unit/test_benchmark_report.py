@@ -2,7 +2,7 @@
 taken round by round, the cold round kept apart."""
 from __future__ import annotations
 
-from ipcount.devtools.bench_stats import contender_summary, growth, paired_ratio, spread, steady
+from ipcount.devtools.bench_stats import contender_summary, growth, history_summary, paired_ratio, spread, steady
 from ipcount.devtools.benchmark import render
 
 
@@ -27,11 +27,12 @@ def test_ratios_are_taken_round_by_round_before_the_median():
 
 def test_a_contender_summary_keeps_round_1_apart_and_takes_stage_medians_of_the_warm_rounds():
     runs = [run("pipeline", 1, 20.0, stages={"read": 9.0}), run("pipeline", 2, 10.0, stages={"read": 4.0}),
-            run("pipeline", 3, 12.0, stages={"read": 6.0}, spill_bytes=7), run("pipeline", 4, 11.0, stages={"read": 5.0})]
+            run("pipeline", 3, 12.0, stages={"read": 6.0}, spill_bytes=7, gc_seconds=0.5),
+            run("pipeline", 4, 11.0, stages={"read": 5.0}, gc_seconds=0.7)]
     s = contender_summary(runs, "pipeline")
     assert s["cold_seconds"] == 20.0 and s["warm"] == {"median": 11.0, "min": 10.0, "max": 12.0, "n": 3}
     assert s["stages"] == {"read": 5.0} and s["records_per_second"] == round(1000 / 11.0)
-    assert (s["counted"], s["malformed"], s["spill_bytes_max"]) == (990, 10, 7)
+    assert (s["counted"], s["malformed"], s["spill_bytes_max"], s["gc_seconds"]) == (990, 10, 7, 0.5)
     assert contender_summary(runs, "peer") == {}
 
 
@@ -68,3 +69,26 @@ def test_the_report_prints_warm_cold_paths_and_the_drain():
     assert "pipeline / peer (work)             0.80 [0.80-0.80]" in text
     assert "a 2,000-record epoch 4.00 s" in text and "idle check (no JVM) 1.20 s" in text
     assert "kafka_python: a plain consumer draining the range: 4.00 s [3.00-5.00]" in text
+
+
+def test_a_long_chain_compares_epochs_6_to_15_with_the_last_ten_overall_and_stage_by_stage():
+    # 130 epochs: 1.0 s early, the merge stage creeping up, the last ten 1.5 s.
+    seconds = [3.0] * 5 + [1.0] * 115 + [1.5] * 10
+    stages = [{"read": 0.5, "merge": 0.1 + n / 1000} for n in range(130)]
+    h = history_summary(seconds, stages)
+    assert h["epochs"] == 130 and h["early"] == spread([1.0] * 10) and h["last"] == spread([1.5] * 10)
+    assert h["ratio"] == 1.5
+    assert h["stages"] == {"merge": {"early": 0.1095, "last": 0.2245}, "read": {"early": 0.5, "last": 0.5}}
+    assert h["hours"] == [1.0, 1.0, 1.5]  # epochs 1-60, 61-120, 121-130
+    assert history_summary(seconds[:20], stages[:20])["ratio"] is None  # too short to say
+
+
+def test_the_report_prints_the_history():
+    seconds = [1.0] * 20 + [1.2] * 10
+    stages = [{"merge": 0.1}] * 30
+    history = {"records_per_epoch": 10_000, **history_summary(seconds, stages),
+               "tables": {"counts": {"rows": 5000, "files": 3, "version": 31}}}
+    text = render({"records": 0, "partitions": 3, "history": history})
+    assert "history: 30 epochs of 10,000 records, a minute of event time each: epochs 6-15 1.00 s [1.00-1.00]" in text
+    assert "the last 10 1.20 s [1.20-1.20] (x1.20)" in text and "merge 0.100 -> 0.100" in text
+    assert "counts 5,000 rows in 3 files (version 31)" in text
