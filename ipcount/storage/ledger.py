@@ -210,6 +210,9 @@ def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None 
 def committed_positions(ledger_path: str, topic: str) -> tuple[int, dict[int, int]]:
     """(last committed epoch, partition -> next offset) of the scheduled chain for ``topic``;
     (0, {}) if none. The consumer group follows the chain."""
-    rows = [r for r in read_rows(ledger_path, filters=[("topic", "=", topic), ("status", "=", COMMITTED)])
+    # Only the columns it needs: the ledger grows by a row per partition and epoch, and each
+    # epoch's group commit reads it (at 1,000 epochs of 3 partitions: 38 ms with every column, 15 ms).
+    rows = [r for r in read_rows(ledger_path, columns=("epoch", "partition", "until_offset", "status", "kind"),
+                                 filters=[("topic", "=", topic), ("status", "=", COMMITTED)])
             if is_scheduled(r)]
     return max((r["epoch"] for r in rows), default=0), chain_positions(rows)
