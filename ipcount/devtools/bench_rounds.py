@@ -100,7 +100,8 @@ def warm_rounds(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int]
             else:
                 run, _ = _pipeline(spark, cfg, where, r, name, per_epoch if name == "pipeline_epochs" else total)
             spark.sparkContext.setJobGroup("", "")
-            run.spill_bytes, run.gc_seconds = _stage_totals(spark, group)
+            if not name.startswith("peer"):  # (the peer's jobs run in its query's group: _peer)
+                run.spill_bytes, run.gc_seconds = _stage_totals(spark, group)
             runs.append(run)
             say(f"  round {r} {name}: {run.seconds:.2f} s, {run.records:,} records, counted {run.counted:,}"
                 + (f", late {run.late:,}, malformed {run.malformed:,}" if name.startswith("pipeline") else "")
@@ -172,8 +173,9 @@ def _peer(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], wher
     started = time.monotonic()
     result = peer.run_peer(cfg, spark, table, str(where / "checkpoint"), ending, max_offsets_per_trigger=per_trigger)
     seconds = time.monotonic() - started
+    spill, gc_seconds = _stage_totals(spark, result.job_group)
     return Run(name, r, seconds, records=sum(result.reached.values()), counted=sum_count(table),
-               batches=result.batches)
+               batches=result.batches, spill_bytes=spill, gc_seconds=gc_seconds)
 
 
 def _pipeline(spark: SparkSession, cfg: PipelineConfig, where: Path, r: int, name: str,

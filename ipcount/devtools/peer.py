@@ -31,6 +31,7 @@ class PeerRun:
     batches: int
     batch_seconds: list[float] = field(default_factory=list)  # each trigger's execution
     reached: dict[int, int] = field(default_factory=dict)     # partition -> the offset it stopped at
+    job_group: str = ""  # its Spark jobs' group: the query's run id (Structured Streaming sets it)
 
 
 def create_table(spark: SparkSession, table_path: str) -> None:
@@ -99,7 +100,7 @@ def run_peer(cfg: PipelineConfig, spark: SparkSession, table_path: str, checkpoi
     # (recentProgress keeps the last 100 triggers: spark.sql.streaming.numRecentProgressUpdates.)
     seconds = [p["durationMs"]["triggerExecution"] / 1000 for p in query.recentProgress
                if p.get("numInputRows", 0) > 0]
-    return PeerRun(len(batches), seconds, reached)
+    return PeerRun(len(batches), seconds, reached, str(query.runId))
 
 
 def kafka_range(cfg: PipelineConfig, spark: SparkSession, ending: dict[int, int]) -> DataFrame:
