@@ -5,9 +5,10 @@ The rules are those of :mod:`ipcount.rules.records`, which the tests use as grou
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from pyspark.sql import Column
+from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import TimestampType
 
@@ -15,6 +16,8 @@ from ipcount.rules import records as R
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
+
+T = TypeVar("T")
 
 
 def _variant_kind(variant: Column, path: str) -> Column:
@@ -40,22 +43,56 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
     record. The optimizer keeps these stages apart, since it only merges a costly column into
     its consumer where it is used once.
     """
-    from_kafka = event_time == "kafka"
+    with_planned_at = planned_at_ms is not None and planned_at_ms >= 0
+    before, after = _columns(raw.sparkSession, ("parse", max_value_bytes, event_time, max_ahead_ms, with_planned_at),
+                             lambda: _parse_stages(max_value_bytes, event_time == "kafka", max_ahead_ms,
+                                                   with_planned_at))
+    df = raw
+    for stage in before:
+        df = df.select(*stage)
+    if with_planned_at:
+        df = with_constant(df, "_planned_at_ms", planned_at_ms)
+    for stage in after:
+        df = df.select(*stage)
+    return df
+
+
+# Columns are unresolved expressions, free to use on any DataFrame, and building the parse's
+# takes some 2,000 calls into the JVM (0.3 s, a third of a 10,000-record epoch): each Spark
+# session builds them once per set of parameters.
+_BUILT: weakref.WeakKeyDictionary[SparkSession, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+
+
+def _columns(spark: SparkSession, key: tuple, build: Callable[[], T]) -> T:
+    """``build()``, made once per Spark session and ``key``."""
+    built = _BUILT.setdefault(spark, {})
+    if key not in built:
+        built[key] = build()
+    return built[key]
+
+
+Stage = list  # the arguments of one select: Columns and column names
+
+
+def _parse_stages(max_value_bytes: int, from_kafka: bool, max_ahead_ms: int | None,
+                  with_planned_at: bool) -> tuple[list[Stage], list[Stage]]:
+    """The parse's selects (:func:`parse`), those before the planning time is joined
+    (``_planned_at_ms``, when ``with_planned_at``) and those after."""
     kafka = [F.col(c) for c in ("topic", "partition", "offset", "timestamp", "key", "value")]
     value, text, doc, is_json = F.col("value"), F.col("_text"), F.col("_doc"), F.col("_is_json")
 
-    trimmed = raw.select(*kafka, F.btrim(value.cast("string"), F.lit(R.WHITESPACE)).alias("_text"))
+    trimmed = [*kafka, F.btrim(value.cast("string"), F.lit(R.WHITESPACE)).alias("_text")]
     # Most JSON records are flat {"ip", "ts"} objects, read with one regex match as "ip ts";
     # the JSON parser, the whole-value check and the type lookups are for the others.
-    flat = trimmed.select(*kafka, text, text.startswith("{").alias("_is_json")).select(
-        "*", F.when(is_json, flat_fields(text)).alias("_flat"))
+    flat = [[*kafka, text, text.startswith("{").alias("_is_json")],
+            ["*", F.when(is_json, flat_fields(text)).alias("_flat")]]
     is_flat = F.coalesce(~F.col("_flat").startswith("{"), F.lit(False))
-    split = flat.select(
+    split = [
         "*", F.when(is_json & ~is_flat, F.try_parse_json(text)).alias("_doc"),
         # NGINX's remote_addr group is never empty, so "" means the line did not match.
-        F.when(~is_json, F.regexp_extract(text, R.NGINX_PATTERN, 1)).alias("_nginx_ip"))
+        F.when(~is_json, F.regexp_extract(text, R.NGINX_PATTERN, 1)).alias("_nginx_ip")]
     flat_ts = F.substring_index(F.col("_flat"), " ", -1)
-    fields = split.select(
+    fields = [
         "*",
         F.when(is_flat, F.lit(True)).when(doc.isNotNull(), whole_value(text)).alias("_whole"),
         F.when(is_flat, F.lit("STRING")).otherwise(_variant_kind(doc, "$.ip")).alias("_ip_kind"),
@@ -65,7 +102,7 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
         .when(is_json, F.try_variant_get(doc, "$.ip", "string")).otherwise(F.col("_nginx_ip")).alias("_ip"),
         F.when(is_flat, F.btrim(flat_ts, F.lit('"'))).otherwise(F.try_variant_get(doc, "$.ts", "string"))
         .alias("_json_ts"),
-        F.when(F.col("_nginx_ip") != "", F.regexp_extract(text, R.NGINX_PATTERN, 2)).alias("_nginx_time"))
+        F.when(F.col("_nginx_ip") != "", F.regexp_extract(text, R.NGINX_PATTERN, 2)).alias("_nginx_time")]
 
     ts_kind, nginx_time = F.col("_ts_kind"), F.col("_nginx_time")
     if from_kafka:
@@ -78,15 +115,13 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
             F.col("_json_ts").try_cast("long"))
         any_ms = F.when(is_json, json_ms).otherwise(nginx_ms)
         ts_ok = ts_kind.isNotNull() & ((ts_kind == "STRING") | (ts_kind == "BIGINT"))
-    timed = fields.select("*", any_ms.alias("_any_ms"))
+    timed = ["*", any_ms.alias("_any_ms")]
     any_ms = F.col("_any_ms")
     event_ms = F.when((any_ms >= R.MIN_EVENT_MS) & (any_ms < R.MAX_EVENT_MS), any_ms.cast("long"))
 
     ip, ip_kind = F.col("_ip"), F.col("_ip_kind")
     kafka_ms = F.unix_millis(F.col("timestamp"))
-    planned_at = F.lit(None).cast("long")
-    if planned_at_ms is not None and planned_at_ms >= 0:
-        timed, planned_at = with_constant(timed, "_planned_at_ms", planned_at_ms), F.col("_planned_at_ms")
+    planned_at = F.col("_planned_at_ms") if with_planned_at else F.lit(None).cast("long")
     # least() skips NULLs: a missing (negative) Kafka timestamp leaves the planning time.
     reference = F.least(F.when(kafka_ms >= 0, kafka_ms), planned_at)
     ahead = F.lit(False) if max_ahead_ms is None else F.coalesce(
@@ -106,15 +141,15 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
     well_formed = F.col("reason").isNull()
     # The canonical IPv6 text in stages (tail, groups, framed groups), each a column of its
     # own for the reason given above; IPv4 addresses are canonical as they are.
-    return (timed.select("*", event_ms.alias("_event_ms"))
-            .select(*kafka, ip, "_event_ms", reason.alias("reason"))
-            .select(*kafka, "reason", "_event_ms", F.when(well_formed & ~ip.contains(":"), ip).alias("_ipv4"),
-                    F.when(well_formed & ip.contains(":"), _without_ipv4_tail(F.lower(ip))).alias("_ipv6"))
-            .select(*kafka, "reason", "_event_ms", "_ipv4", _ipv6_groups(F.col("_ipv6")).alias("_groups"))
-            .select("*", F.concat(F.lit(":"), F.array_join("_groups", ":"), F.lit(":")).alias("_framed"))
-            .select(*kafka, "reason",
-                    F.coalesce("_ipv4", _canonical_ipv6(F.col("_groups"), F.col("_framed"))).alias("ip"),
-                    F.when(F.col("reason").isNull(), F.col("_event_ms")).alias("event_ms")))
+    after = [["*", event_ms.alias("_event_ms")],
+             [*kafka, ip, "_event_ms", reason.alias("reason")],
+             [*kafka, "reason", "_event_ms", F.when(well_formed & ~ip.contains(":"), ip).alias("_ipv4"),
+              F.when(well_formed & ip.contains(":"), _without_ipv4_tail(F.lower(ip))).alias("_ipv6")],
+             [*kafka, "reason", "_event_ms", "_ipv4", _ipv6_groups(F.col("_ipv6")).alias("_groups")],
+             ["*", F.concat(F.lit(":"), F.array_join("_groups", ":"), F.lit(":")).alias("_framed")],
+             [*kafka, "reason", F.coalesce("_ipv4", _canonical_ipv6(F.col("_groups"), F.col("_framed"))).alias("ip"),
+              F.when(F.col("reason").isNull(), F.col("_event_ms")).alias("event_ms")]]
+    return [trimmed, *flat, split, fields, timed], after
 
 
 def flat_fields(text: Column) -> Column:
@@ -205,12 +240,17 @@ def iso_to_ms(ts: Column) -> Column:
 def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int,
              watermark_ms: int | None) -> DataFrame:
     """Add ``window_start_ms`` and ``late`` (see :func:`ipcount.rules.records.is_late`)."""
-    start = F.col("event_ms") - F.pmod(F.col("event_ms"), F.lit(window_ms))
+    def build() -> tuple[Column, Column]:
+        start = F.col("event_ms") - F.pmod(F.col("event_ms"), F.lit(window_ms))
+        late = F.lit(False) if watermark_ms is None else (
+            start + F.lit(window_ms + allowed_lateness_ms) <= F.col("_watermark_ms"))
+        return start, F.when(F.col("reason").isNull(), late)
+    start, late = _columns(parsed.sparkSession, ("classify", window_ms, allowed_lateness_ms, watermark_ms is None),
+                           build)
     if watermark_ms is None:
-        return parsed.withColumn("window_start_ms", start).withColumn("late", F.when(F.col("reason").isNull(), False))
-    late = start + F.lit(window_ms + allowed_lateness_ms) <= F.col("_watermark_ms")
-    return (with_constant(parsed, "_watermark_ms", watermark_ms).withColumn("window_start_ms", start)
-            .withColumn("late", F.when(F.col("reason").isNull(), late)).drop("_watermark_ms"))
+        return parsed.withColumns({"window_start_ms": start, "late": late})
+    return (with_constant(parsed, "_watermark_ms", watermark_ms).withColumns({"window_start_ms": start, "late": late})
+            .drop("_watermark_ms"))
 
 
 def with_constant(df: DataFrame, name: str, value: int) -> DataFrame:
@@ -218,7 +258,8 @@ def with_constant(df: DataFrame, name: str, value: int) -> DataFrame:
     broadcast: Spark writes a literal long into the code it generates, so each epoch's own
     planning time and watermark made new classes to compile and warm up in the JIT, about
     0.7 s of a 250,000-record epoch. A joined value leaves the code the same every epoch."""
-    one = df.sparkSession.createDataFrame([(value,)], f"{name} long")
+    # VALUES: a local relation, which the broadcast collects without a Spark job.
+    one = df.sparkSession.sql(f"SELECT * FROM VALUES (CAST({int(value)} AS BIGINT)) AS constant(`{name}`)")
     return df.crossJoin(F.broadcast(one))
 
 
@@ -235,6 +276,13 @@ def tally(classified: DataFrame, dead_letter_prefix: int) -> DataFrame:
     record that is not counted needs is one struct in the key, NULL for counted records:
     every record's key is hashed and compared, so five columns cost less than thirteen.
     """
+    keys, aggregates, columns = _columns(classified.sparkSession, ("tally", dead_letter_prefix),
+                                         lambda: _tally_columns(dead_letter_prefix))
+    return classified.groupBy(*keys).agg(*aggregates).select(*columns)
+
+
+def _tally_columns(dead_letter_prefix: int) -> tuple[list[Column | str], list[Column], list[Column | str]]:
+    """:func:`tally`'s grouping keys, aggregates and output columns."""
     reason, late, value = F.col("reason"), F.col("late"), F.col("value")
     bad = reason.isNotNull()
     kept = bad | late  # not counted: late is NULL exactly when the record is malformed
@@ -246,13 +294,13 @@ def tally(classified: DataFrame, dead_letter_prefix: int) -> DataFrame:
         "value": F.when(bad, F.when(reason == R.TOO_LARGE, F.substring(value, 1, dead_letter_prefix)).otherwise(value)),
         "value_bytes": F.when(bad, F.length(value).cast("long")), "value_sha256": F.when(bad, F.sha2(value, 256))}
     detail = F.when(kept, F.struct(*(column.alias(name) for name, column in details.items())))
-    counted = classified.groupBy(
-        "topic", "partition", F.when(~bad, F.col("window_start_ms")).alias("window_start_ms"),
-        F.when(~bad, F.col("ip")).alias("ip"), detail.alias("_kept"),
-    ).agg(F.count(F.lit(1)).alias("records"), F.max("event_ms").alias("max_event_ms"))
+    keys = ["topic", "partition", F.when(~bad, F.col("window_start_ms")).alias("window_start_ms"),
+            F.when(~bad, F.col("ip")).alias("ip"), detail.alias("_kept")]
+    aggregates = [F.count(F.lit(1)).alias("records"), F.max("event_ms").alias("max_event_ms")]
     kept_row = F.col("_kept")
-    return counted.select(
-        "topic", "partition", kept_row["reason"].alias("reason"),
-        F.when(kept_row.isNull(), F.lit(False)).otherwise(kept_row["late"]).alias("late"),
-        "window_start_ms", "ip", *(kept_row[name].alias(name) for name in details if name not in ("reason", "late")),
-        "records", "max_event_ms")
+    columns = ["topic", "partition", kept_row["reason"].alias("reason"),
+               F.when(kept_row.isNull(), F.lit(False)).otherwise(kept_row["late"]).alias("late"),
+               "window_start_ms", "ip",
+               *(kept_row[name].alias(name) for name in details if name not in ("reason", "late")),
+               "records", "max_event_ms"]
+    return keys, aggregates, columns
