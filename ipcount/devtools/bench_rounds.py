@@ -4,8 +4,8 @@ Each round runs every contender once on the same records, in an order rotated fr
 to round:
 
 * ``spark_count``: the read-only limit, Spark's batch Kafka read of the range, counted;
-* ``parse_floor``: that read and the parse the peer and the pipeline share, every column
-  computed and written nowhere: the floor both stand on, so ``peer / parse_floor`` is the
+* ``parse_floor``: that read and the parse the peer and the pipeline share, its outputs
+  computed and nothing else: the floor both stand on, so ``peer / parse_floor`` is about the
   most any pipeline with this parse could gain on the peer;
 * ``peer``: Structured Streaming (:mod:`ipcount.devtools.peer`) on a fresh table and checkpoint;
 * ``pipeline``: ``run_epoch`` until caught up, each epoch followed by the consumer-group
