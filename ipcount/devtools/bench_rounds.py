@@ -187,7 +187,6 @@ def _pipeline(spark: SparkSession, cfg: PipelineConfig, where: Path, r: int, nam
     run_cfg = cfg.replace(warehouse=str(where), pipeline_id=f"{cfg.pipeline_id}_{name}_{r}",
                           group_id=f"{cfg.group_id}_{name}_{r}", max_records_per_epoch=per_epoch)
     EpochRunner.open(run_cfg, spark)  # the tables, created before the timer starts
-    stages: dict[str, float] = defaultdict(float)
     epochs: list[EpochTime] = []
     records = 0
     started = time.monotonic()
@@ -201,9 +200,11 @@ def _pipeline(spark: SparkSession, cfg: PipelineConfig, where: Path, r: int, nam
         summary = summary.with_stages(kafka_commit=time.monotonic() - commit_started)
         epochs.append(EpochTime(time.monotonic() - epoch_started, dict(summary.stage_seconds)))
         records += summary.records_read
-        for stage, seconds in summary.stage_seconds.items():
-            stages[stage] += seconds
     seconds = time.monotonic() - started
+    stages: dict[str, float] = defaultdict(float)
+    for epoch in epochs:
+        for stage, stage_seconds in epoch.stages.items():
+            stages[stage] += stage_seconds
     reader = DeltaReader()
     late = reader.query(run_cfg.late_path, "SELECT count(*) AS n FROM t")
     malformed = reader.query(run_cfg.dead_letter_path, "SELECT count(*) AS n FROM t")

@@ -234,13 +234,19 @@ def table_sizes(cfg: PipelineConfig) -> dict[str, dict[str, int]]:
     return sizes
 
 
+def job_args(job: str, cfg: PipelineConfig, ending: dict[int, int], workdir: Path) -> list[str]:
+    """The arguments every ``bench_job.py`` job takes (:func:`job_main`): the job, the range
+    and the window settings."""
+    return [job, "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
+            "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(workdir),
+            "--window-seconds", str(cfg.window_seconds),
+            "--allowed-lateness-seconds", str(cfg.allowed_lateness_seconds)]
+
+
 def measure_job(cfg: PipelineConfig, job: str, records: int, logs: Path, where: Path, ending: dict[int, int],
                 label: str) -> Measurement:
     """``bench_job.py JOB`` (the peer or a read-only limit) as a process of its own."""
-    args = [job, "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
-            "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(where),
-            "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds",
-            str(cfg.allowed_lateness_seconds)]
+    args = job_args(job, cfg, ending, where)
     if job == "kafka_python":
         command = [sys.executable, BENCH_APPLICATION, *args]
     else:
@@ -258,9 +264,7 @@ def measure_warm(cfg: PipelineConfig, ending: dict[int, int], small_cfg: Pipelin
                  small_ending: dict[int, int], args: argparse.Namespace, logs: Path, workdir: Path) -> dict:
     """The warm rounds and small-epoch series in one spark-submit (:mod:`bench_rounds`)."""
     command = spark_submit(cfg, BENCH_APPLICATION, [
-        "rounds", "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
-        "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(workdir / "warm"),
-        "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds", str(cfg.allowed_lateness_seconds),
+        *job_args("rounds", cfg, ending, workdir / "warm"),
         "--rounds", str(args.rounds), "--epochs", str(args.epochs), "--small-topic", small_cfg.topic,
         "--small-ending", json.dumps({str(p): o for p, o in small_ending.items()}),
         "--small-per-epoch", str(args.epoch_records)], "bench-warm")
@@ -365,11 +369,8 @@ def check_totals(report: dict) -> None:
 def measure_profile(cfg: PipelineConfig, ending: dict[int, int], records: int, repeats: int, logs: Path,
                     workdir: Path) -> dict:
     """The read stage's profile in one spark-submit (:mod:`bench_profile`)."""
-    command = spark_submit(cfg, BENCH_APPLICATION, [
-        "profile", "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
-        "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(workdir / "profile"),
-        "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds", str(cfg.allowed_lateness_seconds),
-        "--repeats", str(repeats)], "bench-profile")
+    command = spark_submit(cfg, BENCH_APPLICATION, [*job_args("profile", cfg, ending, workdir / "profile"),
+                                                     "--repeats", str(repeats)], "bench-profile")
     _, _, out = run_process(command, logs / "profile.log", DRIVER_ENV)
     result = _last_json(out)
     if result["records"] != records:
@@ -381,11 +382,8 @@ def measure_history(cfg: PipelineConfig, ending: dict[int, int], per_epoch: int,
                     workdir: Path) -> dict:
     """A long scheduled chain of whole epochs in one spark-submit (:func:`bench_rounds.history`)."""
     where = workdir / "history"
-    command = spark_submit(cfg, BENCH_APPLICATION, [
-        "history", "--bootstrap-servers", cfg.bootstrap_servers, "--topic", cfg.topic,
-        "--ending", json.dumps({str(p): o for p, o in ending.items()}), "--workdir", str(where),
-        "--window-seconds", str(cfg.window_seconds), "--allowed-lateness-seconds", str(cfg.allowed_lateness_seconds),
-        "--per-epoch", str(per_epoch)], "bench-history")
+    command = spark_submit(cfg, BENCH_APPLICATION, [*job_args("history", cfg, ending, where),
+                                                     "--per-epoch", str(per_epoch)], "bench-history")
     _, _, out = run_process(command, logs / "history.log", DRIVER_ENV)
     result = _last_json(out)
     summary = bench_stats.history_summary(result["seconds"], result["stages"])
