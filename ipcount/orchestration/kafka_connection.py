@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ipcount.rules.config import PipelineConfig, flag, negated_flag
+from ipcount.rules.config import PipelineConfig, setting_arg
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.kafka_security import ConnectionSettings, connection_settings
 from ipcount.rules.private_files import write_private_file
@@ -72,8 +72,4 @@ def resolved(cfg: PipelineConfig) -> Iterator[PipelineConfig]:
 def kafka_args(cfg: PipelineConfig) -> list[str]:
     """The resolved Kafka settings of ``cfg`` as CLI flags, to follow the DAG's own flags
     (the last of a repeated flag wins), so the Spark command needs no Airflow."""
-    args: list[str] = []
-    for name in RESOLVED_SETTINGS:
-        value = getattr(cfg, name)
-        args += [flag(name) if value else negated_flag(name)] if isinstance(value, bool) else [flag(name), str(value)]
-    return args
+    return [setting_arg(name, getattr(cfg, name)) for name in RESOLVED_SETTINGS]

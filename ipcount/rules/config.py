@@ -126,6 +126,14 @@ def negated_flag(name: str) -> str:
     return "--no-" + name.replace("_", "-")
 
 
+def setting_arg(name: str, value: Any) -> str:
+    """A setting as one command-line argument: ``--topic=-events``, ``--no-commit-offsets``.
+    One token, so that argparse cannot take a value starting with '-' for a flag."""
+    if isinstance(value, bool):
+        return flag(name) if value else negated_flag(name)
+    return f"{flag(name)}={value}"
+
+
 # Settings whose value must be one of a few words.
 CHOICES = {"start_position": START_POSITIONS, "event_time": EVENT_TIME_SOURCES,
            "on_data_loss": DATA_LOSS_POLICIES, "group_offsets_reset": RESET_POLICIES,
@@ -308,13 +316,7 @@ class PipelineConfig:
 
     def to_args(self) -> list[str]:
         """The settings as CLI flags of ``ipcount epoch`` (used to hand them to spark-submit)."""
-        args: list[str] = []
-        for name, value in self.to_dict().items():
-            if isinstance(value, bool):
-                args.append(flag(name) if value else negated_flag(name))
-            else:
-                args += [flag(name), str(value)]
-        return args
+        return [setting_arg(name, value) for name, value in self.to_dict().items()]
 
     @property
     def specific_start_offsets(self) -> dict[int, int]:
@@ -397,7 +399,8 @@ def join_location(base: str, *parts: str) -> str:
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a ``.toml`` or ``.json`` file of settings (top-level keys, or an ``[ipcount]`` table)."""
+    """Read a ``.toml`` or ``.json`` file of settings (top-level keys, or an ``[ipcount]`` table:
+    not both)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
@@ -416,6 +419,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} must hold a {kind} {'object' if kind == 'JSON' else 'table'} "
                           f"of settings; found {type(data).__name__}")
     settings = data.get("ipcount", data)
+    if "ipcount" in data and len(data) > 1:  # the top-level ones would be ignored without a word
+        section = '"ipcount"' if kind == "JSON" else "[ipcount]"
+        raise ConfigError(f"config file {str(p)!r} has top-level key(s) {', '.join(sorted(set(data) - {'ipcount'}))} "
+                          f"besides its {section} {'object' if kind == 'JSON' else 'table'}; put all the settings "
+                          f"in one place: all under {section} or all at top level")
     if not isinstance(settings, dict):
         example = '{"ipcount": {"topic": "..."}}' if kind == "JSON" else '[ipcount] then topic = "..."'
         raise ConfigError(f"config file {str(p)!r}: 'ipcount' must be a {kind} {'object' if kind == 'JSON' else 'table'} "

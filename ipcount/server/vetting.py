@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ipcount.rules.config import (CALLER_SETTINGS, IDENTIFIER, PER_RUN_SETTINGS, SECRET_FILE_SETTINGS,
-                                  PipelineConfig, flag)
+                                  PipelineConfig, flag, setting_arg)
 from ipcount.rules.errors import BadRequestError, ConfigError
 
 SERVED_COMMANDS = ("epoch", "backfill", "rebuild")
@@ -67,7 +67,7 @@ def command_line(args: Sequence[str], parse: Parse, pipeline_of: PipelineOf) -> 
                               f"({', '.join(flag(n) for n in PER_RUN_SETTINGS)})")
     if (getattr(ns, "epochs", None) or 0) > MAX_EPOCHS:
         raise BadRequestError(f"--epochs: at most {MAX_EPOCHS} in one request")
-    own_secrets = [a for name in SECRET_FILE_SETTINGS for a in (flag(name), str(getattr(served, name)))]
+    own_secrets = [setting_arg(name, getattr(served, name)) for name in SECRET_FILE_SETTINGS]
     return [args[0], *served.to_args(), *args[1:], *own_secrets]
 
 

@@ -34,6 +34,13 @@ def test_missing_topic_exits_4_and_says_how_to_create_it(cfg):
     assert "create-topic" in proc.stderr
 
 
+def test_a_topic_starting_with_a_dash_reaches_the_broker(cfg):
+    """The command line spark-submit gets carries it as --topic=-events, which argparse parses."""
+    proc = _epoch_cli(cfg.replace(topic="-events"))
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "topic '-events' does not exist" in proc.stderr
+
+
 def test_bad_setting_exits_2_before_touching_anything(cfg, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ipcount.cli", "epoch", "--start-position", "middle",
                            "--warehouse", str(tmp_path / "w")], capture_output=True, text=True, timeout=60)

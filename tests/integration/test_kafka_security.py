@@ -103,7 +103,7 @@ def test_epochs_a_backfill_and_lag_over_secured_listeners(cfg, broker, spark, ca
     assert counts(cfg) == want.counts and sum(want.counts.values()) > 350
     # The password is read where a client is made; it is in no argument, variable or log line.
     assert BROKER_PASSWORD not in " ".join(sasl.to_args()) + repr(sasl.to_env())
-    assert "--kafka-sasl-password-file" in sasl.to_args()
+    assert f"--kafka-sasl-password-file={sasl.kafka_sasl_password_file}" in sasl.to_args()
     assert BROKER_PASSWORD not in caplog.text and "sasl_plain_password" not in caplog.text
 
 

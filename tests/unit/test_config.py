@@ -83,10 +83,34 @@ def test_a_config_file_of_the_wrong_shape_is_refused_with_what_to_fix(tmp_path, 
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("name, content, table", [
+    ("p.toml", 'topic = "top"\nwindow_seconds = 10\n[ipcount]\ntopic = "table"\n', "[ipcount] table"),
+    ("p.json", '{"topic": "top", "window_seconds": 10, "ipcount": {"topic": "table"}}', '"ipcount" object'),
+])
+def test_a_config_file_with_settings_at_top_level_and_under_ipcount_is_refused(tmp_path, name, content, table):
+    """One of the two places would otherwise be ignored without a word."""
+    f = tmp_path / name
+    f.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        PipelineConfig.load(config_file=f, environ={})
+    assert (f"config file {str(f)!r} has top-level key(s) topic, window_seconds besides its {table}; put all "
+            "the settings in one place") in str(e.value)
+
+
 def test_cli_flags_round_trip_through_to_args():
     cfg = PipelineConfig(topic="t", commit_offsets=False, window_seconds=7)
     args = build_parser().parse_args(["epoch", *cfg.to_args()])
     assert load_config(args) == cfg
+
+
+def test_values_starting_with_a_dash_round_trip_through_to_args(tmp_path):
+    """A legal topic or user name may start with '-'; as a separate argument argparse would
+    take it for a flag."""
+    cfg = PipelineConfig(topic="-events", kafka_security_protocol="SASL_PLAINTEXT", kafka_sasl_mechanism="PLAIN",
+                         kafka_sasl_username="-svc", kafka_sasl_password_file=str(tmp_path / "password"))
+    args = build_parser().parse_args(["epoch", *cfg.to_args()])
+    assert load_config(args) == cfg
+    assert {"--topic=-events", "--kafka-sasl-username=-svc", "--counts-table="} <= set(cfg.to_args())
 
 
 def test_cli_rejects_bad_values_with_exit_code_2(capsys):

@@ -25,7 +25,7 @@ def test_the_operator_s_command_runs_with_the_served_settings_first_and_the_requ
     # What a DAG task sends: the pipeline's own flags, the run's Params, the task's flags.
     request = ["epoch", *SERVED.to_args(), "--max-records-per-epoch=90", "--no-commit-offsets",
                "--run-id", "manual__1", "--skip-offset-commit"]
-    own_secret_files = ["--kafka-sasl-password-file", "", "--kafka-ssl-client-pem", ""]
+    own_secret_files = ["--kafka-sasl-password-file=", "--kafka-ssl-client-pem="]
     assert line(*request) == ["epoch", *SERVED.to_args(), *request[1:], *own_secret_files]
     # Flags left out are the served pipeline's, not the defaults.
     args = PARSE(line("backfill", "--pipeline-id", "web", "--offsets", "0:0-10"))
@@ -63,6 +63,13 @@ def test_the_kafka_login_s_secret_files_are_always_the_server_s_own(tmp_path):
         line(*request, "--kafka-sasl-username", "admin", pipelines=Pipelines(served))
 
 
+def test_a_served_value_starting_with_a_dash_passes_and_parses():
+    served = SERVED.replace(topic="-events", kafka_security_protocol="SASL_PLAINTEXT", kafka_sasl_mechanism="PLAIN",
+                            kafka_sasl_username="-svc", kafka_sasl_password_file="/srv/password")
+    args = PARSE(line("epoch", *served.to_args(), "--run-id", "manual__1", pipelines=Pipelines(served)))
+    assert (args.topic, args.kafka_sasl_username, args.run_id) == ("-events", "-svc", "manual__1")
+
+
 def test_the_same_value_spelt_differently_is_the_same():
     assert line("epoch", "--pipeline-id", "web", "--window-seconds", "05", "--commit-offsets")[0] == "epoch"
 
@@ -73,7 +80,7 @@ def test_per_run_and_caller_settings_may_differ():
     caller = ["--spark-master", "spark://elsewhere:7077", "--schedule", "@daily", "--epoch-server",
               "http://10.0.0.1:8765", "--command-timeout-seconds", "5", "--dagrun-timeout-seconds", "5",
               "--epoch-server-token-file", "/elsewhere/token"]
-    assert line("epoch", "--pipeline-id", "web", *per_run, *caller)[-len(caller) - 4:-4] == caller
+    assert line("epoch", "--pipeline-id", "web", *per_run, *caller)[-len(caller) - 2:-2] == caller
     # Every setting is one of the three kinds, and the DAG's Params are exactly the per-run ones.
     from ipcount.orchestration.dags import RUN_PARAMS
     assert tuple(RUN_PARAMS) == PER_RUN_SETTINGS and not set(PER_RUN_SETTINGS) & set(CALLER_SETTINGS)
