@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ipcount.jobs.crash import Crash, no_crash
-from ipcount.jobs.epoch import EpochRunner
+from ipcount.jobs.epoch import EpochRunner, aged_out
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.coverage import next_chunk
+from ipcount.rules.errors import DataLossError
 from ipcount.rules.ledger import BACKFILL, EpochPlan, EpochSummary, LedgerState
-from ipcount.rules.offsets import OffsetRange, describe
+from ipcount.rules.offsets import OffsetRange, check_readable, describe, split_at_log_start
 from ipcount.rules.requests import BackfillRequest, check_against_log
 from ipcount.storage import broker
 
@@ -89,37 +90,84 @@ def run_backfill(cfg: PipelineConfig, spark: SparkSession, request: BackfillRequ
     its recorded plan and continues its watermark chain, so the result equals one clean run.
     ``resolved``: the request already resolved (by a caller that checked it before starting
     Spark); resolved here otherwise.
+
+    The log start is read again before each chunk: retention may pass a long backfill's
+    ranges while it runs. What it deleted before it was counted fails the backfill loudly
+    (``on_data_loss = "fail"``, nothing planned) or is recorded ``lost`` with the chunk
+    (``"skip"``); an unfinished chunk whose offsets aged out is settled the way the chain's
+    is (:meth:`EpochRunner.settle_aged_out`), and the rest of it counted at once.
     """
     target_cfg = cfg.for_target(request.target)
     resolved = resolved or resolve(cfg, request)  # every check before any write
-    requested, earliest, latest = resolved.ranges, resolved.earliest, resolved.latest
+    requested = resolved.ranges
     log.info("backfill %s: %s -> %s", request.request_id, request.describe(), describe(requested))
     runner = EpochRunner.open(target_cfg, spark, run_id, crash)
 
     state = runner.state()
     resumed = []
     for plan in state.pending_backfills:  # a crashed backfill's chunk, whichever request it was
-        log.info("finishing unfinished backfill epoch %d (%s) with its recorded ranges", plan.epoch, plan.describe())
-        resumed.append(runner.execute(plan, earliest, latest, resumed=True))
-    if resumed:
+        resumed.extend(_finish(runner, plan))
+    if resumed or state.pending_backfills:
         state = runner.state()
     skipped = tuple(o for r in requested for o in state.coverage.overlaps(r))
     if skipped:
         log.info("backfill %s: skipping what the ledger already owns: %s", request.request_id, describe(skipped))
 
-    def planner(st: LedgerState) -> EpochPlan | None:
-        gaps = [g for r in requested for g in st.coverage.gaps(r)]
-        chunk = next_chunk(gaps, cfg.max_records_per_epoch)
-        if not chunk:
-            return None
-        return EpochPlan(st.last_epoch + 1, chunk, st.request_watermarks.get(request.request_id),
-                         kind=BACKFILL, request_id=request.request_id, chain_watermark_ms=st.watermark_ms)
-
     report = BackfillReport(request, requested, skipped, resumed=resumed)
     while True:
-        plan = runner.record_new_plan(planner)
+        earliest, latest = broker.partition_offsets(cfg)
+        plan = runner.record_new_plan(lambda st: _next_chunk(cfg, st, request.request_id, requested, earliest))
         if plan is None:
             break
         report.epochs.append(runner.execute(plan, earliest, latest))
     log.info("%s", report.line())
     return report
+
+
+def _next_chunk(cfg: PipelineConfig, st: LedgerState, request_id: str, wanted: tuple[OffsetRange, ...],
+                earliest: dict[int, int]) -> EpochPlan | None:
+    """The request's next chunk: what no ledger row owns of ``wanted``, bounded; under
+    ``skip`` with what retention deleted of it (all of it, so the chunk's cap counts only
+    what is read) as its lost ranges."""
+    gaps, deleted = split_at_log_start([g for r in wanted for g in st.coverage.gaps(r)], earliest)
+    if deleted and cfg.on_data_loss != "skip":
+        r = deleted[0]
+        check_readable(r.topic, r.partition, r.from_offset, earliest.get(r.partition, r.until_offset), r.until_offset)
+        raise DataLossError(f"data loss on {r.topic}-{r.partition}: the partition no longer exists")
+    for r in deleted:
+        log.warning("data loss on %s-%d: offsets [%d, %d) of backfill %s were deleted before they were counted; "
+                    "skipping them (on_data_loss=skip), recorded in the ledger as lost",
+                    r.topic, r.partition, r.from_offset, r.until_offset, request_id)
+    chunk = next_chunk(gaps, cfg.max_records_per_epoch)
+    if not chunk and not deleted:
+        return None
+    return EpochPlan(st.last_epoch + 1, chunk, st.request_watermarks.get(request_id), lost=deleted,
+                     kind=BACKFILL, request_id=request_id, chain_watermark_ms=st.watermark_ms)
+
+
+def _finish(runner: EpochRunner, plan: EpochPlan) -> list[EpochSummary]:
+    """Finish an unfinished backfill chunk: run it with its recorded ranges, or, if Kafka no
+    longer holds all of them and the policy is ``skip``, settle it and count what is left
+    of it as a new chunk of the same request."""
+    cfg = runner.cfg
+    log.info("finishing unfinished backfill epoch %d (%s) with its recorded ranges", plan.epoch, plan.describe())
+    earliest, latest = broker.partition_offsets(cfg)
+    lost = aged_out(plan, earliest, latest)
+    if not lost:
+        return [runner.execute(plan, earliest, latest, resumed=True)]
+    if cfg.on_data_loss != "skip":
+        r = lost[0]
+        raise DataLossError(f"data loss on {r.topic}-{r.partition}: offsets [{r.from_offset}, {r.until_offset}) of "
+                            f"unfinished backfill epoch {plan.epoch} (request {plan.request_id}) were deleted before "
+                            "they were counted. Run again with on_data_loss=skip (--on-data-loss skip) to record them "
+                            "as lost and count the rest")
+    if runner.settle_aged_out(plan, lost):
+        return []
+    rest, _ = split_at_log_start(plan.nonempty_ranges, earliest)
+
+    def planner(st: LedgerState) -> EpochPlan | None:
+        left = tuple(g for r in rest for g in st.coverage.gaps(r))
+        return EpochPlan(st.last_epoch + 1, left, st.request_watermarks.get(plan.request_id), kind=BACKFILL,
+                         request_id=plan.request_id, chain_watermark_ms=st.watermark_ms) if left else None
+    again = runner.record_new_plan(planner)
+    return [] if again is None else [runner.execute(again, earliest, latest)]

@@ -26,7 +26,7 @@ from ipcount.jobs import transform
 from ipcount.jobs.crash import Crash, no_crash
 from ipcount.jobs.tally import EpochTally
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import PlanConflict
+from ipcount.rules.errors import CommitContention, PlanConflict
 from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, EpochSummary, LedgerState, PartitionMetrics
 from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
@@ -93,8 +93,8 @@ class EpochRunner:
                 continue
             log.info("planned epoch %d: %s", plan.epoch, plan.describe())
             return plan
-        raise RuntimeError(f"could not record a plan in {self.ledger.path} after {attempts} attempts: other "
-                           "planners kept taking the same offsets")
+        raise CommitContention(f"could not record a plan in {self.ledger.path} after {attempts} attempts: other "
+                               "planners kept taking the same offsets. Nothing was planned; run the command again")
 
     def execute(self, plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int],
                 resumed: bool = False, started: float | None = None) -> EpochSummary:
@@ -140,33 +140,37 @@ class EpochRunner:
         log.info("%s", summary.line())
         return summary
 
-    def settle_aged_out(self, plan: EpochPlan, lost: tuple[OffsetRange, ...]) -> None:
+    def settle_aged_out(self, plan: EpochPlan, lost: tuple[OffsetRange, ...]) -> bool:
         """Settle an unfinished epoch whose offsets ``lost`` (:func:`aged_out`) aged out before
         it could be resumed (``on_data_loss = "skip"``), deciding from the sink's own commits:
 
-        * its counts are in the counts table (the run died after the sink, before the
-          ledger): the ledger commit is all that was missing, and is made now (with the
-          record counts unknown, and the watermark left where it was);
+        * its sink writes are done (the run died after the sink, before the ledger): the
+          ledger commit is all that was missing, and is made now, with the counts version and
+          watermark its counts commit recorded (the record counts unknown);
         * they are not: what it wrote to the dead-letter and late tables is deleted, its lost
           heads are recorded as ``lost``, and the rest of its ranges is released for a new
           plan.
+
+        True if the epoch was committed, False if it was released.
         """
         where = describe(lost)
         # First the fence: a runner still busy with this epoch can write nothing of it after
-        # this, so what the tables hold now is what they will hold.
+        # this, so what the tables hold now is what they will hold; and since its counts
+        # commit lost to the fence, that runner does not commit the epoch in the ledger.
         self.sink.fence(plan.epoch)
-        counts_version = self.sink.version_of_epoch(self.cfg.counts_path, plan.epoch, search=1000)
-        if counts_version is not None:  # its counts commit, not the fence
-            log.warning("epoch %d: offsets %s aged out before it was resumed, but its counts are in %s; "
-                        "committing it in the ledger (record counts unknown)", plan.epoch, where,
-                        self.cfg.counts_path)
-            self.ledger.commit(plan, None, plan.watermark_ms, counts_version, 0.0, self.run_id)
-            return
+        done = self.sink.epoch_commit(plan.epoch)
+        if done is not None and not done.fenced:  # its counts commit came before the fence
+            log.warning("epoch %d: offsets %s aged out before it was resumed, but its sink writes are in; "
+                        "committing it in the ledger (record counts unknown)", plan.epoch, where)
+            watermark = done.watermark_ms if done.known else plan.watermark_ms
+            self.ledger.commit(plan, None, watermark, done.version, 0.0, self.run_id)
+            return True
         log.warning("data loss on %s: epoch %d's offsets %s aged out before it was resumed; its counts were "
                     "never written, so it is given up (on_data_loss=skip): those offsets are recorded as lost "
                     "and the rest of its ranges is planned again", self.cfg.topic, plan.epoch, where)
         self.sink.remove_epoch_rows(plan.epoch)
         self.ledger.release(plan, lost)
+        return False
 
     def _write(self, plan: EpochPlan, tally: EpochTally, watermark_after: int | None,
                stages: dict[str, float]) -> int | None:

@@ -62,6 +62,16 @@ class PlanConflict(IpcountError, RuntimeError):
     """Another planner recorded offsets (or the epoch id) this plan wanted: plan again."""
 
 
+class CommitContention(IpcountError, RuntimeError):
+    """A commit lost to other writers' commits every time it was tried; nothing of it was
+    written, and running the command again is safe."""
+
+
+class EpochFenced(IpcountError, RuntimeError):
+    """Another run settled this epoch (its offsets aged out) while this run was still running
+    it: the sink tables refused this run's writes, so it must not commit the epoch either."""
+
+
 class PublisherFenced(IpcountError, RuntimeError):
     """A newer publisher of the same pipeline took over (same ``transactional.id``): this one
     stops; what it had not committed is aborted, and the newer one goes on from the cursor."""

@@ -208,7 +208,10 @@ def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
     for r in mine:
         if kind_of(r) == BACKFILL and r["status"] == COMMITTED:
             lanes.setdefault(r["request_id"], []).append(r)
-    request_watermarks = {rid: max(rs, key=lambda r: r["epoch"])["watermark_after_ms"] for rid, rs in lanes.items()}
+    # A lane's watermark only moves forward, even when two runs of one request overlapped
+    # and the later epoch was planned from the older watermark.
+    request_watermarks = {rid: max((r["watermark_after_ms"] for r in rs if r["watermark_after_ms"] is not None),
+                                   default=None) for rid, rs in lanes.items()}
 
     planned = rows_by_epoch(r for r in mine if r["status"] == PLANNED)
     plans = [plan_from_rows(rs) for _, rs in sorted(planned.items())]

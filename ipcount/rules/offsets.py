@@ -138,6 +138,20 @@ def skip_deleted(topic: str, committed: Mapping[int, int], earliest: Mapping[int
     return moved, tuple(lost)
 
 
+def split_at_log_start(ranges: Iterable[OffsetRange], earliest: Mapping[int, int]
+                       ) -> tuple[tuple[OffsetRange, ...], tuple[OffsetRange, ...]]:
+    """(what the broker still has, what retention deleted) of ``ranges``: each range split
+    at its partition's log start; a partition the broker no longer has is deleted whole."""
+    live, deleted = [], []
+    for r in ranges:
+        start = earliest.get(r.partition, r.until_offset)
+        if r.from_offset < start:
+            deleted.append(OffsetRange(r.topic, r.partition, r.from_offset, min(start, r.until_offset)))
+        if max(start, r.from_offset) < r.until_offset:
+            live.append(OffsetRange(r.topic, r.partition, max(start, r.from_offset), r.until_offset))
+    return tuple(live), tuple(deleted)
+
+
 def check_readable(topic: str, partition: int, from_offset: int, earliest: int, latest: int) -> None:
     """Raise :class:`DataLossError` if reading must start at ``from_offset`` but cannot."""
     if from_offset < earliest:

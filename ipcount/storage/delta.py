@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
 
 from ipcount.rules.config import location_scheme
+from ipcount.rules.errors import CommitContention
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -272,7 +273,8 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
 
 
 def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
-                   commit: Callable[[DeltaTable, CommitProperties], bool | None], attempts: int = 20) -> bool:
+                   commit: Callable[[DeltaTable, CommitProperties], bool | None], attempts: int = 20,
+                   markers: Callable[[int], Mapping[str, int]] | None = None) -> int | None:
     """Make one commit to the table at ``path`` that records Delta's transaction
     (``app_id``, ``version``), unless the table holds that transaction at that version or
     later already (an earlier attempt's commit, or a fence): Delta's idempotent write, as
@@ -283,31 +285,41 @@ def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
     The check and the commit are one step: the commit is made as exactly the next version
     of the snapshot checked, with no retry, and the log store creates it only if absent; a
     concurrent commit - perhaps the same epoch's, from another runner - sends this one back
-    to check again (and ``commit`` is called again, on the new snapshot)."""
+    to check again (and ``commit`` is called again, on the new snapshot).
+
+    Returns the table version this call committed, or None if it committed nothing. Since
+    that version is known before the commit, ``markers(version)`` may name more transactions
+    (app id -> version) to record in the same commit: facts the table then keeps about the
+    write through checkpoints, where commit infos are not kept."""
     from deltalake import CommitProperties, DeltaTable, Transaction
 
     for attempt in range(1, attempts + 1):
         table = DeltaTable(path)
         done = table.transaction_version(app_id)
         if done is not None and done >= version:
-            return False
+            return None
+        at = table.version() + 1
+        extra = [Transaction(a, v) for a, v in (markers(at) if markers else {}).items()]
         try:
-            return commit(table, CommitProperties(custom_metadata={"userMetadata": user_metadata},
-                                                  max_commit_retries=0,
-                                                  app_transactions=[Transaction(app_id, version)])) is not False
+            committed = commit(table, CommitProperties(custom_metadata={"userMetadata": user_metadata},
+                                                       max_commit_retries=0,
+                                                       app_transactions=[Transaction(app_id, version), *extra]))
+            return None if committed is False else at
         except rs_concurrent_errors() as e:
             log.info("%s: a concurrent commit came first (%s); checking again (%d/%d)", path,
                      str(e).splitlines()[0][:200], attempt, attempts)
             time.sleep(min(0.05 * attempt, 1.0))
-    raise RuntimeError(f"could not commit to {path} after {attempts} attempts: other writers kept committing first")
+    raise CommitContention(f"could not commit to {path} after {attempts} attempts: other writers kept committing "
+                           "first. Nothing of this commit was written; run the command again")
 
 
-def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: str) -> bool:
+def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: str,
+                   markers: Callable[[int], Mapping[str, int]] | None = None) -> int | None:
     """Append ``data`` (Arrow) once per transaction (:func:`rs_commit_once`)."""
     from deltalake import write_deltalake
 
     return rs_commit_once(path, app_id, version, user_metadata, lambda table, properties: write_deltalake(
-        table, data, mode="append", commit_properties=properties))
+        table, data, mode="append", commit_properties=properties), markers=markers)
 
 
 def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:

@@ -18,6 +18,7 @@ epoch server, spark-submit fallbacks).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Mapping
 
@@ -88,6 +89,10 @@ class Ledger:
         nothing: no automatic retry, which would commit it on top of rows it never
         checked). Either way :class:`PlanConflict`: nothing of this plan was written, and the
         caller plans again from the new state.
+
+        A commit refused after it landed (an object store that stored the PUT but lost its
+        answer, and answered the retry "already exists") is no conflict: if the ledger holds
+        exactly this plan, made at this plan's time, it is this planner's, and is kept.
         """
         from deltalake import CommitProperties, DeltaTable, write_deltalake
 
@@ -107,8 +112,20 @@ class Ledger:
             write_deltalake(snapshot, arrow_rows(rows), mode="append",
                             commit_properties=CommitProperties(max_commit_retries=0))
         except rs_concurrent_errors() as e:
-            raise PlanConflict(f"a concurrent commit to the ledger ({type(e).__name__})") from e
+            if self._holds(plan):
+                log.warning("epoch %d: the ledger refused its plan (%s) but holds it as recorded: the commit "
+                            "landed and only its answer was lost", plan.epoch, str(e).splitlines()[0][:200])
+            else:
+                raise PlanConflict(f"a concurrent commit to the ledger ({type(e).__name__})") from e
         self._compact_if_due()
+
+    def _holds(self, plan: EpochPlan) -> bool:
+        """Whether the ledger's rows of ``plan.epoch`` are exactly ``plan``, not yet committed."""
+        rows = read_rows(self.path, filters=[("epoch", "=", int(plan.epoch))])
+        def ordered(p: EpochPlan) -> EpochPlan:
+            return replace(p, ranges=tuple(sorted(p.ranges)), lost=tuple(sorted(p.lost)))
+        return (bool(rows) and all(r["status"] in (PLANNED, LOST) for r in rows)
+                and ordered(plan_from_rows(rows)) == ordered(plan))
 
     def release(self, plan: EpochPlan, lost: tuple[OffsetRange, ...]) -> None:
         """Give up an unfinished epoch whose offsets aged out before it was run, in one

@@ -3,7 +3,15 @@
 Every write carries Delta's transaction identifier (app id ``<pipeline id>/epoch-<n>``,
 version n), recorded in the same commit as the data; a later write with that app id is
 skipped, so replaying an epoch after a crash - at any point, even by two runners at once -
-leaves each table exactly as one clean run would. The app id is per epoch, not per
+leaves each table exactly as one clean run would.
+
+An epoch that read anything ends its sink writes with one commit to the counts table (its
+MERGE, or an empty commit when it counted nothing), which records beside the epoch's own
+transaction what the ledger needs of it: the counts version and the watermark. That commit
+and a settling run's fence (:meth:`Sink.fence`) race for the same transaction id, and the
+table keeps the winner, through checkpoints: so whether an epoch's data is in, and which
+version holds it, is read from the table's own transactions (:meth:`Sink.epoch_commit`),
+never from a window of its commit history. The app id is per epoch, not per
 pipeline, because scheduled and backfill epochs commit concurrently and so not in epoch
 order: one app id with rising versions would skip a lower epoch that commits after a
 higher one.
@@ -17,9 +25,11 @@ local file system and on object storage, with no log store of our own.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import EpochFenced
 from ipcount.rules.finality import ChainCommit, finalized_below
 from ipcount.rules.publish import CHANGE_DATA_FEED
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
@@ -75,6 +85,21 @@ LATE_COLUMNS: Columns = (
 )
 
 
+# The facts an epoch's counts commit (or its fence) records as transactions of their own
+# (app id ``<epoch's app id>/<name>``), in the same commit as the epoch's transaction.
+COUNTS_VERSION, NO_COUNTS, WATERMARK, FENCED = "counts-version", "no-counts", "watermark", "fenced"
+
+
+@dataclass(frozen=True)
+class EpochCommit:
+    """What the counts table says of an epoch whose transaction it holds."""
+
+    fenced: bool                        # a settling run's fence came first: nothing of it is in
+    version: int | None = None          # the counts version holding its counts (None: none counted)
+    watermark_ms: int | None = None     # the watermark after the epoch, as its MERGE used it
+    known: bool = True                  # False: committed by an older version that recorded no facts
+
+
 class Sink:
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
@@ -103,9 +128,10 @@ class Sink:
         the scheduled chain's counts commits, newest first
         (:meth:`ipcount.storage.ledger.Ledger.chain_commits`).
 
-        Each write is skipped if a previous attempt of the epoch committed it. A write with
-        no rows is not attempted at all: a replay finds no rows either, so skipping it is
-        just as idempotent and saves a commit.
+        Each write is skipped if a previous attempt of the epoch committed it. A side table
+        write with no rows is not attempted at all (a replay finds none either); the counts
+        commit always is, last, and decides the epoch: if a settling run's fence holds its
+        transaction instead, :class:`EpochFenced` - this run must not commit the epoch.
         """
         epoch = plan.epoch
         for path, columns, rows in ((self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, dead_letters),
@@ -113,18 +139,67 @@ class Sink:
             if rows.num_rows:
                 rs_append_once(path, _conform(rows, columns), self.txn_app_id(epoch), epoch, f"epoch={epoch}")
         if not counts.num_rows:
+            facts = self._facts(epoch, None, watermark_after_ms)
+            if rs_append_once(self.cfg.counts_path, arrow_schema(COUNTS_COLUMNS).empty_table(),
+                              self.txn_app_id(epoch), epoch, f"epoch={epoch}", markers=lambda _: facts) is not None:
+                return None
+        elif plan.kind == SCHEDULED:
+            committed = self._merge_counts(epoch, counts, watermark_after_ms, finalize_untouched=True, chain=chain,
+                                           watermark_after_ms=watermark_after_ms)
+            if committed is not None:
+                return committed
+        else:
+            # A backfill's windows are final only against the live chain's watermark (recorded in
+            # the plan, so a replay marks the same): the chain may still count records into a
+            # window the backfill's own watermark has passed. The chain's later epochs finalize
+            # them as its watermark moves on.
+            committed = self._merge_counts(epoch, counts, plan.chain_watermark_ms, finalize_untouched=False,
+                                           watermark_after_ms=watermark_after_ms)
+            if committed is not None:
+                return committed
+        # An earlier attempt's commit, or a settling run's fence, holds the transaction.
+        done = self.epoch_commit(epoch)
+        if done is None or done.fenced:
+            raise EpochFenced(f"epoch {epoch} was settled by another run while this one ran it (its offsets aged "
+                              f"out): {self.cfg.counts_path} holds that run's fence, so nothing more of the epoch "
+                              "is written and this run leaves the ledger to it")
+        return done.version
+
+    def _facts(self, epoch: int, counts_version: int | None, watermark_after_ms: int | None) -> dict[str, int]:
+        """The transactions an epoch's counts commit records beside its own."""
+        facts = {self._fact(epoch, NO_COUNTS if counts_version is None else COUNTS_VERSION):
+                 epoch if counts_version is None else counts_version}
+        if watermark_after_ms is not None:
+            facts[self._fact(epoch, WATERMARK)] = watermark_after_ms
+        return facts
+
+    def _fact(self, epoch: int, name: str) -> str:
+        return f"{self.txn_app_id(epoch)}/{name}"
+
+    def epoch_commit(self, epoch: int) -> EpochCommit | None:
+        """What the counts table's transactions say of ``epoch``: None if it holds neither
+        the epoch's counts commit nor a fence of it."""
+        from deltalake import DeltaTable
+
+        table = DeltaTable(self.cfg.counts_path)
+        if table.transaction_version(self.txn_app_id(epoch)) is None:
             return None
-        if plan.kind == SCHEDULED:
-            return self._merge_counts(epoch, counts, watermark_after_ms, finalize_untouched=True, chain=chain)
-        # A backfill's windows are final only against the live chain's watermark (recorded in
-        # the plan, so a replay marks the same): the chain may still count records into a
-        # window the backfill's own watermark has passed. The chain's later epochs finalize
-        # them as its watermark moves on.
-        return self._merge_counts(epoch, counts, plan.chain_watermark_ms, finalize_untouched=False)
+        if table.transaction_version(self._fact(epoch, FENCED)) is not None:
+            return EpochCommit(fenced=True)
+        watermark = table.transaction_version(self._fact(epoch, WATERMARK))
+        version = table.transaction_version(self._fact(epoch, COUNTS_VERSION))
+        if version is not None or table.transaction_version(self._fact(epoch, NO_COUNTS)) is not None:
+            return EpochCommit(fenced=False, version=version, watermark_ms=watermark)
+        # Committed by a version that recorded no facts: its commit info, if still in the log.
+        found = version_with_metadata(self.cfg.counts_path, f"epoch={epoch}", search=1000)
+        if found is None and version_with_metadata(self.cfg.counts_path, f"fenced epoch={epoch}", search=1000):
+            return EpochCommit(fenced=True)
+        return EpochCommit(fenced=False, version=found, known=False)
 
     def _merge_counts(self, epoch: int, counts: pa.Table, watermark_ms: int | None, finalize_untouched: bool,
-                      chain: Sequence[ChainCommit] = ()) -> int | None:
-        """Add the epoch's counts and mark windows final, in one idempotent commit.
+                      chain: Sequence[ChainCommit] = (), watermark_after_ms: int | None = None) -> int | None:
+        """Add the epoch's counts and mark windows final, in one idempotent commit: its
+        version, or None if the table holds the epoch's transaction already.
 
         A window is final once the watermark has passed its end plus the allowed lateness:
         no later record of the live stream can be counted in it. Being final only ever goes
@@ -149,15 +224,13 @@ class Sink:
         def final(col: str) -> str:  # end + lateness <= watermark
             return "false" if final_until is None else f"({col} <= {final_until})"
 
-        def merge(table, properties) -> bool:
+        def merge(table, properties) -> None:
             source, full_pass = touched, False
             if watermark_ms is not None and finalize_untouched:
                 below = finalized_below(chain, table.version())
                 full_pass = below is None
                 if below is not None and below < watermark_ms:
                     source = pa.concat_tables([source, self._newly_final(table, touched, below, watermark_ms)])
-            if source.num_rows == 0:
-                return False
             bounds = pc.min_max(source["window_start"])
             lo, hi = (sql_timestamp(b.value // 1000) for b in (bounds["min"], bounds["max"]))  # us -> ms
             log.info("epoch %d: merging counts into windows %s..%s%s", epoch, lo, hi,
@@ -184,9 +257,8 @@ class Sink:
                 merger = merger.when_not_matched_by_source_update(
                     {"is_final": "true"}, predicate=f"NOT coalesce(t.is_final, false) AND {final('t.window_end')}")
             merger.execute()
-            return True
-        rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge)
-        return self.version_of_epoch(path, epoch)
+        return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge,
+                              markers=lambda version: self._facts(epoch, version, watermark_after_ms))
 
     def _newly_final(self, table, touched: pa.Table, below_ms: int, watermark_ms: int) -> pa.Table:
         """The rows of ``table`` (the counts snapshot merged into) not yet final that the
@@ -208,10 +280,12 @@ class Sink:
     def fence(self, epoch: int) -> None:
         """Make sure no write of ``epoch`` lands from now on: an empty commit with its
         transaction id in each table (skipped where its write is in already), after which
-        any write with that id is skipped - a runner still busy with the epoch included."""
+        any write with that id is skipped - a runner still busy with the epoch included.
+        The counts table's fence also says so (:meth:`epoch_commit`), so that runner does
+        not commit the epoch in the ledger either."""
         for path, columns in self.tables():
             rs_append_once(path, arrow_schema(columns).empty_table(), self.txn_app_id(epoch), epoch,
-                           f"fenced epoch={epoch}")
+                           f"fenced epoch={epoch}", markers=lambda _: {self._fact(epoch, FENCED): epoch})
 
     def remove_epoch_rows(self, epoch: int) -> None:
         """Delete what ``epoch`` wrote to the dead-letter and late-record tables (their rows
@@ -221,11 +295,6 @@ class Sink:
         for path in (self.cfg.dead_letter_path, self.cfg.late_path):
             retry_on_conflict(lambda path=path: DeltaTable(path).delete(f"epoch = {int(epoch)}"),
                               f"removing epoch {epoch} from {path}")
-
-    def version_of_epoch(self, path: str, epoch: int, search: int = 50) -> int | None:
-        """The table version whose commit wrote ``epoch`` (None if the epoch wrote nothing,
-        e.g. a MERGE with no source rows)."""
-        return version_with_metadata(path, f"epoch={epoch}", search)
 
 
 def _every_row_has_hour(table) -> bool:

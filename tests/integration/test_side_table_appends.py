@@ -45,9 +45,10 @@ def test_four_processes_appending_one_epoch_at_once_land_it_once(tmp_path):
 def race_appends(path: str) -> None:
     """Four processes append epoch 7 to a new table at ``path`` at once: it lands once."""
     rs_create_table(path, SCHEMA)
-    assert sorted(at_once(4, append, path, 7)) == [False, False, False, True]
+    versions = at_once(4, append, path, 7)
+    assert sorted(v is not None for v in versions) == [False, False, False, True]
     assert sorted(r["offset"] for r in read_rows(path)) == [0, 1, 2]
-    assert version_with_metadata(path, "epoch=7") == 1
+    assert version_with_metadata(path, "epoch=7") == 1 == next(v for v in versions if v is not None)
 
 
 def test_a_replay_is_skipped_and_a_fence_keeps_a_late_writer_out(tmp_path):
@@ -81,24 +82,27 @@ def test_processes_creating_one_table_at_once_make_one_table(tmp_path):
 def merge_counts(cfg, epoch: int, start, results) -> None:
     import pyarrow as pa
 
-    from ipcount.storage.sink import Sink
+    from ipcount.rules.ledger import EpochPlan
+    from ipcount.storage.sink import DEAD_LETTER_COLUMNS, LATE_COLUMNS, Sink
 
     counts = pa.table({"window_start": pa.array([1_795_255_200_000_000] * 2, pa.timestamp("us", tz="UTC")),
                        "window_end": pa.array([1_795_255_205_000_000] * 2, pa.timestamp("us", tz="UTC")),
                        "ip": ["10.0.0.1", "10.0.0.2"], "count": [3, 4]})
     start.wait()
-    results.put(Sink(cfg)._merge_counts(epoch, counts, None, finalize_untouched=True))
+    results.put(Sink(cfg).write(EpochPlan(epoch, ()), counts, arrow_schema(DEAD_LETTER_COLUMNS).empty_table(),
+                                arrow_schema(LATE_COLUMNS).empty_table()))
 
 
 def test_processes_merging_one_epoch_s_counts_at_once_commit_it_once(tmp_path):
     """The counts MERGE, raced by runners of the same epoch: one commit, counted once."""
     from ipcount.rules.config import PipelineConfig
-    from ipcount.storage.sink import Sink
+    from ipcount.storage.sink import EpochCommit, Sink
     from tests.tables import counts
 
     cfg = PipelineConfig(warehouse=str(tmp_path / "warehouse"), pipeline_id="race")
     Sink(cfg).ensure()
     assert at_once(3, merge_counts, cfg, 5) == [1, 1, 1]              # all see the one commit: version 1
+    assert Sink(cfg).epoch_commit(5) == EpochCommit(fenced=False, version=1)   # as the table's transactions say
     merges = [h for h in DeltaTable(cfg.counts_path).history() if h["operation"] == "MERGE"]
     assert [h.get("userMetadata") for h in merges] == ["epoch=5"]
     assert sorted(counts(cfg).values()) == [3, 4]

@@ -9,7 +9,8 @@ def test_each_error_carries_the_exit_code_the_docs_promise():
     codes = {cls.__name__: cls.exit_code for cls in errors.IpcountError.__subclasses__()}
     assert codes == {"ConfigError": 2, "BadRequestError": 2, "StartPositionError": 2, "MissingJarsError": 2,
                      "DataLossError": 3, "BrokerUnavailableError": 4, "UnknownTopicError": 4,
-                     "BrokerStartError": 4, "PlanConflict": 1, "PublisherFenced": 1, "TableSetMismatch": 2,
+                     "BrokerStartError": 4, "PlanConflict": 1, "CommitContention": 1, "EpochFenced": 1,
+                     "PublisherFenced": 1, "TableSetMismatch": 2,
                      "EpochServerError": 2, "DatabaseStartError": 1}
     assert issubclass(errors.ConfigError, ValueError) and issubclass(errors.DataLossError, RuntimeError)
 

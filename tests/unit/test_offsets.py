@@ -5,7 +5,7 @@ import pytest
 
 from ipcount.rules.errors import DataLossError
 from ipcount.rules.ledger import EpochPlan
-from ipcount.rules.offsets import OffsetRange, plan_ranges, read_tasks, split_cap
+from ipcount.rules.offsets import OffsetRange, plan_ranges, read_tasks, split_at_log_start, split_cap
 
 T = "ip_count_source"
 
@@ -115,3 +115,26 @@ def test_a_large_read_gets_a_few_tasks_per_core_and_a_small_one_the_default():
     assert read_tasks(99_999, partitions=3, cores=2) is None   # small: splitting costs more
     assert read_tasks(1_000_000, partitions=12, cores=2) is None  # already enough tasks
     assert read_tasks(1_000_000, partitions=1, cores=8) == 24
+
+
+def test_split_at_log_start_keeps_what_the_broker_has_and_names_what_it_deleted():
+    ranges = [OffsetRange("t", 0, 0, 30), OffsetRange("t", 1, 10, 20), OffsetRange("t", 2, 5, 9),
+              OffsetRange("t", 3, 0, 4)]
+    live, deleted = split_at_log_start(ranges, {0: 25, 1: 5, 2: 12})   # partition 3 is gone
+    assert live == (OffsetRange("t", 0, 25, 30), OffsetRange("t", 1, 10, 20))
+    assert deleted == (OffsetRange("t", 0, 0, 25), OffsetRange("t", 2, 5, 9), OffsetRange("t", 3, 0, 4))
+
+
+def test_a_backfill_lanes_watermark_never_goes_back():
+    """Two overlapping runs of one request: the later epoch was planned from an older
+    watermark and committed a lower one; the lane keeps the highest."""
+    from datetime import datetime, timezone
+
+    from ipcount.rules.ledger import state_of
+
+    at = datetime(2026, 11, 21, tzinfo=timezone.utc)
+    rows = [{"epoch": e, "topic": "t", "partition": 0, "from_offset": f, "until_offset": u, "status": "committed",
+             "kind": "backfill", "request_id": "r1", "watermark_before_ms": None, "watermark_after_ms": w,
+             "chain_watermark_ms": None, "planned_at": at}
+            for e, f, u, w in ((1, 0, 10, 5_000), (2, 10, 20, 9_000), (3, 20, 30, 7_000), (4, 30, 30, None))]
+    assert state_of("t", rows).request_watermarks == {"r1": 9_000}
