@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ipcount.jobs.crash import Crash, no_crash
@@ -101,7 +101,7 @@ def run_backfill(cfg: PipelineConfig, spark: SparkSession, request: BackfillRequ
     resolved = resolved or resolve(cfg, request)  # every check before any write
     requested = resolved.ranges
     log.info("backfill %s: %s -> %s", request.request_id, request.describe(), describe(requested))
-    runner = EpochRunner.open(target_cfg, spark, run_id, crash)
+    runner = replace(EpochRunner.open(target_cfg, spark, run_id, crash), yields_to_chain=True)
 
     state = runner.state()
     resumed = []

@@ -42,12 +42,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long a backfill chunk lets an unfinished chain epoch commit first (see EpochRunner).
+CHAIN_PRIORITY_SECONDS = 30.0
+
 
 @dataclass(frozen=True)
 class EpochRunner:
     """Records plans in one target's ledger and runs them into its sink: what scheduled
     epochs, backfill chunks and rebuilds share. ``run_id`` is recorded in the ledger;
-    ``crash`` is called at each step boundary (tests kill the process there)."""
+    ``crash`` is called at each step boundary (tests kill the process there).
+
+    ``yields_to_chain``: before its sink writes, wait (at most :data:`CHAIN_PRIORITY_SECONDS`)
+    while the scheduled chain has an unfinished epoch. Every commit to the counts table makes
+    a racing one read and try again, and the chain's MERGE after another writer's commit
+    reads the whole table: a backfill committing chunk after chunk could otherwise make the
+    chain lose every try. A backfill has no deadline; the chain's epoch is due now."""
 
     cfg: PipelineConfig
     spark: SparkSession
@@ -55,6 +64,7 @@ class EpochRunner:
     sink: Sink
     run_id: str | None = None
     crash: Crash = no_crash
+    yields_to_chain: bool = False
 
     @classmethod
     def open(cls, cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,
@@ -181,6 +191,8 @@ class EpochRunner:
         late = tally.late_records(plan.epoch, window_ms, plan.watermark_ms)
         stages["aggregate"] = time.monotonic() - t  # the tally split into the sink's rows (Arrow)
 
+        if self.yields_to_chain:
+            self._let_the_chain_commit(plan)
         t = time.monotonic()
         # What the chain's last counts commits left final, so the MERGE reads only what it must.
         chain = self.ledger.chain_commits(self.cfg.topic) if plan.kind == SCHEDULED else ()
@@ -188,6 +200,23 @@ class EpochRunner:
                                        chain=chain)
         stages["merge"] = time.monotonic() - t  # dead letters, late records, MERGE into counts
         return sink_version
+
+
+    def _let_the_chain_commit(self, plan: EpochPlan) -> None:
+        """Wait while the chain's unfinished epoch of now is still unfinished (bounded: its
+        runner may have died, and then it waits for the next chain run)."""
+        chain = self.state().pending
+        if chain is None:
+            return
+        log.info("epoch %d: waiting up to %.0f s for the chain's unfinished epoch %d to commit first", plan.epoch,
+                 CHAIN_PRIORITY_SECONDS, chain.epoch)
+        deadline = time.monotonic() + CHAIN_PRIORITY_SECONDS
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = self.state().pending
+            if now is None or now.epoch != chain.epoch:
+                return
+        log.info("epoch %d: the chain's epoch %d is still unfinished; going on", plan.epoch, chain.epoch)
 
 
 def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,

@@ -274,3 +274,34 @@ def test_a_backfill_adopts_its_plan_when_the_commit_landed_but_its_answer_was_lo
     want = truth(produced, cfg)
     assert counts(cfg) == want.counts and sum(want.counts.values()) > 0
 
+
+def test_a_backfill_lets_an_unfinished_chain_epoch_commit_first(cfg, spark):
+    """Each counts commit sends a racing one back to read again, and the chain's MERGE after
+    another writer's commit reads the whole table: a backfill that commits chunk after chunk
+    could make the chain lose every try. Its chunks wait while the chain's epoch is due."""
+    from tests.tables import counts_merges
+
+    produced = produce_batch(cfg, 22, BASE_MS)
+    run_epoch(cfg, spark)                                          # epoch 1: [0, 30)
+    produced += produce_batch(cfg, 23, BASE_MS + 60_000)
+    earliest, latest = broker_io.partition_offsets(cfg)
+    chain, _ = next_chain_epoch(EpochRunner.open(cfg, spark), earliest, latest)   # epoch 2: [30, 60), due
+    produced += produce_batch(cfg, 24, BASE_MS + 120_000)
+    reports, failed = [], []
+
+    def backfill() -> None:
+        try:
+            reports.append(run_backfill(cfg, spark, BackfillRequest(
+                offsets=parse_offsets("0:60-90,1:60-90,2:60-90", cfg.topic))))
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            failed.append(e)
+    ahead = threading.Thread(target=backfill)
+    ahead.start()
+    threading.Event().wait(4)                                      # the backfill has read its chunk by now
+    assert run_epoch(cfg, spark).epoch == chain.epoch               # the chain's runner comes back
+    ahead.join(300)
+    assert not failed, failed
+    order = [m["epoch"] for m in counts_merges(cfg)]
+    assert order == ["epoch=1", "epoch=2", f"epoch={reports[0].epochs[0].epoch}"]
+    want = truth(produced, cfg)
+    assert counts(cfg) == want.counts
