@@ -316,13 +316,15 @@ def _publish_arguments(sub) -> None:
                        description="Publish every counts-table version not published yet to publish_topic: the "
                                    "rows each epoch changed, one Kafka transaction per version holding the records "
                                    "and the publisher's cursor (a first publish sends the table whole, unless its "
-                                   "change data feed was on from its creation). Runs "
+                                   "change data feed was on from its creation). The sink topic must be "
+                                   "compacted only (cleanup.policy=compact). Runs "
                                    "without Spark; needs publish = true (which turns on the counts table's change "
                                    "data feed at the next epoch).")
     _add_config_flags(p)
     p.add_argument("--resync", action="store_true",
-                   help="the counts table was replaced (a rebuild swapped in): send it whole as a snapshot and "
-                        "publish on from it")
+                   help="send the counts table whole as a snapshot and publish on from it: when the table was "
+                        "replaced (a rebuild swapped in), or the publisher's cursor is gone and the sink topic "
+                        "was emptied (publishing never starts over without it)")
 
 
 def _publish(args: argparse.Namespace, cfg: PipelineConfig) -> int:

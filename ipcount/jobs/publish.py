@@ -8,7 +8,9 @@ its newest count. A version an epoch's MERGE made becomes the rows it inserted o
 (those it only finalized too); any other version (creation, properties, fences) only moves
 the cursor. The first publish of a table starts at its first version if the change data
 feed was on from its creation (as when publish was on then); otherwise it sends the table
-whole, as of one version (kind ``snapshot``), and continues from there.
+whole, as of one version (kind ``snapshot``), and continues from there. A publisher that
+has lost its cursor over a sink topic that shows it published (records deleted from it) does
+neither by itself: ``resync`` asks for the snapshot.
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from ipcount.jobs.crash import Crash, no_crash
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.ledger import BACKFILL as BACKFILL_EPOCH
-from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, LIVE, SNAPSHOT, Cursor, changed_rows, epoch_of_commit,
-                                   has_change_feed, sink_records, snapshot_rows)
+from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, LIVE, SNAPSHOT, Cursor, changed_rows,
+                                   check_never_published, epoch_of_commit, has_change_feed, sink_records,
+                                   snapshot_rows)
 from ipcount.storage.delta import has_table, read_rows, table_metadata
-from ipcount.storage.publisher import Publisher, create_sink_topic
+from ipcount.storage.publisher import Publisher, create_sink_topic, log_starts, publisher_id
 
 log = logging.getLogger(__name__)
 COUNTS_COLUMNS = ("window_start", "window_end", "ip", "count", "is_final")
@@ -41,7 +44,8 @@ class PublishReport:
 def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool = False) -> PublishReport:
     """Publish every committed counts version the cursor has not passed yet. ``resync``: send
     the table whole and go on from it (after a rebuild was swapped in, or when the cursor is
-    gone and the table's early versions are no longer in its log)."""
+    gone and the table's early versions are no longer in its log, or the sink topic lost the
+    records that would say how far publishing got)."""
     from deltalake import DeltaTable
 
     path = cfg.counts_path
@@ -49,7 +53,7 @@ def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool =
     if not has_change_feed(properties):
         raise ConfigError(f"the counts table {path} has no change data feed ({CHANGE_DATA_FEED}); it is turned on "
                           "by the next epoch run with publish = true")
-    create_sink_topic(cfg, cfg.publish_topic)
+    create_sink_topic(cfg, cfg.publish_topic)   # (or refuses one that retention empties)
     report = PublishReport()
     publisher = None
     try:
@@ -62,8 +66,10 @@ def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool =
                 log.warning("resync: the cursor is at version %d of counts table %s; sending table %s whole",
                             cursor.next_version, cursor.table_id, table_id)
             cursor = None
-        elif cursor is None and _feed_since_creation(path):
-            cursor = Cursor(table_id, 0)   # every version has its changes: publish them all
+        elif cursor is None:
+            check_never_published(cfg.publish_topic, publisher_id(cfg), log_starts(cfg, cfg.publish_topic))
+            if _feed_since_creation(path):
+                cursor = Cursor(table_id, 0)   # every version has its changes: publish them all
         if cursor is None:
             rows = table.to_pyarrow_table(columns=list(COUNTS_COLUMNS)).to_pylist()   # (as of latest)
             cursor = Cursor(table_id, latest + 1)

@@ -9,7 +9,10 @@ topic's last value per key (with ``isolation.level=read_committed``) has the cou
 
 The cursor is the counts-table version to publish next, committed as the offset of a
 publisher consumer group in the same transaction as the records: published versions and
-the cursor cannot disagree, whatever crashes when.
+the cursor cannot disagree, whatever crashes when. When Kafka expires that offset, the
+topic's newest record says the same; so the topic must keep its records (compacted only),
+and a publisher that finds neither never starts over by itself once the topic shows it
+published (``ipcount publish --resync`` does, on request).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ INSERT, PREIMAGE, POSTIMAGE = "insert", "update_preimage", "update_postimage"
 LIVE, BACKFILL, SNAPSHOT = "live", "backfill", "snapshot"
 EPOCH_COMMIT = re.compile(r"^epoch=(\d+)$")  # the commit info of an epoch's counts MERGE (sink.py)
 CURSOR_FORMAT = 1
+SINK_CLEANUP_POLICY = "compact"  # the sink topic's only cleanup.policy: the newest record of each key stays
 VERSION_HEADER, TABLE_HEADER, EPOCH_HEADER = "ipcount-version", "ipcount-table", "ipcount-epoch"
 
 
@@ -150,3 +154,33 @@ def cursor_after(headers: Iterable[Iterable[tuple[str, bytes]]]) -> Cursor | Non
         if newest is None or version > newest[0]:
             newest = (version, table_id, epoch)
     return None if newest is None else Cursor(newest[1], newest[0] + 1, newest[2])
+
+
+def check_sink_policy(topic: str, policy: str | None, bootstrap_servers: str) -> None:
+    """The sink topic must be compacted only. Retention (``delete``, alone or with
+    ``compact``) deletes published records by age or size: consumers can no longer fold the
+    topic into the table, and a publisher whose cursor expired finds nothing to go on from."""
+    fix = (f"`kafka-configs.sh --bootstrap-server {bootstrap_servers} --alter --entity-type topics --entity-name "
+           f"{topic} --add-config cleanup.policy={SINK_CLEANUP_POLICY}`")
+    if policy is None:
+        raise ConfigError(f"the cleanup.policy of the sink topic {topic} could not be read (the publisher's login "
+                          f"needs DescribeConfigs on it); it must be {SINK_CLEANUP_POLICY} only: {fix}")
+    if {part.strip() for part in policy.split(",")} != {SINK_CLEANUP_POLICY}:
+        raise ConfigError(f"the sink topic {topic} has cleanup.policy={policy}: Kafka deletes its records by "
+                          "retention (retention.ms, retention.bytes), so consumers could no longer fold it into the "
+                          "counts table and a publisher whose cursor expired would publish everything again. Make "
+                          f"it compacted only: {fix}")
+
+
+def check_never_published(topic: str, group: str, log_starts: Mapping[int, int]) -> None:
+    """For a publisher that has no cursor and finds none of its records in the sink topic:
+    the topic must never have had any. Records deleted from it (a partition whose log starts
+    past offset 0) were published, under a cursor Kafka has since expired; starting over from
+    the counts table's beginning would send every version again."""
+    deleted = {p: start for p, start in sorted(log_starts.items()) if start > 0}
+    if deleted:
+        starts = ", ".join(f"partition {p} starts at offset {start}" for p, start in deleted.items())
+        raise ConfigError(f"the publisher's cursor (group {group}) is gone and the sink topic {topic} holds none of "
+                          f"its records, but records were deleted from it ({starts}): it published before. It will "
+                          "not send every counts version again by itself; `ipcount publish --resync` sends the "
+                          "table whole, once, and publishes on from it")

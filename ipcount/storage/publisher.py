@@ -15,13 +15,14 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import InvalidProducerEpochError, KafkaTimeoutError, ProducerFencedError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import BrokerUnavailableError, PublisherFenced
-from ipcount.rules.publish import Cursor, SinkRecord, cursor_after
+from ipcount.rules.publish import SINK_CLEANUP_POLICY, Cursor, SinkRecord, check_sink_policy, cursor_after
 from ipcount.storage.broker import admin_client, client_options
 
 log = logging.getLogger(__name__)
@@ -36,16 +37,30 @@ def publisher_id(cfg: PipelineConfig) -> str:
 
 
 def create_sink_topic(cfg: PipelineConfig, topic: str, partitions: int = 3) -> bool:
-    """The sink topic, compacted (the latest count per key stays) and replicated as the
-    brokers' ``default.replication.factor`` says; False if it exists."""
+    """The sink topic, compacted only (the latest count per key stays) and replicated as the
+    brokers' ``default.replication.factor`` says; False if it exists. One that exists with
+    any other cleanup.policy is refused (ConfigError)."""
     with admin_client(cfg) as client:
         try:
             client.create_topics({topic: {"num_partitions": partitions,
-                                          "configs": {"cleanup.policy": "compact"}}}, wait_for_metadata=True)
+                                          "configs": {"cleanup.policy": SINK_CLEANUP_POLICY}}},
+                                 wait_for_metadata=True)
+            created = True
         except TopicAlreadyExistsError:
-            return False
-    log.info("created sink topic %s (%d partitions, compacted)", topic, partitions)
-    return True
+            created = False
+        check_sink_policy(topic, _cleanup_policy(client, topic), cfg.bootstrap_servers)
+    if created:
+        log.info("created sink topic %s (%d partitions, compacted)", topic, partitions)
+    return created
+
+
+def _cleanup_policy(client: KafkaAdminClient, topic: str) -> str | None:
+    """The topic's effective cleanup.policy (its own, or the brokers' default), or None if the
+    broker does not say (e.g. the login may not describe the topic's configs)."""
+    described = client.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, ["cleanup.policy"])],
+                                        config_filter="all")
+    entry = described.get("topic", {}).get(topic, {}).get("cleanup.policy")
+    return entry.get("value") if entry else None
 
 
 def read_cursor(cfg: PipelineConfig, topic: str) -> Cursor | None:
@@ -83,6 +98,13 @@ def committed_cursor(cfg: PipelineConfig, topic: str) -> Cursor | None:
                     "the sink topic %s says counts version %d was the last one published", topic,
                     cursor.next_version - 1)
     return cursor
+
+
+def log_starts(cfg: PipelineConfig, topic: str) -> dict[int, int]:
+    """Each partition's log start offset: past 0 once retention (or a delete-records call)
+    deleted records from it; compaction leaves it be."""
+    with committed_reader(cfg) as consumer:
+        return {tp.partition: begin for tp, (begin, _) in _partition_bounds(consumer, topic).items()}
 
 
 def newest_records(cfg: PipelineConfig, topic: str) -> list:

@@ -285,3 +285,89 @@ def test_a_cursor_kafka_expired_is_taken_from_the_topic_and_nothing_is_sent_twic
     assert [(v, e, n) for v, e, n in report.published] == [(4, None, 0), (5, 3, 1)]  # 4 again: the cursor only
     assert per_version(sink(cfg)) == before + Counter({"5": 1})
     assert folded(sink(cfg)) == table_now(cfg) and read_cursor(cfg, cfg.publish_topic).next_version == 6
+
+
+def sink_policy(cfg: PipelineConfig, policy: str) -> None:
+    """Set the sink topic's cleanup.policy, as an operator does with kafka-configs."""
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    from ipcount.storage.broker import admin_client
+
+    with admin_client(cfg) as admin:
+        answer = admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, cfg.publish_topic,
+                                                     {"cleanup.policy": policy})])
+    assert answer["topic"][cfg.publish_topic] == "OK", answer
+
+
+@pytest.mark.parametrize("policy", ["delete", "compact,delete"])
+def test_a_sink_topic_that_deletes_by_time_is_refused_until_it_is_compacted_only(pub_cfg, policy):
+    """Time retention would empty the topic: consumers could no longer fold it into the
+    table, and a publisher whose cursor expired meanwhile would find nothing to go on from."""
+    from ipcount.rules.errors import ConfigError
+    from ipcount.storage.broker import admin_client
+
+    cfg = pub_cfg
+    with admin_client(cfg) as admin:
+        admin.create_topics({cfg.publish_topic: {"num_partitions": 3, "configs": {"cleanup.policy": policy}}},
+                            wait_for_metadata=True)
+    merge_epoch(cfg, 1, {(0, "10.0.0.1"): 1})
+    with pytest.raises(ConfigError, match=rf"sink topic {cfg.publish_topic} has cleanup.policy={policy}.*"
+                                          r"--add-config cleanup.policy=compact"):
+        publish_pending(cfg)
+    assert sink(cfg) == []
+    sink_policy(cfg, "compact")   # what the message asks for
+    assert [n for _, _, n in publish_pending(cfg).published] == [1]
+    assert folded(sink(cfg)) == table_now(cfg)
+
+
+def test_a_sink_topic_the_publisher_creates_is_compacted_only(pub_cfg):
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    from ipcount.storage.broker import admin_client
+
+    cfg = pub_cfg
+    assert create_sink_topic(cfg, cfg.publish_topic) and not create_sink_topic(cfg, cfg.publish_topic)
+    with admin_client(cfg) as admin:
+        described = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, cfg.publish_topic,
+                                                           ["cleanup.policy"])], config_filter="all")
+    assert described["topic"][cfg.publish_topic]["cleanup.policy"]["value"] == "compact"
+
+
+def test_a_cursor_expired_over_an_emptied_sink_topic_does_not_start_again_from_version_0(pub_cfg):
+    """The topic was emptied by time retention (cleanup.policy=delete, since set right) and
+    Kafka expired the publisher group's offsets: nothing in the topic says how far publishing
+    got, but records were deleted from it, so it did publish. Sending every version again is
+    for the operator to ask for."""
+    import shutil
+
+    from deltalake import write_deltalake
+    from kafka import TopicPartition
+
+    from ipcount.rules.errors import ConfigError
+    from ipcount.storage.broker import admin_client
+    from ipcount.storage.publisher import committed_reader, publisher_id, read_cursor
+
+    cfg = pub_cfg
+    shutil.rmtree(cfg.counts_path)  # the feed on from version 0: a first publish sends every version
+    write_deltalake(cfg.counts_path, pa.Table.from_pylist([], schema=SCHEMA),
+                    configuration={CHANGE_DATA_FEED: "true"})
+    for epoch in (1, 2, 3):
+        merge_epoch(cfg, epoch, {(epoch, "10.0.0.1"): epoch, (epoch, "10.0.0.2"): 1})
+    assert [(v, n) for v, _, n in publish_pending(cfg).published] == [(0, 0), (1, 2), (2, 2), (3, 2)]
+    sink_policy(cfg, "delete")
+    with committed_reader(cfg) as consumer:   # retention deletes every record, as it does once they are old
+        parts = [TopicPartition(cfg.publish_topic, p) for p in range(3)]
+        ends = consumer.end_offsets(parts)
+    with admin_client(cfg) as admin:
+        admin.delete_records(ends)
+        admin.delete_groups([publisher_id(cfg)])   # what offsets.retention.minutes does to an idle group
+    sink_policy(cfg, "compact")
+    assert sink(cfg) == [] and read_cursor(cfg, cfg.publish_topic) is None
+    merge_epoch(cfg, 4, {(4, "10.0.0.3"): 1})
+    with pytest.raises(ConfigError, match=rf"cursor .* is gone.* {cfg.publish_topic} .*`ipcount publish --resync`"):
+        publish_pending(cfg)
+    assert sink(cfg) == [] and read_cursor(cfg, cfg.publish_topic) is None   # nothing sent
+    report = publish_pending(cfg, resync=True)   # asked for: the table whole, once
+    assert [(v, e, n) for v, e, n in report.published] == [(4, None, 7)]
+    assert folded(sink(cfg)) == table_now(cfg) and read_cursor(cfg, cfg.publish_topic).next_version == 5
+    assert publish_pending(cfg).published == []

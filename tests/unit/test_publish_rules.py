@@ -7,7 +7,8 @@ from datetime import datetime, timezone
 import pytest
 
 from ipcount.rules.errors import ConfigError
-from ipcount.rules.publish import BACKFILL, LIVE, Cursor, changed_rows, cursor_after, has_change_feed, sink_records
+from ipcount.rules.publish import (BACKFILL, LIVE, Cursor, changed_rows, check_never_published, check_sink_policy,
+                                   cursor_after, has_change_feed, sink_records)
 
 W0 = datetime(2026, 11, 21, 10, 0, 0)           # naive: Delta's timestamps are UTC
 W1 = datetime(2026, 11, 21, 10, 0, 5, tzinfo=timezone.utc)
@@ -80,3 +81,22 @@ def test_the_topic_alone_says_where_publishing_got_when_the_cursor_is_gone():
 def test_only_the_property_true_turns_the_change_feed_on():
     assert has_change_feed({"delta.enableChangeDataFeed": "true"})
     assert not has_change_feed({"delta.enableChangeDataFeed": "false"}) and not has_change_feed({})
+
+
+@pytest.mark.parametrize("policy", ["delete", "compact,delete", "delete, compact"])
+def test_only_a_compacted_only_sink_topic_is_published_to(policy):
+    check_sink_policy("sink", "compact", "k1:9092")
+    with pytest.raises(ConfigError, match=rf"sink topic sink has cleanup.policy={policy}: .*`kafka-configs.sh "
+                                          r"--bootstrap-server k1:9092 .*--entity-name sink "
+                                          r"--add-config cleanup.policy=compact`"):
+        check_sink_policy("sink", policy, "k1:9092")
+    with pytest.raises(ConfigError, match="cleanup.policy of the sink topic sink could not be read.*DescribeConfigs"):
+        check_sink_policy("sink", None, "k1:9092")
+
+
+def test_a_publisher_without_a_cursor_starts_over_only_on_a_topic_that_never_lost_records():
+    check_never_published("sink", "p-publisher", {0: 0, 1: 0, 2: 0})   # new, or only aborted records in it
+    check_never_published("sink", "p-publisher", {})
+    with pytest.raises(ConfigError, match=r"cursor \(group p-publisher\) is gone.*\(partition 2 starts at offset "
+                                          r"41\).*`ipcount publish --resync`"):
+        check_never_published("sink", "p-publisher", {0: 0, 1: 0, 2: 41})
