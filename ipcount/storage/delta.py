@@ -143,44 +143,84 @@ def read_rows(path: str, columns: Iterable[str] | None = None,
 class DeltaReader:
     """Delta tables by path for a long-lived reader (the monitoring pages): each table
     opened once and refreshed at most every ``refresh_seconds``, SQL answers cached per
-    (path, version, query), so polling costs one small log read between commits."""
+    (path, version, query), so polling costs one small log read between commits.
 
-    def __init__(self, refresh_seconds: float = 1.0, cache_entries: int = 512) -> None:
-        self.refresh_seconds, self.cache_entries = refresh_seconds, cache_entries
+    The cache keeps at most ``cache_bytes`` of answers (their rows as Python objects,
+    estimated), least recently used out first; an answer bigger than that is returned and not
+    kept. Queries run outside any lock, each on the snapshot its key names: a long scan holds
+    up no other page (two identical queries at once may both run)."""
+
+    CACHE_BYTES = 64 << 20
+
+    def __init__(self, refresh_seconds: float = 1.0, cache_bytes: int = CACHE_BYTES) -> None:
+        self.refresh_seconds, self.cache_bytes = refresh_seconds, cache_bytes
         self._tables: dict[str, tuple[Any, float]] = {}
-        self._answers: OrderedDict[tuple[str, int, str], list[dict[str, Any]]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._table_locks: dict[str, threading.Lock] = {}
+        self._answers: OrderedDict[tuple[str, int, str], tuple[list[dict[str, Any]], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # the answers and the table locks: held for no I/O
 
-    def _table(self, path: str):
-        now = time.monotonic()
-        held = self._tables.get(path)
-        if held is not None:
-            table, checked = held
-            if now - checked >= self.refresh_seconds:
-                table.update_incremental()
-                self._tables[path] = (table, now)
-            return table
-        table = _open(path)
-        if table is not None:
-            self._tables[path] = (table, now)
-        return table
+    def _snapshot(self, path: str):
+        """(version, a query builder over that version) of the table at ``path``, or None if
+        there is no table yet. A path's open and refresh (a log read) hold only its own lock."""
+        from deltalake import QueryBuilder
 
-    def query(self, path: str, sql: str) -> list[dict[str, Any]]:
-        """Rows of ``sql`` over the table at ``path``, named ``t`` in the query ([] if there
-        is no table yet)."""
         with self._lock:
-            table = self._table(path)
-            if table is None:
-                return []
-            key = (path, table.version(), sql)
+            lock = self._table_locks.setdefault(path, threading.Lock())
+        with lock:
+            now = time.monotonic()
+            held = self._tables.get(path)
+            if held is None:
+                table = _open(path)
+                if table is None:
+                    return None
+                self._tables[path] = (table, now)
+            else:
+                table, checked = held
+                if now - checked >= self.refresh_seconds:
+                    table.update_incremental()
+                    self._tables[path] = (table, now)
+            # The builder copies this snapshot: a refresh while the query runs changes nothing it reads.
+            return table.version(), QueryBuilder().register("t", table)
+
+    def query(self, path: str, sql: str, cache: bool = True) -> list[dict[str, Any]]:
+        """Rows of ``sql`` over the table at ``path``, named ``t`` in the query ([] if there
+        is no table yet); kept for the next caller unless ``cache`` is False."""
+        import pyarrow as pa
+
+        snapshot = self._snapshot(path)
+        if snapshot is None:
+            return []
+        version, builder = snapshot
+        key = (path, version, sql)
+        with self._lock:
             if key in self._answers:
                 self._answers.move_to_end(key)
-                return self._answers[key]
-            rows = _run(table, sql)
-            self._answers[key] = rows
-            while len(self._answers) > self.cache_entries:
-                self._answers.popitem(last=False)
-            return rows
+                return self._answers[key][0]
+        rows = pa.table(builder.execute(sql).read_all()).to_pylist()
+        size = self._size(rows)
+        if cache and size <= self.cache_bytes:
+            with self._lock:
+                if key not in self._answers:  # (unless an identical query came first)
+                    self._answers[key] = (rows, size)
+                    self._bytes += size
+                while self._bytes > self.cache_bytes:
+                    self._bytes -= self._answers.popitem(last=False)[1][1]
+        return rows
+
+    @staticmethod
+    def _size(rows: list[dict[str, Any]]) -> int:
+        """Bytes of ``rows`` in memory, roughly: each object, and what the lists, tuples and
+        dicts in it hold (a value shared by rows is counted for each)."""
+        from sys import getsizeof
+
+        def size(value: Any) -> int:
+            if isinstance(value, dict):
+                return getsizeof(value) + sum(map(size, value.values()))
+            if isinstance(value, (list, tuple)):
+                return getsizeof(value) + sum(map(size, value))
+            return getsizeof(value)
+        return size(rows)
 
 
 def table_metadata(path: str) -> tuple[str, dict[str, str]]:

@@ -294,6 +294,20 @@ def test_every_route_needs_an_authenticated_airflow_user(server, pipeline):
     assert set(server.api("/api/openapi.json")["paths"]) >= {"/api/health", "/api/epochs", "/api/lag", "/api/counts"}
 
 
+def test_publish_endpoint_shows_only_the_pipeline_s_own_consumer_groups(server):
+    """Any reader of the epoch DAG may call it: other consumer groups' offsets are refused,
+    with where to look instead."""
+    cfg = server.cfg
+    status, body = server.get("/api/publish?group=someone-elses-service")
+    assert status == 400, body
+    assert body["detail"] == (
+        f"group must be one of the pipeline's own consumer groups ({cfg.group_id}, {cfg.pipeline_id}-publisher), got "
+        "'someone-elses-service'; the monitor shows no other group's offsets (bin/ipcount consumer-groups -- "
+        "--describe --group NAME shows any group the broker lets your own login see)")
+    for query in ("", "?group=", f"?group={cfg.group_id}", f"?group={cfg.pipeline_id}-publisher"):
+        assert server.api(f"/api/publish{query}") == {"publish": False}, query   # (publishing is off here)
+
+
 def test_pages_in_headless_chromium_after_logging_in(server, pipeline):
     from playwright.sync_api import sync_playwright
 

@@ -1,8 +1,16 @@
-"""The monitoring pages' pure logic: epoch status, pages, health, time ranges, charts, notes."""
+"""The monitoring pages' pure logic: epoch status, pages, health, time ranges, charts, notes;
+and what bounds their cost: the answer cache (over real delta-rs tables) and the run-note
+listener's stay inside the scheduler."""
 from __future__ import annotations
 
+import gc
+import socketserver
+import threading
+import time
+import tracemalloc
 import xml.etree.ElementTree as ET
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 
 import pytest
 
@@ -180,3 +188,129 @@ def test_access_without_the_backfill_dag_hides_backfills_and_refuses_replay_targ
         epochs_only.check_target("audit", "main")
     with pytest.raises(ForbiddenError, match="runs of ipcount_backfill needs read access"):
         epochs_only.check_dag("ipcount_backfill")
+
+
+def test_the_answer_cache_holds_at_most_its_bytes(tmp_path):
+    """Any reader of the epoch DAG can ask for many distinct big answers: what the cache keeps
+    of them stays within its byte bound (least recently used out first), and an answer bigger
+    than the bound is returned but not kept. Measured as the Python memory the reader holds."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from ipcount.storage.delta import DeltaReader
+
+    path = str(tmp_path / "table")
+    write_deltalake(path, pa.table({"n": list(range(20_000)), "s": [f"value {i:06d}" for i in range(20_000)]}))
+    reader = DeltaReader()
+    reader.cache_bytes = 2_000_000
+    assert reader.query(path, "SELECT count(*) AS c FROM t") == [{"c": 20_000}]   # (opens the table)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for low in range(0, 20_000, 500):    # 40 answers of 2,000 rows (about 0.5 MB each)
+            rows = reader.query(path, f"SELECT * FROM t WHERE n >= {low} AND n < {low + 2000}")
+            assert [r["n"] for r in rows] == list(range(low, min(low + 2000, 20_000)))
+        assert len(reader.query(path, "SELECT * FROM t")) == 20_000   # bigger than the bound
+        del rows
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1.5 * reader.cache_bytes, f"the reader holds {held:,} bytes of answers"
+    last = "SELECT * FROM t WHERE n >= 19500 AND n < 21500"
+    assert reader.query(path, last) is reader.query(path, last)       # still a cache
+
+
+def test_ranges_inside_one_block_share_one_cached_answer(tmp_path):
+    """The pages query epoch ranges in whole blocks of epochs and time ranges in whole hours:
+    distinct ranges from a page's parameters share one cache key, and each page still gets
+    exactly the epochs and windows it asked for."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from ipcount.orchestration.monitor.data import PipelineTables
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.storage.delta import DeltaReader
+    from ipcount.storage.ledger import ledger_schema
+
+    cfg = PipelineConfig(warehouse=str(tmp_path / "warehouse"), topic="t")
+    write_deltalake(cfg.ledger_path, pa.Table.from_pylist(
+        [{"epoch": e, "topic": "t", "partition": 0, "from_offset": e * 10, "until_offset": e * 10 + 10,
+          "status": "committed", "planned_at": T0, "run_id": f"r{e}", "kind": "scheduled"} for e in range(1, 251)],
+        schema=ledger_schema()))
+    minute = timedelta(minutes=1)
+    windows = [T0 + i * minute for i in range(150)]    # 12:00 to 14:29, one-minute windows
+    write_deltalake(cfg.counts_path, pa.Table.from_pylist(
+        [{"window_start": w, "window_end": w + minute, "ip": ip, "count": i + n, "is_final": i < 100}
+         for i, w in enumerate(windows) for n, ip in enumerate(("10.0.0.1", "10.0.0.2"))],
+        schema=pa.schema([("window_start", pa.timestamp("us", tz="UTC")), ("window_end", pa.timestamp("us", tz="UTC")),
+                          ("ip", pa.string()), ("count", pa.int64()), ("is_final", pa.bool_())])))
+    reader = DeltaReader()
+    tables = PipelineTables(cfg, reader)
+
+    assert sorted(r["epoch"] for r in tables.epoch_rows([105, 110])) == [105, 110]
+    assert sorted(r["epoch"] for r in tables.epoch_rows(list(range(150, 171)))) == list(range(150, 171))
+
+    def expected(start, until):
+        return [{"window_start": w, "requests": 2 * i + 1, "ips": 2, "final": i < 100}
+                for i, w in enumerate(windows) if start <= w and w + minute <= until]
+
+    for start, until in ((T0 + 5 * minute, T0 + 20 * minute), (T0 + 7.5 * minute, T0 + 50.5 * minute)):
+        got = tables.requests_per_window(start, until)
+        assert [{k: w[k] for k in ("window_start", "requests", "ips", "final")} for w in got] == expected(start, until)
+    assert len({sql for path, _, sql in reader._answers if path == cfg.ledger_path}) == 1
+    assert len({sql for path, _, sql in reader._answers if path == cfg.counts_path}) == 1
+
+
+class _StalledStore(socketserver.ThreadingTCPServer):
+    """An object store that takes requests and answers none until released (then: 403)."""
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.asked, self.release = threading.Event(), threading.Event()
+        store = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                self.request.recv(65536)
+                store.asked.set()
+                store.release.wait(120)
+                self.request.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+def test_the_run_note_listener_reads_no_ledger_inside_the_scheduler(monkeypatch, caplog):
+    """Airflow calls the listener inside the scheduler's loop: a ledger on an object store that
+    does not answer must hold up neither the hook nor, while the note's read waits, any other
+    thread of the scheduler (delta-rs keeps the GIL through some waits)."""
+    from ipcount.orchestration.monitor import notes
+
+    store = _StalledStore()
+    threading.Thread(target=store.serve_forever, daemon=True).start()
+    monkeypatch.delenv("IPCOUNT_CONFIG", raising=False)
+    monkeypatch.setenv("IPCOUNT_WAREHOUSE", "s3://stalled/warehouse")
+    for name, value in (("AWS_ENDPOINT_URL", f"http://127.0.0.1:{store.server_address[1]}"), ("AWS_ALLOW_HTTP", "true"),
+                        ("AWS_ACCESS_KEY_ID", "key"), ("AWS_SECRET_ACCESS_KEY", "secret"), ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    run = SimpleNamespace(id=1, dag_id="ipcount_epoch", run_id="scheduled__stalled", conf={}, note=None)
+    hook = threading.Thread(target=notes.on_dag_run_success, args=(run, "success"), daemon=True)
+    try:
+        started = time.monotonic()
+        hook.start()
+        hook.join(5)
+        assert not hook.is_alive(), "the listener waited for the ledger inside the scheduler"
+        assert time.monotonic() - started < 1
+        assert store.asked.wait(30)     # the note's read is under way, and waits
+        ticks, until = 0, time.monotonic() + 2
+        while time.monotonic() < until:
+            time.sleep(0.01)
+            ticks += 1
+        assert ticks > 50, "the scheduler's threads stood still while the note's read waited"
+    finally:
+        store.release.set()
+        hook.join(60)
+    assert notes.wait_idle(60)          # then the read fails: no note, a line in the log
+    assert "no epoch note for run scheduled__stalled: reading its ledger rows failed: OSError" in caplog.text
+    store.shutdown()

@@ -20,7 +20,7 @@ from fastapi.templating import Jinja2Templates
 from ipcount.orchestration.dags import BACKFILL_DAG_ID, EPOCH_DAG_ID
 from ipcount.orchestration.monitor import model
 from ipcount.orchestration.monitor.charts import bar_chart, line_chart
-from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, publish_status, replay_targets
+from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, publish_groups, replay_targets
 from ipcount.orchestration.monitor.runs import failed_since_success, run_states, run_target
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
@@ -150,9 +150,18 @@ class Monitor:
         begin, end = model.counts_range(model.parse_instant("from", start), model.parse_instant("until", until),
                                         tables.latest_window_end(), cfg.window_seconds)
         return {"target": target, "from": begin.isoformat(), "until": end.isoformat(),
-                "top_ips": tables.top_ips(begin, end, top),
+                "top_ips": tables.top_ips(begin, end, top, cache=not start and not until),
                 "windows": [{"window_start": w["window_start"].isoformat(), "requests": w["requests"],
                              "ips": w["ips"], "final": w["final"]} for w in tables.requests_per_window(begin, end)]}
+
+    def publish(self, group: str | None) -> dict[str, Any]:
+        own = publish_groups(self.cfg)
+        if group and group not in own:
+            raise model.BadQueryError(
+                f"group must be one of the pipeline's own consumer groups ({', '.join(own)}), got {group!r}; the "
+                "monitor shows no other group's offsets (bin/ipcount consumer-groups -- --describe --group NAME "
+                "shows any group the broker lets your own login see)")
+        return self.broker.publish(self.cfg, group or None)
 
 
 def create_app(cfg: PipelineConfig | None = None) -> FastAPI:
@@ -226,8 +235,8 @@ def _add_api_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
     @app.get("/api/publish")
     def api_publish(group: str | None = None, who: model.Access = access) -> dict[str, Any]:
         """Publishing to the sink topic: the publisher's cursor against the counts versions,
-        and the lag of a consumer group of the sink topic (``group``)."""
-        return publish_status(monitor.cfg, group)
+        and the lag on the sink topic of one of the pipeline's own consumer groups (``group``)."""
+        return monitor.publish(group)
 
     @app.get("/api/counts")
     def api_counts(target: str = "main", start: str | None = Query(None, alias="from"),

@@ -2,8 +2,10 @@
 table per path kept up to date incrementally) and the broker's offsets.
 
 Answers are cached per table version, so the pages cost one small log read between
-epochs. Every query prunes files by the Delta statistics where it can (epoch ranges,
-window times); the ledger compacts itself (see ``ipcount.storage.ledger``), so a full look at it
+epochs; ranges from a page's parameters are read in whole blocks (:func:`model.epoch_blocks`,
+:func:`model.time_blocks`) so that they share cache keys, and cut to what was asked here. Every
+query prunes files by the Delta statistics where it can (epoch ranges, window times); the ledger
+compacts itself (see ``ipcount.storage.ledger``), so a full look at it
 stays a handful of files however many epochs it holds.
 """
 from __future__ import annotations
@@ -16,13 +18,14 @@ from datetime import datetime
 from typing import Any, Callable
 
 from ipcount.orchestration.kafka_connection import resolved
+from ipcount.orchestration.monitor.model import epoch_blocks, time_blocks
 from ipcount.rules.config import PipelineConfig, join_location
 from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage import broker
 from ipcount.storage.delta import (DeltaReader, has_table, sql_identifier, sql_literal, subdirectory_names,
                                    table_metadata)
-from ipcount.storage.publisher import committed_cursor
+from ipcount.storage.publisher import committed_cursor, publisher_id
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +59,14 @@ class PipelineTables:
         return [EpochRef(r["epoch"], bool(r["planned"]), r["kind"], r["run_id"]) for r in rows]
 
     def epoch_rows(self, epochs: list[int]) -> list[dict[str, Any]]:
-        """The ledger rows of the given epochs (one range query: Delta's statistics skip the
-        files outside it)."""
+        """The ledger rows of the given epochs (one range query, of whole blocks: Delta's
+        statistics skip the files outside it)."""
         if not epochs:
             return []
         wanted = set(epochs)
+        first, last = epoch_blocks(min(wanted), max(wanted))
         rows = self.reader.query(self.cfg.ledger_path, (
-            f"SELECT * FROM t WHERE topic = {sql_literal(self.cfg.topic)} "
-            f"AND epoch >= {min(wanted)} AND epoch <= {max(wanted)}"))
+            f"SELECT * FROM t WHERE topic = {sql_literal(self.cfg.topic)} AND epoch >= {first} AND epoch <= {last}"))
         return [r for r in rows if r["epoch"] in wanted]
 
     def chain_positions(self) -> dict[int, int]:
@@ -94,16 +97,22 @@ class PipelineTables:
         rows = self.reader.query(self.cfg.counts_path, "SELECT max(window_end) AS m FROM t")
         return rows[0]["m"] if rows else None
 
-    def top_ips(self, start: datetime, until: datetime, limit: int) -> list[dict[str, Any]]:
-        """IPs by requests counted in the windows inside [start, until)."""
+    def top_ips(self, start: datetime, until: datetime, limit: int, cache: bool = True) -> list[dict[str, Any]]:
+        """IPs by requests counted in the windows inside [start, until). (A top list cannot be
+        cut from a wider range's: ``cache`` False for a range from a page's parameters.)"""
         return self.reader.query(self.cfg.counts_path, (
             "SELECT ip, sum(count) AS requests, count(*) AS windows FROM t "
-            f"WHERE {_window_filter(start, until)} GROUP BY ip ORDER BY requests DESC, ip LIMIT {int(limit)}"))
+            f"WHERE {_window_filter(start, until)} GROUP BY ip ORDER BY requests DESC, ip LIMIT {int(limit)}"),
+            cache=cache)
 
     def requests_per_window(self, start: datetime, until: datetime) -> list[dict[str, Any]]:
-        return self.reader.query(self.cfg.counts_path, (
-            "SELECT window_start, sum(count) AS requests, count(*) AS ips, bool_and(coalesce(is_final, false)) "
-            f"AS final FROM t WHERE {_window_filter(start, until)} GROUP BY window_start ORDER BY window_start"))
+        """Per window inside [start, until): requests, IPs, and whether it is final (read
+        for whole hours)."""
+        rows = self.reader.query(self.cfg.counts_path, (
+            "SELECT window_start, window_end, sum(count) AS requests, count(*) AS ips, "
+            f"bool_and(coalesce(is_final, false)) AS final FROM t WHERE {_window_filter(*time_blocks(start, until))} "
+            "GROUP BY window_start, window_end ORDER BY window_start"))
+        return [r for r in rows if r["window_start"] >= start and r["window_end"] <= until]
 
 
 def _window_filter(start: datetime, until: datetime) -> str:
@@ -126,6 +135,13 @@ class BrokerPositions:
     log_end: dict[int, int]
     group: dict[int, int]
     error: str | None = None
+
+
+def publish_groups(cfg: PipelineConfig) -> tuple[str, ...]:
+    """The consumer groups the monitor shows on the sink topic: the pipeline's own (its
+    configured group and the publisher's). Other groups' offsets are not for every reader of
+    the epoch DAG, and a few groups keep the broker's cached answers few."""
+    return cfg.group_id, publisher_id(cfg)
 
 
 def publish_status(cfg: PipelineConfig, group: str | None = None) -> dict[str, Any]:
@@ -190,6 +206,10 @@ class BrokerProbe:
                 return None
             return cursor.next_version if cursor and cursor.table_id == table_id else 0
         return self._cached("published_until", cfg, ask)
+
+    def publish(self, cfg: PipelineConfig, group: str | None) -> dict[str, Any]:
+        """:func:`publish_status` (``group``: one of :func:`publish_groups`)."""
+        return self._cached(f"publish {group or ''}", cfg, lambda: publish_status(cfg, group))
 
     def _cached(self, question: str, cfg: PipelineConfig, ask: Callable[[], Any]) -> Any:
         # Who asks is part of the answer: another login may see other topics.

@@ -308,5 +308,22 @@ def counts_range(start: datetime | None, until: datetime | None, latest_end: dat
     return begin, end
 
 
+# Ranges from a page's parameters are read (and cached) in whole blocks, so that however many
+# distinct ranges are asked for, they share a few cache keys; the page keeps what it asked for.
+EPOCH_BLOCK = 100
+TIME_BLOCK = timedelta(hours=1)
+
+
+def epoch_blocks(low: int, high: int, block: int = EPOCH_BLOCK) -> tuple[int, int]:
+    """The epochs [low, high] widened to whole blocks: (first, last) epoch to read."""
+    return low - low % block, high - high % block + block - 1
+
+
+def time_blocks(start: datetime, until: datetime, block: timedelta = TIME_BLOCK) -> tuple[datetime, datetime]:
+    """The instants [start, until) widened to whole blocks (hours by default), in UTC."""
+    start, until = start.astimezone(timezone.utc), until.astimezone(timezone.utc)
+    return start - (start - EARLIEST_INSTANT) % block, until + (EARLIEST_INSTANT - until) % block
+
+
 def _iso(t: datetime | None) -> str | None:
     return t.astimezone(timezone.utc).isoformat() if t is not None else None

@@ -1,13 +1,26 @@
 """A listener (registered by the monitoring plugin) that writes each pipeline DAG run's
 epoch summary into the run's note, where the Airflow UI shows it on the run's page.
 
-Airflow calls it in the scheduler when a run succeeds or fails; the run's own tasks cannot
-set notes (the Task SDK has no call for it). It never overwrites a note someone wrote, and
-a failure here is logged, never raised: the run's state is what matters.
+Airflow calls it in the scheduler's loop when a run succeeds or fails; the run's own tasks
+cannot set notes (the Task SDK has no call for it), and a failed run's tasks may never get
+to. So the hook only queues the run for one background thread, which reads the run's ledger
+rows in a child process (:mod:`.run_rows`, killed after :data:`READ_TIMEOUT_SECONDS`) and
+writes the note through a session of its own: the ledger may be on an object store that is
+slow or down, and reading it inside the hook would stall every DAG. The note never overwrites
+one someone wrote, and a failure is logged, never raised: the run's state is what matters.
 """
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from airflow.listeners import hookimpl
@@ -15,13 +28,14 @@ from airflow.listeners import hookimpl
 from ipcount.orchestration.monitor.links import run_page_path
 from ipcount.orchestration.monitor.model import epoch_rows
 from ipcount.orchestration.monitor.runs import PIPELINE_DAGS, target_of
-from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger import COMMITTED
 from ipcount.rules.requests import MAIN_TARGET
-from ipcount.storage.delta import read_rows
 
 log = logging.getLogger(__name__)
-NOTE_LIMIT = 1000  # Airflow's dag_run_note.content
+NOTE_LIMIT = 1000         # Airflow's dag_run_note.content
+PENDING_LIMIT = 100       # runs waiting for their note; beyond that (a ledger down for long) runs get none
+READ_TIMEOUT_SECONDS = 60  # then the child reading a run's ledger rows is killed, and the run gets no note
+EXIT_WAIT_SECONDS = 60    # how long a process that ends (e.g. `airflow dags test`) waits for its notes
 
 
 def run_note(dag_id: str, run_id: str, rows: Iterable[Mapping[str, Any]], target: str = MAIN_TARGET) -> str:
@@ -49,38 +63,94 @@ def run_note(dag_id: str, run_id: str, rows: Iterable[Mapping[str, Any]], target
     return text
 
 
+@dataclass(frozen=True)
+class _Run:
+    id: int
+    dag_id: str
+    run_id: str
+    target: str
+
+
+_pending: queue.Queue[_Run] = queue.Queue(PENDING_LIMIT)
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
+
+
 def _annotate(dag_run) -> None:
+    global _worker
     if dag_run.dag_id not in PIPELINE_DAGS:
         return
     try:
-        # The ledger is read before the run's session is touched: in the scheduler that
-        # session holds SQLite's write lock from its first flush until its commit.
-        text = _note_text(dag_run.dag_id, dag_run.run_id, dag_run.conf or {})
-        from sqlalchemy.orm import object_session
-
-        session = object_session(dag_run)
-        if session is not None:  # the scheduler's: the note commits with the run's new state
-            with session.no_autoflush:
-                if not dag_run.note:  # never overwrite what somebody wrote
-                    dag_run.note = text
-            return
-        # `airflow dags test` hands over a detached run: write through a session of our own.
-        from airflow.models.dagrun import DagRun
-        from airflow.utils.session import create_session
-
-        with create_session() as own:
-            run = own.get(DagRun, dag_run.id)
-            if run is not None and not run.note:
-                run.note = text
-    except Exception:
-        log.exception("could not write the epoch note of run %s", dag_run.run_id)
+        _pending.put_nowait(_Run(dag_run.id, dag_run.dag_id, dag_run.run_id,
+                                 target_of(dag_run.dag_id, dag_run.conf or {})))
+    except queue.Full:
+        log.warning("%d runs wait for their epoch note (is the ledger's store slow?): run %s gets none",
+                    PENDING_LIMIT, dag_run.run_id)
+        return
+    with _worker_lock:
+        if _worker is None or not _worker.is_alive():
+            _worker = threading.Thread(target=_write_notes, name="ipcount-run-notes", daemon=True)
+            _worker.start()
 
 
-def _note_text(dag_id: str, run_id: str, conf: Mapping[str, Any]) -> str:
-    target = target_of(dag_id, conf)
-    cfg = PipelineConfig.load().for_target(target)
-    rows = read_rows(cfg.ledger_path, filters=[("run_id", "=", run_id), ("topic", "=", cfg.topic)])
-    return run_note(dag_id, run_id, rows, target)
+def _write_notes() -> None:
+    while True:
+        run = _pending.get()
+        try:
+            _write_note(run)
+        except Exception:
+            log.exception("could not write the epoch note of run %s", run.run_id)
+        finally:
+            _pending.task_done()
+
+
+def _write_note(run: _Run) -> None:
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    try:
+        read = subprocess.run([sys.executable, "-m", "ipcount.orchestration.monitor.run_rows", run.target, run.run_id],
+                              capture_output=True, text=True, timeout=READ_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        log.warning("no epoch note for run %s: its ledger rows were not read within %d s", run.run_id,
+                    READ_TIMEOUT_SECONDS)
+        return
+    if read.returncode != 0:
+        log.warning("no epoch note for run %s: reading its ledger rows failed: %s", run.run_id,
+                    (read.stderr.strip().splitlines() or ["(no message)"])[-1])
+        return
+    text = run_note(run.dag_id, run.run_id, json.loads(read.stdout), run.target)
+    with create_session() as session:
+        row = session.get(DagRun, run.id)
+        if row is not None and not row.note:  # never overwrite what somebody wrote
+            row.note = text
+
+
+def wait_idle(timeout: float) -> bool:
+    """Whether every run queued got its note written (or its failure logged) within
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while _pending.unfinished_tasks:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@atexit.register
+def _finish() -> None:
+    if not wait_idle(EXIT_WAIT_SECONDS):
+        log.warning("exiting with %d epoch note(s) unwritten", _pending.unfinished_tasks)
+
+
+def _forget_after_fork() -> None:
+    """A forked child (Airflow forks its task and file processors) has no worker thread: it
+    must neither wait for the parent's queued runs at exit nor share the queue's lock."""
+    global _pending, _worker, _worker_lock
+    _pending, _worker, _worker_lock = queue.Queue(PENDING_LIMIT), None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 @hookimpl
