@@ -1,0 +1,81 @@
+"""A proxy in front of an S3-compatible store that loses answers: it passes a commit's PUT
+on, the store stores it, and the client never hears so (the connection closes instead of
+the answer). What a client then does - tries again and is told the object exists, or gives
+up - is the "commit whose answer was lost" every writer of the tables has to survive.
+
+Only PUTs of Delta commit files (``_delta_log/<version>.json``) lose answers, every
+``every``-th of them; everything else is passed on as it is. The store behind it must not
+check signatures (``EmbeddedS3(authorization=False)``): the proxy's own connection to it
+carries another Host header than the one the client signed.
+"""
+from __future__ import annotations
+
+import http.client
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+COMMIT_FILE = re.compile(r"/_delta_log/\d{20}\.json(\?|$)")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: LossyProxy
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def forward(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+        upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
+        upstream.request(self.command, self.path, body=body, headers=headers)
+        answer = upstream.getresponse()
+        data = answer.read()
+        upstream.close()
+        if self.command == "PUT" and COMMIT_FILE.search(self.path) and self.server.lose_this_answer(answer.status):
+            self.close_connection = True  # stored upstream; the client hears nothing
+            return
+        self.send_response(answer.status)
+        for k, v in answer.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+
+class LossyProxy(ThreadingHTTPServer):
+    """Serves on 127.0.0.1:``port`` until the process ends. Run it in a process of its own
+    (:func:`serve`): delta-rs calls hold the calling interpreter while they wait for it.
+    ``lost``: a shared counter of the answers lost (``multiprocessing.Value``), or None."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream_port: int, port: int, every: int = 3, lost=None) -> None:
+        super().__init__(("127.0.0.1", port), _Handler)
+        self.upstream_port, self.every, self.lost = upstream_port, every, lost
+        self._stored = 0
+        self._lock = threading.Lock()
+
+    def lose_this_answer(self, status: int) -> bool:
+        """Whether the answer to this stored commit is lost (every ``every``-th stored one)."""
+        if status >= 300:
+            return False
+        with self._lock:
+            self._stored += 1
+            if self._stored % self.every:
+                return False
+            if self.lost is not None:
+                with self.lost.get_lock():
+                    self.lost.value += 1
+            return True
+
+
+def serve(upstream_port: int, port: int, every: int = 3, lost=None) -> None:
+    """The target of the proxy's process."""
+    LossyProxy(upstream_port, port, every, lost).serve_forever()
