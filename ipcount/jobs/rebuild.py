@@ -2,6 +2,12 @@
 (same ranges, watermarks, kinds and epoch ids), so the rebuilt tables equal the source's
 row for row - the way to recover from a damaged counts table while Kafka still holds the
 offsets.
+
+An epoch the target holds counts as replayed, so the target must hold nothing else: the
+rebuild records the source ledger's Delta table id in the target's manifest
+(``rebuild_of``) before it writes, and refuses a target that holds another table set (a
+backfill's, another source's rebuild) or tables with epochs but no manifest. A target whose
+tables exist but hold no epochs and no manifest (a creation cut short) counts as fresh.
 """
 from __future__ import annotations
 
@@ -19,8 +25,9 @@ from ipcount.rules.requests import MAIN_TARGET, check_target
 from ipcount.rules.tableset import recorded_settings
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
-from ipcount.storage.delta import has_table
+from ipcount.storage.delta import has_table, table_metadata
 from ipcount.storage.ledger import Ledger
+from ipcount.storage.sink import Sink
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -49,7 +56,8 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
     """Replay every committed epoch of ``source``'s ledger into the replay target ``into``:
     same ranges, watermarks, kinds and epoch ids, in the order their counts were committed,
     so the rebuilt tables equal the source's row for row. Resumable: epochs the target
-    already committed are skipped, its unfinished one is finished."""
+    already committed are skipped, its unfinished one is finished. Refused unless ``into``
+    is fresh or this source's earlier rebuild."""
     if check_target(into) == MAIN_TARGET or into == check_target(source):
         raise BadRequestError(f"rebuild needs a fresh replay target to write into, not {into!r} (rebuild into a "
                               "new name, verify it, then swap it in; see the README)")
@@ -70,6 +78,10 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
                 raise DataLossError(f"cannot rebuild epoch {plan.epoch}: {r} is no longer in Kafka ({e}); a "
                                     "rebuild needs all counted offsets within retention") from None
     report = RebuildReport(source, into, unfinished_in_source=src.state(cfg.topic).unfinished)
+    # Claimed as this source's rebuild before the runner opens (and would claim) it.
+    Ledger(dst_cfg.ledger_path).ensure()
+    Sink(dst_cfg).ensure()
+    tableset_io.claim(dst_cfg, rebuild_of=table_metadata(src_cfg.ledger_path)[0])
     runner = EpochRunner.open(dst_cfg, spark, run_id, crash)
     done = {p.epoch for p, _ in runner.ledger.epochs(cfg.topic, (COMMITTED,))}
     pending = set(runner.state().unfinished)

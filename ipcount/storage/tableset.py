@@ -12,43 +12,61 @@ from ipcount.rules import tableset
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import TableSetMismatch
 from ipcount.storage.delta import has_table, rs_concurrent_errors, table_metadata
+from ipcount.storage.sink import Sink
 
 log = logging.getLogger(__name__)
 
 
-def claim(cfg: PipelineConfig, attempts: int = 10) -> None:
+def claim(cfg: PipelineConfig, rebuild_of: str | None = None, attempts: int = 10) -> None:
     """Record ``cfg``'s manifest on a new table set, or check it against the recorded one.
 
-    Both tables must exist. A table without a manifest (new, or made by a version without
-    manifests) gets it; if a concurrent run recorded another first, the ALTER conflicts,
-    and the loop reads again and checks against the winner's.
+    All four tables must exist. A table without a manifest (new, or made by a version that
+    recorded none on it) gets it, unless it holds epoch commits of another set
+    (:func:`ipcount.rules.tableset.check_unclaimed`); a manifest recorded before the side
+    tables joined it gains their ids. If a concurrent run recorded another first, the ALTER
+    conflicts, and the loop reads again and checks against the winner's.
+
+    ``rebuild_of``: a rebuild claims its target as the rebuild of the ledger with this Delta
+    table id, which only a fresh target, or one recording the same, accepts.
     """
     from deltalake import DeltaTable
 
+    where = tableset.locations(cfg)
     for attempt in range(1, attempts + 1):
-        (ledger_id, ledger_props), (counts_id, counts_props) = (table_metadata(cfg.ledger_path),
-                                                                table_metadata(cfg.counts_path))
-        wanted = tableset.manifest(cfg, ledger_id, counts_id)
-        bare = []
+        found = {name: table_metadata(path) for name, path in where.items()}
+        wanted = tableset.manifest(cfg, {name: table_id for name, (table_id, _) in found.items()}, rebuild_of)
         # Checked before anything is recorded: a run never records its settings on one table
-        # of a set whose other table holds another run's.
-        for path, props in ((cfg.counts_path, counts_props), (cfg.ledger_path, ledger_props)):
+        # of a set whose other tables hold another run's.
+        for name, (_, props) in found.items():
             if tableset.has_manifest(props):
-                tableset.check(path, props, wanted)
-            else:
-                bare.append(path)
-        if not bare:
+                tableset.check(where[name], props, wanted)
+        bare = [name for name, (_, props) in found.items() if not tableset.has_manifest(props)]
+        with_epochs = [where[name] for name in bare if _holds_epochs(cfg, where[name])]
+        ledger = where[tableset.LEDGER_ID]
+        tableset.check_unclaimed(with_epochs, ledger, tableset.LEDGER_ID in bare and ledger not in with_epochs,
+                                 rebuild=rebuild_of is not None)
+        stale = [name for name, (_, props) in found.items() if name in bare or tableset.missing(props)]
+        if not stale:
             return
         try:
-            for path in bare:
-                log.info("recording the table set's manifest on %s: %s", path,
+            for name in stale:
+                log.info("recording the table set's manifest on %s: %s", where[name],
                          ", ".join(f"{k[len(tableset.PREFIX):]}={v}" for k, v in sorted(wanted.items())))
-                DeltaTable(path).alter.set_table_properties(wanted, raise_if_not_exists=False)
+                DeltaTable(where[name]).alter.set_table_properties(wanted, raise_if_not_exists=False)
         except rs_concurrent_errors() as e:
             log.info("manifest of %s: concurrent change (%s); reading it again (%d/%d)", cfg.counts_path,
                      type(e).__name__, attempt, attempts)
             time.sleep(0.2 * attempt)
     raise TableSetMismatch(f"could not record the manifest of {cfg.counts_path} after {attempts} attempts")
+
+
+def _holds_epochs(cfg: PipelineConfig, path: str) -> bool:
+    """Whether the table at ``path`` holds epoch commits: data files, or the transaction of
+    ``cfg``'s epoch 1 (which a later epoch 1 of this pipeline id would be skipped for)."""
+    from deltalake import DeltaTable
+
+    table = DeltaTable(path)
+    return bool(table.file_uris()) or table.transaction_version(Sink(cfg).txn_app_id(1)) is not None
 
 
 def recorded(cfg: PipelineConfig) -> dict[str, str]:

@@ -20,7 +20,7 @@ from ipcount.jobs.epoch import run_epoch
 from ipcount.jobs.rebuild import rebuild
 from ipcount.jobs.verify import verify
 from ipcount.rules.config import REPO_ROOT
-from ipcount.rules.errors import BadRequestError, DataLossError
+from ipcount.rules.errors import BadRequestError, DataLossError, TableSetMismatch
 from ipcount.rules.offsets import OffsetRange
 from ipcount.rules.requests import BackfillRequest, parse_offsets
 from ipcount.storage import broker as broker_io
@@ -247,6 +247,40 @@ def test_rebuild_refuses_when_kafka_no_longer_has_the_offsets(cfg, spark):
     with pytest.raises(DataLossError, match=r"cannot rebuild epoch 1: .*-1\[0,10\) is no longer in Kafka"):
         rebuild(cfg, spark, into="again")
     assert not Path(cfg.for_target("again").ledger_path).exists()
+
+
+def test_rebuild_writes_only_into_a_fresh_target_or_its_own_earlier_rebuild(cfg, spark):
+    """A target holding other epochs (a backfill's, another source's rebuild) is refused:
+    its epoch ids would pass for replayed ones and be skipped, and verify would not see it."""
+    class Stopped(Exception):
+        pass
+
+    sinks = []
+
+    def stop_after_second_sink(point: str) -> None:
+        sinks.append(point)
+        if sinks.count("after_sink") == 2:
+            raise Stopped(point)
+
+    cfg = cfg.replace(max_records_per_epoch=40)
+    produce_dataset(cfg, 120, seed=91)
+    run_until_idle(cfg, spark)
+    # a backfill into "audit" of offsets within epoch 1's ranges: its epoch 1 looks replayed
+    run_backfill(cfg, spark, BackfillRequest(target="audit", offsets=parse_offsets("0:0-5", cfg.topic)))
+    audit = cfg.for_target("audit")
+    before = snapshot(audit)
+    with pytest.raises(TableSetMismatch, match=r"rebuild_of: recorded \(none\).*rebuild into a new name"):
+        rebuild(cfg, spark, into="audit")
+    assert snapshot(audit) == before                    # nothing was written
+
+    with pytest.raises(Stopped):                         # a rebuild stopped in its second epoch
+        rebuild(cfg, spark, into="rebuilt", crash=stop_after_second_sink)
+    with pytest.raises(TableSetMismatch, match=r"rebuild_of: recorded [\w-]+, now [\w-]+"):
+        rebuild(cfg, spark, into="rebuilt", source="audit")
+    resumed = rebuild(cfg, spark, into="rebuilt")        # its own rebuild goes on
+    assert len(resumed.already) == 1 and len(resumed.replayed) == len(lanes(cfg)["scheduled"]) - 1
+    ignore = frozenset({"lag_after", "sink_version"})
+    assert snapshot(cfg.for_target("rebuilt"), ignore) == snapshot(cfg, ignore)
 
 
 def test_the_ledger_refuses_overlapping_plans_even_recorded_at_the_same_moment(cfg, spark):
