@@ -156,12 +156,12 @@ def metric_totals(rows: Iterable[Row]) -> dict[str, int]:
     return {m: sum(r.get(m) or 0 for r in rows) for m in METRICS}
 
 
-def chain_positions(rows: Iterable[Row]) -> dict[int, int]:
+def chain_positions(rows: Iterable[Row], statuses: tuple[str, ...] = (COMMITTED,)) -> dict[int, int]:
     """partition -> next offset of the scheduled chain, from one topic's ledger rows (only
-    its committed rows count; backfills may lie behind or ahead of the chain)."""
+    its rows of ``statuses`` count; backfills may lie behind or ahead of the chain)."""
     positions: dict[int, int] = {}
     for r in rows:
-        if r["status"] == COMMITTED and is_scheduled(r):
+        if r["status"] in statuses and is_scheduled(r):
             positions[r["partition"]] = max(positions.get(r["partition"], 0), r["until_offset"])
     return positions
 
@@ -222,7 +222,11 @@ def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
     # Every row of the topic, planned, committed or lost and of any kind, owns its offsets.
     coverage = Coverage.of(topic, (OffsetRange(topic, r["partition"], r["from_offset"], r["until_offset"])
                                    for r in mine))
-    return LedgerState(last_epoch=max((r["epoch"] for r in rows), default=0), committed=chain_positions(chain),
+    # The chain goes on after its lost rows too: a chain that gave up its first epochs (their
+    # offsets aged out) has no committed row, and resolving its start position again would
+    # leave the offsets deleted since then owned by no row, neither counted nor lost.
+    positions = chain_positions(mine, statuses=(COMMITTED, LOST))
+    return LedgerState(last_epoch=max((r["epoch"] for r in rows), default=0), committed=positions,
                        watermark_ms=latest["watermark_after_ms"] if latest is not None else None,
                        pending=chain_plans[0] if chain_plans else None,
                        pending_backfills=tuple(p for p in plans if p.kind == BACKFILL),

@@ -305,3 +305,25 @@ def test_a_backfill_lets_an_unfinished_chain_epoch_commit_first(cfg, spark):
     assert order == ["epoch=1", "epoch=2", f"epoch={reports[0].epochs[0].epoch}"]
     want = truth(produced, cfg)
     assert counts(cfg) == want.counts
+
+
+def test_a_chain_that_gave_up_its_first_epoch_goes_on_from_its_lost_rows(cfg, spark):
+    """Found by chaos: with no committed chain row, the chain resolved its start position
+    again after giving up its first epoch, and the offsets deleted past that epoch's end
+    were owned by no row (neither counted nor lost)."""
+    cfg = cfg.replace(on_data_loss="skip")
+    produced = produce_batch(cfg, 25, BASE_MS)
+    earliest, latest = broker_io.partition_offsets(cfg)
+    next_chain_epoch(EpochRunner.open(cfg, spark), earliest, latest)   # epoch 1: [0, 30), its runner died
+    produced += produce_batch(cfg, 26, BASE_MS + 60_000)
+    delete_before(cfg, {1: 42})                                          # past epoch 1's end on partition 1
+    run_until_idle(cfg, spark)
+    rows = statuses(cfg)
+    for p in range(3):                                  # every offset owned once, from 0 to the end
+        spans = sorted((f, u) for _, _, q, f, u in rows if q == p)
+        assert spans[0][0] == 0 and spans[-1][1] == 60, (p, spans)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (p, spans)
+    assert [r[1:] for r in rows if r[1] == "lost"] == [("lost", 1, 0, 30), ("lost", 1, 30, 42)]
+    want = expected_tables(produced, _committed_ranges(cfg))
+    assert counts(cfg) == want.counts
+    assert dead_letters(cfg) == want.dead
