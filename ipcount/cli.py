@@ -421,8 +421,11 @@ def _chaos_arguments(sub) -> None:
                                    "epochs, backfills, the epoch server and the DAGs (airflow dags test, "
                                    "in an Airflow home of its own) as separate processes, SIGKILL one of "
                                    "them at a random moment each round or SIGKILL and restart the embedded "
-                                   "broker under the chain, add a partition half way, then finish without "
-                                   "kills and recount in plain Python. Exit code 0 when duplicates and "
+                                   "broker under the chain, delete records under the chain and a backfill "
+                                   "as retention would (retention: on_data_loss skip or fail), add a "
+                                   "partition half way, then finish without kills and recount in plain "
+                                   "Python: each deleted record counted before it aged out or recorded "
+                                   "lost, every other one counted once. Exit code 0 when duplicates and "
                                    "losses are both 0, else 1.")
     p.add_argument("--kills", type=_positive_int, default=None,
                    help="kills to survive (default 20; resumed: the paused run's, or this many in all)")

@@ -15,15 +15,31 @@ started; the other half are aimed at the write-ahead window: a random time after
 logs an epoch's recorded plan (before its ledger commit, often after its sink commit), the
 crash the design exists for, which a JVM that starts slowly seldom reaches by chance. The
 report says where each kill landed, read from the victim's log. It adds a partition half
-way. Then it lets the chain and every backfill finish without kills, and recounts
-everything in plain Python from Kafka (:mod:`ipcount.rules.records`, not Spark):
+way.
+
+The ``retention`` scenario is retention passing ranges not yet counted: the chain and a
+backfill run under ``on_data_loss`` ``skip`` or ``fail`` (the round's draw; an exit 3, data
+loss, is an expected outcome), and soon after the chain recorded a plan the head of one or
+more partitions it planned is deleted (``delete_records``) up to a point mostly inside or just
+past the chain's newest range, so that epochs planned there age out before they are done. The
+records are read back first and kept with the run's state, as is how far each partition was
+deleted. The other rounds run under ``fail`` until something is deleted, then under ``skip``
+(under ``fail`` a chain that met deleted offsets could only fail from then on).
+
+Then it lets the chain and every backfill finish without kills (under ``skip`` if anything was
+deleted, so that what was left unfinished over deleted offsets settles; each backfill request
+cut at the log start, as one reaching below it is refused), and recounts everything in plain
+Python (:mod:`ipcount.rules.records`, not Spark) from Kafka and the kept copies:
 
 * **duplicates**: counts above the recount, dead-letter or late rows of an offset more
   than once or of an offset that should have none, ledger ranges that overlap;
-* **losses**: counts below the recount, missing dead-letter or late rows, records in
-  Kafka that no ledger row covers.
+* **losses**: counts below the recount, missing dead-letter or late rows, records that no
+  ledger row covers, ``lost`` rows over offsets that were never deleted.
 
-Both must be 0. Scenarios take turns (in a shuffled order), each at least once, so a run
+Both must be 0: an offset below its partition's deletion mark must be counted (it was before
+it aged out) or covered by a ``lost`` row, one at or above it counted, once
+(:func:`check_ledger`); the recount covers exactly the offsets committed ledger rows cover.
+Scenarios take turns (in a shuffled order), each at least once, so a run
 of ``n`` kills tries each of ``k`` scenarios at least once and about ``n / k`` times.
 
 A long run may take several sittings: ``pause`` stops it without finishing and keeps its
@@ -32,6 +48,7 @@ recounts everything.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -47,21 +64,24 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterable, Mapping, NamedTuple
 
-from ipcount.devtools.chaos_state import STATE_FILE, RunState, round_rng
+from ipcount.devtools.chaos_state import DELETED_FILE, STATE_FILE, RunState, round_rng
 from ipcount.devtools.embedded_airflow import airflow_env
 from ipcount.devtools.embedded_kafka import EmbeddedKafka, free_port, proc_stat
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig, location_scheme
-from ipcount.rules.errors import ConfigError, UnknownTopicError
+from ipcount.rules.errors import EXIT_DATA_LOSS, ConfigError, UnknownTopicError
 from ipcount.jobs.verify import LATE, MALFORMED, recount_record, table_counts
-from ipcount.rules.ledger import COMMITTED, LOST
+from ipcount.rules.ledger import COMMITTED, LOST, Row, is_scheduled
+from ipcount.rules.offsets import split_at_log_start
+from ipcount.rules.requests import parse_offsets
 from ipcount.storage import broker
 from ipcount.storage.delta import read_rows
 
 log = logging.getLogger(__name__)
 
-SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker")
+SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker", "retention")
 AIRFLOW = Path(sys.executable).parent / "airflow"
 AIRFLOW_START_SECONDS = 10.0  # `airflow dags test` imports and parses before spark-submit starts
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z: event times, well behind any Kafka timestamp
@@ -103,7 +123,9 @@ class ChaosReport:
     by_phase: Counter = field(default_factory=Counter)  # where the kills landed (PHASES)
     partitions_added: int = 0
     strays: int = 0              # processes of the run still alive after their round, killed
-    records: int = 0             # committed records in Kafka
+    records: int = 0             # committed records produced (in Kafka, or deleted by retention rounds)
+    deleted: int = 0             # of them deleted by retention rounds
+    lost: int = 0                # of those recorded lost by the ledger (the rest was counted before)
     epochs: int = 0              # committed epochs in the ledger
     counted: int = 0
     published: int = 0           # records in the sink topic (publish on), read_committed
@@ -127,7 +149,10 @@ class ChaosReport:
         return (f"chaos {verdict}: {self.kills} kills survived in {self.rounds} rounds{sittings} ({scenarios}; "
                 f"epochs killed while {phases}); "
                 f"{self.partitions_added} partition(s) added; {self.strays} stray process(es) killed; "
-                f"{self.records} records in Kafka, {self.epochs} epochs committed, {self.counted} counted"
+                f"{self.records} records in Kafka"
+                + (f" ({self.deleted} of them deleted by retention rounds, {self.lost} recorded lost)"
+                   if self.deleted else "")
+                + f", {self.epochs} epochs committed, {self.counted} counted"
                 + (f", {self.published} published" if self.published else "")
                 + f"; duplicates {self.duplicates}, losses {self.losses}")
 
@@ -263,12 +288,16 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
                 state.partitions_added += 1
             source.produce(state.batch, rng)
             scenario = state.order[state.rounds % len(state.order)]
+            # (Under fail, a chain that met deleted offsets could do nothing but fail from then on.)
+            round_cfg = chaos_cfg.replace(on_data_loss="skip") if state.deleted else chaos_cfg
             if scenario == "broker":
-                phases = _broker_round(chaos_cfg, killer, broker_to_restart)
+                phases = _broker_round(round_cfg, killer, broker_to_restart)
             elif scenario == "dag":
-                phases = _dag_round(chaos_cfg, killer, state.backfills, run_dir / "airflow")
+                phases = _dag_round(round_cfg, killer, state.backfills, run_dir / "airflow")
+            elif scenario == "retention":
+                phases = _retention_round(chaos_cfg, killer, state, run_dir)
             else:
-                phases = _round(scenario, chaos_cfg, killer, state.backfills)
+                phases = _round(scenario, round_cfg, killer, state.backfills)
             state.rounds += 1
             state.by_scenario[scenario] = state.by_scenario.get(scenario, 0) + 1
             for phase in phases:
@@ -281,14 +310,14 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
             log.info("chaos round %d (%s): %d kill(s) (%s), %d in all", state.rounds, scenario, len(phases),
                      ", ".join(phases) or "-", state.kills)
         if not pause:
-            _finish(chaos_cfg, procs, state.backfills)
+            _finish(chaos_cfg, procs, state.backfills, deleted=bool(state.deleted))
     finally:  # an error or Ctrl-C leaves no JVM of the run behind (they are in sessions of their own)
         state.strays += procs.kill_all()
         sitting["stopped"] = _now()
         state.save(run_dir / STATE_FILE)
     report = _report(state, run_dir, chaos_cfg, paused=pause)
     if not pause:
-        _recount(chaos_cfg, report)
+        _recount(chaos_cfg, report, state.deleted_marks(), _kept_records(run_dir))
         if chaos_cfg.publish:
             _recount_sink(chaos_cfg, report)
     log.info("%s", report.line())
@@ -479,6 +508,90 @@ def _round(scenario: str, cfg: PipelineConfig, killer: _Killer, backfills: list[
     return killer.kill_some(running)
 
 
+def _retention_round(cfg: PipelineConfig, killer: _Killer, state: RunState, run_dir: Path) -> list[str]:
+    """The chain and a backfill of random ranges, both under ``skip`` or both under ``fail`` (the
+    round's draw), the heads of partitions deleted under them up to ``write_window`` seconds
+    after the chain logged a recorded plan (:func:`_delete_heads`), then kills as in
+    :func:`_round`. An exit 3 (data loss) is expected here under either policy: ``fail`` stops
+    at deleted offsets, and offsets deleted between an epoch's plan and its read fail it under
+    ``skip`` too (the next run settles it)."""
+    rng, procs = killer.rng, killer.procs
+    cfg = cfg.replace(on_data_loss=rng.choice(("skip", "fail")))
+    args = cfg.to_args()
+    running = [procs.start("epoch", *args, "--epochs", "1000")]
+    spec = _random_offsets(cfg, rng)
+    if spec:
+        state.backfills.append(spec)
+        running.append(procs.start("backfill", "--offsets", spec, *args))
+    killer.wait_for(running[0], _Moment(rng.uniform(0.0, killer.write_window), aimed=True))
+    _delete_heads(cfg, state, run_dir, rng)
+    phases = killer.kill_some(running)
+    for proc in running:
+        if proc.returncode == EXIT_DATA_LOSS:
+            log.info("chaos: %s exited %d, data loss (on_data_loss=%s): expected in a retention round",
+                     procs.log_of[proc.pid].name, EXIT_DATA_LOSS, cfg.on_data_loss)
+    return phases
+
+
+def _delete_heads(cfg: PipelineConfig, state: RunState, run_dir: Path, rng: random.Random) -> None:
+    """Delete the head of one partition and of each other with probability 1/2, up to a
+    :func:`deletion_point`, as retention would: of partitions the chain has planned (before
+    that, the pipeline's start there is the log start, whatever was deleted). The records are
+    read back and kept (:data:`DELETED_FILE`) and the marks saved first: the recount needs them,
+    and a chaos process killed in between must not leave deleted records it knows nothing of."""
+    from kafka import TopicPartition
+
+    earliest, latest = broker.partition_offsets(cfg)
+    chain = _chain_ranges(cfg)
+    first = rng.choice(sorted(latest))
+    marks = {}
+    for p in sorted(latest):
+        picked, near, u = rng.random() < 0.5, rng.random() < 2 / 3, rng.random()
+        if (picked or p == first) and p in chain and earliest[p] < latest[p]:
+            marks[p] = deletion_point(earliest[p], latest[p], chain[p], near, u)
+    with open(run_dir / DELETED_FILE, "a") as out:
+        for p, until in marks.items():
+            for rec in broker.read_range(cfg, p, earliest[p], until):
+                value = None if rec.value is None else base64.b64encode(rec.value).decode()
+                out.write(json.dumps({"partition": p, "offset": rec.offset, "timestamp": rec.timestamp,
+                                      "value": value}) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    for p, until in marks.items():
+        state.mark_deleted(p, until)
+    state.save(run_dir / STATE_FILE)
+    with broker.admin_client(cfg) as admin:
+        admin.delete_records({TopicPartition(cfg.topic, p): until for p, until in marks.items()})
+    chain_at = {p: f"[{a},{b})" for p, (a, b) in chain.items()}
+    log.info("chaos: deleted %s (the chain's newest ranges: %s)",
+             ", ".join(f"p{p}[{earliest[p]},{until})" for p, until in marks.items()) or "nothing",
+             ", ".join(f"p{p}{r}" for p, r in sorted(chain_at.items())) or "none yet")
+
+
+def deletion_point(start: int, end: int, chain: tuple[int, int], near: bool, u: float) -> int:
+    """Where a retention round deletes a partition ``[start, end)`` up to (its new log start),
+    in ``(start, end]``; ``u`` in [0, 1) picks. ``near``: inside the chain's newest range
+    ``chain`` or a little past its end (a quarter of its size), so that an epoch planned there
+    ages out before it is done; anywhere otherwise, or when that range is already gone."""
+    lo, hi = start + 1, end
+    if near:
+        a, b = chain
+        near_lo, near_hi = max(lo, a + 1), min(hi, b + max(1, (b - a) // 4))
+        if near_lo <= near_hi:
+            lo, hi = near_lo, near_hi
+    return min(hi, lo + int(u * (hi - lo + 1)))
+
+
+def _chain_ranges(cfg: PipelineConfig) -> dict[int, tuple[int, int]]:
+    """Per partition, the range of the scheduled chain's newest ledger row, planned or not."""
+    newest: dict[int, tuple[int, int, int]] = {}
+    for r in read_rows(cfg.ledger_path, ["epoch", "topic", "partition", "from_offset", "until_offset", "kind"]):
+        if r["topic"] == cfg.topic and is_scheduled(r):
+            newest[r["partition"]] = max(newest.get(r["partition"], (-1, 0, 0)),
+                                         (r["epoch"], r["until_offset"], r["from_offset"]))
+    return {p: (a, b) for p, (_, b, a) in newest.items()}
+
+
 def _broker_round(cfg: PipelineConfig, killer: _Killer, kafka: EmbeddedKafka) -> list[str]:
     """The chain running, the broker SIGKILLed under it at a moment of the chain's, down for up
     to 5 s, then started again (same port, same log directories: an unclean shutdown to
@@ -587,14 +700,29 @@ def _start_server(cfg: PipelineConfig, procs: _Processes) -> tuple[subprocess.Po
 
 
 def _random_offsets(cfg: PipelineConfig, rng: random.Random) -> str:
-    """A backfill request over random ranges of the log: 'partition:from-until,...'."""
-    _, latest = broker.partition_offsets(cfg)
+    """A backfill request over random ranges of the log (from its start: a request for
+    deleted offsets is refused): 'partition:from-until,...'."""
+    earliest, latest = broker.partition_offsets(cfg)
     parts = []
     for p, end in sorted(latest.items()):
-        if end > 2 and rng.random() < 0.7:
-            a = rng.randrange(0, end - 1)
+        if end - earliest[p] > 2 and rng.random() < 0.7:
+            a = rng.randrange(earliest[p], end - 1)
             parts.append(f"{p}:{a}-{rng.randrange(a + 1, end + 1)}")
     return ",".join(parts)
+
+
+def live_requests(specs: list[str], earliest: Mapping[int, int], latest: Mapping[int, int]) -> list[str]:
+    """The backfill requests ``specs`` cut at the log start (one naming deleted offsets is
+    refused), those left empty dropped. If none is left, one over a partition's live log: an
+    unfinished backfill chunk is settled by the next backfill run, whatever its request."""
+    out = []
+    for spec in specs:
+        live, _ = split_at_log_start(parse_offsets(spec, ""), earliest)
+        if live:
+            out.append(",".join(f"{r.partition}:{r.from_offset}-{r.until_offset}" for r in live))
+    if specs and not out:
+        out = [f"{p}:{earliest[p]}-{end}" for p, end in sorted(latest.items()) if earliest[p] < end][:1]
+    return out
 
 
 def _wait_or_kill(procs: _Processes, proc: subprocess.Popen, seconds: float) -> None:
@@ -604,13 +732,21 @@ def _wait_or_kill(procs: _Processes, proc: subprocess.Popen, seconds: float) -> 
         procs.kill(proc)
 
 
-def _finish(cfg: PipelineConfig, procs: _Processes, backfills: list[str]) -> None:
-    """No more kills: every backfill request again (each continues where it stopped), then
-    the chain until nothing is left - in one epoch server, to start one JVM, not one each."""
+def _finish(cfg: PipelineConfig, procs: _Processes, backfills: list[str], deleted: bool) -> None:
+    """No more kills: one chain epoch (its unfinished one, so that no backfill chunk waits for
+    it: see :class:`ipcount.jobs.epoch.EpochRunner`), every backfill request again (each
+    continues where it stopped), then the chain until nothing is left - in one epoch server, to
+    start one JVM, not one each. ``deleted``: retention rounds deleted records; under ``skip``,
+    so that epochs and chunks left unfinished over them settle, and with the requests cut at the
+    log start."""
     from ipcount.server import client
 
+    if deleted:
+        cfg = cfg.replace(on_data_loss="skip")
+        backfills = live_requests(backfills, *broker.partition_offsets(cfg))
     args = cfg.to_args()
-    commands = [["backfill", "--offsets", spec, *args] for spec in backfills] + [["epoch", *args, "--epochs", "1000"]]
+    commands = ([["epoch", *args, "--epochs", "1"]] + [["backfill", "--offsets", spec, *args] for spec in backfills]
+                + [["epoch", *args, "--epochs", "1000"]])
     server, url, token = _start_server(cfg, procs)
     finish_log, server_log = procs.logs / "finish.log", procs.last_log
     try:
@@ -630,48 +766,104 @@ def _finish(cfg: PipelineConfig, procs: _Processes, backfills: list[str]) -> Non
         procs.kill(server)
 
 
-def _recount(cfg: PipelineConfig, report: ChaosReport) -> None:
-    """Compare the tables with a plain-Python recount of Kafka over the ledger's epochs."""
-    _, latest = broker.partition_offsets(cfg)
-    in_kafka: dict[tuple[int, int], object] = {}
+class _Kept(NamedTuple):
+    """A record a retention round deleted, as read back before (what the recount reads of one)."""
+    offset: int
+    timestamp: int
+    value: bytes | None
+
+
+def _kept_records(run_dir: Path) -> dict[tuple[int, int], _Kept]:
+    """(partition, offset) -> the records retention rounds deleted (:data:`DELETED_FILE`)."""
+    path, out = run_dir / DELETED_FILE, {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                d = json.loads(line)
+            except ValueError:  # torn by a kill of chaos itself, before its records were deleted
+                continue
+            value = None if d["value"] is None else base64.b64decode(d["value"])
+            out[(d["partition"], d["offset"])] = _Kept(d["offset"], d["timestamp"], value)
+    return out
+
+
+@dataclass(frozen=True)
+class LedgerCheck:
+    """What became of each offset, by the ledger (:func:`check_ledger`)."""
+    counted: Mapping[tuple[int, int], Row]  # records a committed row owns -> that row
+    lost: frozenset[tuple[int, int]]      # records a lost row owns below the deletion mark: deleted uncounted
+    owners: Mapping[tuple[int, int], int]  # offsets more than one row owns -> how many (duplicates)
+    unowned: frozenset[tuple[int, int]]   # records no row owns (losses)
+    lost_live: frozenset[tuple[int, int]]  # offsets a lost row owns at or above the mark: never deleted (losses)
+
+
+def check_ledger(rows: Iterable[Row], records: Iterable[tuple[int, int]], deleted: Mapping[int, int]) -> LedgerCheck:
+    """The ledger ``rows`` against the committed ``records`` (partition, offset) and
+    ``deleted`` (partition -> every offset below it was deleted): every record is owned by a
+    row (a planned row is an unfinished epoch, reported apart), no offset by two; a ``lost`` row
+    owns only deleted offsets. So a record below the mark is counted (before it aged out) or
+    lost, one at or above it is counted."""
+    owners: Counter = Counter()
+    owner: dict[tuple[int, int], Row] = {}
+    lost_live = set()
+    for r in rows:
+        p = r["partition"]
+        for o in range(r["from_offset"], r["until_offset"]):
+            owners[(p, o)] += 1
+            owner[(p, o)] = r
+            if r["status"] == LOST and o >= deleted.get(p, 0):
+                lost_live.add((p, o))
+    records = set(records)
+    return LedgerCheck(counted={k: owner[k] for k in records if k in owner and owner[k]["status"] == COMMITTED},
+                       lost=frozenset(k for k in records
+                                      if k in owner and owner[k]["status"] == LOST and k not in lost_live),
+                       owners={k: n for k, n in owners.items() if n > 1},
+                       unowned=frozenset(k for k in records if k not in owner), lost_live=frozenset(lost_live))
+
+
+def _recount(cfg: PipelineConfig, report: ChaosReport, deleted: Mapping[int, int],
+             kept: dict[tuple[int, int], _Kept]) -> None:
+    """Compare the tables with a plain-Python recount over the ledger's epochs, of Kafka and of
+    the ``kept`` copies of what retention rounds ``deleted``."""
+    earliest, latest = broker.partition_offsets(cfg)
+    in_kafka: dict[tuple[int, int], object] = dict(kept)
     for p, end in latest.items():
-        for rec in broker.read_range(cfg, p, 0, end):
+        for rec in broker.read_range(cfg, p, earliest[p], end):
             in_kafka[(p, rec.offset)] = rec
     report.records = len(in_kafka)
+    report.deleted = sum(o < deleted.get(p, 0) for p, o in in_kafka)
     rows = [r for r in read_rows(cfg.ledger_path) if r["topic"] == cfg.topic]
     report.epochs = len({r["epoch"] for r in rows if r["status"] == COMMITTED})
     unfinished = sorted({r["epoch"] for r in rows if r["status"] not in (COMMITTED, LOST)})
     if unfinished:
         report.problems.append(f"unfinished epochs after the final run: {unfinished}")
 
-    owner: Counter = Counter()
-    for r in rows:
-        for o in range(r["from_offset"], r["until_offset"]):
-            owner[(r["partition"], o)] += 1
-    overlapping = sum(n - 1 for n in owner.values() if n > 1)
-    uncovered = [k for k in in_kafka if owner[k] == 0]
+    check = check_ledger(rows, in_kafka, deleted)
+    report.lost = len(check.lost)
+    overlapping = sum(n - 1 for n in check.owners.values())
     report.duplicates += overlapping
-    report.losses += len(uncovered)
-    if overlapping or uncovered:
-        report.problems.append(f"ledger: {overlapping} offsets owned twice, {len(uncovered)} records owned by none")
+    report.losses += len(check.unowned) + len(check.lost_live)
+    if overlapping or check.unowned:
+        report.problems.append(f"ledger: {overlapping} offsets owned twice ({_spans(check.owners)}), "
+                               f"{len(check.unowned)} records owned by none ({_spans(check.unowned)}; deletion "
+                               f"marks {dict(sorted(deleted.items()))})")
+    if check.lost_live:
+        live = [f"epoch {r['epoch']} p{r['partition']}[{r['from_offset']},{r['until_offset']})" for r in rows
+                if r["status"] == LOST and r["until_offset"] > deleted.get(r["partition"], 0)]
+        report.problems.append(f"ledger: {len(check.lost_live)} offsets recorded lost that were never deleted "
+                               f"(marks {dict(sorted(deleted.items()))}): {', '.join(live)}")
 
     expected_counts: Counter = Counter()
     expected_dead: Counter = Counter()
     expected_late: Counter = Counter()
-    for r in rows:
-        if r["status"] != COMMITTED:
-            continue
-        for o in range(r["from_offset"], r["until_offset"]):
-            rec = in_kafka.get((r["partition"], o))
-            if rec is None:
-                continue  # a transaction marker or an aborted record
-            outcome, key = recount_record(cfg, r, rec)
-            if outcome == MALFORMED:
-                expected_dead[(r["partition"], o, key)] += 1
-            elif outcome == LATE:
-                expected_late[(r["partition"], o)] += 1
-            else:
-                expected_counts[key] += 1
+    for (p, o), r in check.counted.items():  # (each once: an offset owned twice is a duplicate already)
+        outcome, key = recount_record(cfg, r, in_kafka[(p, o)])
+        if outcome == MALFORMED:
+            expected_dead[(p, o, key)] += 1
+        elif outcome == LATE:
+            expected_late[(p, o)] += 1
+        else:
+            expected_counts[key] += 1
     actual_counts = table_counts(cfg.counts_path)
     actual_dead = Counter((r["partition"], r["offset"], r["reason"])
                           for r in read_rows(cfg.dead_letter_path, ["partition", "offset", "reason"]))
@@ -685,6 +877,17 @@ def _recount(cfg: PipelineConfig, report: ChaosReport) -> None:
         report.losses += under
         if over or under:
             report.problems.append(f"{what}: {over} more than the recount, {under} fewer")
+
+
+def _spans(offsets: Iterable[tuple[int, int]]) -> str:
+    """(partition, offset) pairs as ``p0[3,5) p1[7,8)``: runs of offsets."""
+    runs: list[list[int]] = []
+    for p, o in sorted(offsets):
+        if runs and runs[-1][0] == p and runs[-1][2] == o:
+            runs[-1][2] = o + 1
+        else:
+            runs.append([p, o, o + 1])
+    return " ".join(f"p{p}[{a},{b})" for p, a, b in runs) or "-"
 
 
 def _iso_ms(text: str) -> int:
@@ -724,7 +927,8 @@ def report_json(report: ChaosReport) -> str:
                        "scenarios": dict(report.by_scenario), "phases": {p: report.by_phase[p] for p in PHASES},
                        "partitions_added": report.partitions_added,
                        "strays": report.strays,
-                       "records": report.records, "epochs": report.epochs, "counted": report.counted,
+                       "records": report.records, "deleted": report.deleted, "lost": report.lost,
+                       "epochs": report.epochs, "counted": report.counted,
                        "published": report.published,
                        "duplicates": report.duplicates, "losses": report.losses, "problems": report.problems,
                        "topic": report.topic, "warehouse": report.warehouse})

@@ -3,7 +3,9 @@
 A run of 200 kills takes longer than one sitting (about 50 s a kill here), so it can pause and
 go on later on the same topic, warehouse and broker: this file holds what the next sitting
 needs. Randomness is drawn per round (:func:`round_rng`), so no generator state is saved and
-a resumed run makes the same choices an unpaused one would.
+a resumed run makes the same choices an unpaused one would. What retention rounds deleted is
+here too (how far per partition); the deleted records themselves are kept beside it
+(:data:`DELETED_FILE`), read back before each deletion, for the final recount.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ipcount.rules.errors import ConfigError
 
 STATE_FORMAT = 1
 STATE_FILE = "state.json"
+DELETED_FILE = "deleted-records.jsonl"
 
 
 def round_rng(seed: int, round_no: int) -> random.Random:
@@ -46,12 +49,20 @@ class RunState:
     by_phase: dict[str, int] = field(default_factory=dict)
     partitions_added: int = 0
     strays: int = 0
+    deleted: dict[str, int] = field(default_factory=dict)  # partition -> the highest log start a retention round set
     sittings: list[dict] = field(default_factory=list)   # {"started", "stopped", "kills"}
 
     def enough(self, pausing: bool) -> bool:
         """Whether the kills wanted are made - and, for a run that is to finish now rather than
         pause, every scenario has had its round (a round may kill more than one)."""
         return self.kills >= self.kills_wanted and (pausing or self.rounds >= len(self.order))
+
+    def deleted_marks(self) -> dict[int, int]:
+        """Partition -> every offset below it was deleted by a retention round (JSON keys are text)."""
+        return {int(p): o for p, o in self.deleted.items()}
+
+    def mark_deleted(self, partition: int, until: int) -> None:
+        self.deleted[str(partition)] = max(until, self.deleted.get(str(partition), 0))
 
     def save(self, path: Path) -> None:
         """Written whole or not at all (a kill of chaos itself leaves the last round's state)."""

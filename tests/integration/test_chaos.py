@@ -1,6 +1,7 @@
 """The chaos command's short run: runners SIGKILLed at random, racing each other, the DAGs
-killed mid-run, the broker SIGKILLed and restarted under the chain, a partition added
-mid-run, the run paused and resumed; the recount finds no duplicate and no loss."""
+killed mid-run, the broker SIGKILLed and restarted under the chain, records deleted under the
+chain and a backfill, a partition added mid-run, the run paused and resumed; the recount finds
+no duplicate and no loss."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ipcount.devtools.chaos import PHASES, run_chaos
-from ipcount.devtools.chaos_state import STATE_FILE, RunState
+from ipcount.devtools.chaos_state import DELETED_FILE, STATE_FILE, RunState
 from ipcount.rules.errors import ConfigError
 
 pytestmark = pytest.mark.airflow  # the dag scenario runs `airflow dags test`
@@ -20,20 +21,25 @@ def test_random_kills_and_a_broker_restart_leave_no_duplicate_and_no_loss(cfg, b
     # scenario is left out for time; the DAG round races a backfill DAG run half the time.)
     # Publishing is on: the sink topic is checked too (no version twice, folds to the table).
     # Two sittings, as a long run takes them: paused after the first kill, resumed for two more.
-    first = run_chaos(cfg.replace(publish=True), kills=1, records=80, seed=3, workdir=tmp_path, max_seconds=300,
-                      scenarios=("race", "dag", "broker"), kill_window=(6.0, 20.0),
+    first = run_chaos(cfg.replace(publish=True), kills=1, records=80, seed=5, workdir=tmp_path, max_seconds=300,
+                      scenarios=("race", "dag", "retention", "broker"), kill_window=(6.0, 20.0),
                       max_records_per_epoch=100, broker_to_restart=broker, pause=True)
     assert first.paused and not first.ok and first.kills >= 1 and first.records == 0, first.line()
     assert "--resume" in first.line() and Path(first.run_dir).parent == tmp_path
     saved = json.loads((Path(first.run_dir) / STATE_FILE).read_text())
     assert (saved["kills"], saved["rounds"]) == (first.kills, first.rounds) and saved["batch"] == 40
+    assert saved["order"] == ["race", "dag", "broker", "retention"], saved
 
     report = run_chaos(cfg, kills=first.kills + 2, max_seconds=420, broker_to_restart=broker, resume=first.run_dir)
     assert report.sittings == 2 and report.rounds > first.rounds and not report.paused, report.line()
     assert report.kills >= 3, report.line()
     assert sum(report.by_phase.values()) == report.kills and set(report.by_phase) <= set(PHASES), report.line()
-    assert all(report.by_scenario[s] >= 1 for s in ("race", "dag", "broker")), report.line()
+    assert all(report.by_scenario[s] >= 1 for s in ("race", "dag", "retention", "broker")), report.line()
     assert report.partitions_added == 1 and report.records > 100 and report.epochs > 0
+    # Every deleted record was counted before it aged out or is recorded lost (the recount's rule).
+    assert 0 < report.deleted and 0 <= report.lost <= report.deleted, report.line()
+    kept = (Path(first.run_dir) / DELETED_FILE).read_text().splitlines()
+    assert json.loads((Path(first.run_dir) / STATE_FILE).read_text())["deleted"] and len(kept) >= report.deleted
     assert (report.duplicates, report.losses) == (0, 0), report.problems
     assert not report.problems, report.problems
     assert report.counted > 0 and report.published > 0

@@ -25,6 +25,15 @@ def test_the_state_round_trips_and_says_when_the_run_is_done(tmp_path):
     assert not (tmp_path / "state.json.tmp").exists()
 
 
+def test_how_far_retention_rounds_deleted_survives_a_pause(tmp_path):
+    s = state()
+    s.mark_deleted(1, 40)
+    s.mark_deleted(1, 25)  # a later round that deleted less leaves the log start where it was
+    s.mark_deleted(0, 7)
+    s.save(tmp_path / "state.json")
+    assert RunState.load(tmp_path / "state.json").deleted_marks() == {0: 7, 1: 40}
+
+
 def test_each_round_draws_the_same_choices_however_the_run_was_paused():
     assert [round_rng(7, 3).random() for _ in range(2)] == [round_rng(7, 3).random() for _ in range(2)]
     assert round_rng(7, 3).random() != round_rng(7, 4).random() != round_rng(8, 3).random()
