@@ -18,6 +18,34 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 COMMIT_FILE = re.compile(r"/_delta_log/\d{20}\.json(\?|$)")
 
 
+def pass_on(handler: BaseHTTPRequestHandler, upstream_port: int, drop: tuple[str, ...] = ()
+            ) -> tuple[int, list[tuple[str, str]], bytes]:
+    """Send the request ``handler`` holds to 127.0.0.1:``upstream_port`` (without the
+    headers named in ``drop``): the upstream's status, headers and body."""
+    length = int(handler.headers.get("Content-Length") or 0)
+    body = handler.rfile.read(length) if length else None
+    headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "connection", *drop)}
+    upstream = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+    try:
+        upstream.request(handler.command, handler.path, body=body, headers=headers)
+        answer = upstream.getresponse()
+        return answer.status, answer.getheaders(), answer.read()
+    finally:
+        upstream.close()
+
+
+def reply(handler: BaseHTTPRequestHandler, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+    """Answer the client of ``handler`` with what :func:`pass_on` got."""
+    handler.send_response(status)
+    for k, v in headers:
+        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+            handler.send_header(k, v)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(data)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: LossyProxy
@@ -26,25 +54,11 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def forward(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else None
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-        upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
-        upstream.request(self.command, self.path, body=body, headers=headers)
-        answer = upstream.getresponse()
-        data = answer.read()
-        upstream.close()
-        if self.command == "PUT" and COMMIT_FILE.search(self.path) and self.server.lose_this_answer(answer.status):
+        status, headers, data = pass_on(self, self.server.upstream_port)
+        if self.command == "PUT" and COMMIT_FILE.search(self.path) and self.server.lose_this_answer(status):
             self.close_connection = True  # stored upstream; the client hears nothing
             return
-        self.send_response(answer.status)
-        for k, v in answer.getheaders():
-            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        reply(self, status, headers, data)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
 

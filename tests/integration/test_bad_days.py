@@ -21,8 +21,9 @@ from ipcount.storage.delta import arrow_schema, rs_append_once
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.sink import COUNTS_COLUMNS, Sink
 from tests.conftest import run_until_idle
-from tests.ground_truth import Expected, expected_tables
-from tests.tables import counts, dead_letters, epoch_ranges, lanes, late_records, ledger
+from tests.ground_truth import expected_tables
+from tests.integration.test_backfill import lane_truth
+from tests.tables import counts, dead_letters, epoch_ranges, late_records, ledger
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
 
@@ -66,17 +67,6 @@ def clean_up_log(path: str) -> None:
     for commit in (Path(path) / "_delta_log").glob("*.json"):
         if int(commit.name.split(".")[0]) < table.version():
             commit.unlink()
-
-
-def truth(produced, cfg) -> Expected:
-    """The tables the documented rules give for every lane the ledger committed."""
-    total = Expected()
-    for epochs in lanes(cfg).values():
-        e = expected_tables(produced, epochs)
-        total.counts += e.counts
-        total.dead |= e.dead
-        total.late |= e.late
-    return total
 
 
 def statuses(cfg) -> list[tuple]:
@@ -219,7 +209,7 @@ def test_an_aged_out_backfill_chunk_is_settled_under_skip_and_loud_under_fail(cf
     assert [r[1:] for r in rows if r[1] != "committed"] == [("lost", 1, 0, 12)]
     covered = {p: sorted((f, u) for _, s, q, f, u in rows if q == p) for p in range(3)}
     assert covered == {0: [(0, 30), (30, 60)], 1: [(0, 12), (12, 30), (30, 60)], 2: [(0, 30), (30, 60)]}
-    want = truth(produced, cfg)
+    want = lane_truth(produced, cfg)
     assert counts(cfg) == want.counts
     assert dead_letters(cfg) == want.dead
 
@@ -243,7 +233,7 @@ def test_a_backfill_reads_the_log_start_again_before_each_chunk(cfg, spark):
         assert spans[0][0] == 0 and spans[-1][1] == 30
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert all(u <= 25 for _, s, _, _, u in rows if s == "lost") and any(s == "lost" for _, s, *_ in rows)
-    want = truth(produced, cfg)
+    want = lane_truth(produced, cfg)
     assert counts(cfg) == want.counts
     assert dead_letters(cfg) == want.dead
 
@@ -271,7 +261,7 @@ def test_a_backfill_adopts_its_plan_when_the_commit_landed_but_its_answer_was_lo
     rows = statuses(cfg)
     assert {r[1] for r in rows} == {"committed"}
     assert sorted(e.epoch for e in report.epochs) == sorted({r[0] for r in rows})
-    want = truth(produced, cfg)
+    want = lane_truth(produced, cfg)
     assert counts(cfg) == want.counts and sum(want.counts.values()) > 0
 
 
@@ -303,7 +293,7 @@ def test_a_backfill_lets_an_unfinished_chain_epoch_commit_first(cfg, spark):
     assert not failed, failed
     order = [m["epoch"] for m in counts_merges(cfg)]
     assert order == ["epoch=1", "epoch=2", f"epoch={reports[0].epochs[0].epoch}"]
-    want = truth(produced, cfg)
+    want = lane_truth(produced, cfg)
     assert counts(cfg) == want.counts
 
 

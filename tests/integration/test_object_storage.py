@@ -4,7 +4,6 @@ land once; and against a store that ignores conditional writes the same race los
 commits - the guard every commit rests on, shown to matter."""
 from __future__ import annotations
 
-import http.client
 import multiprocessing
 import os
 import socket
@@ -16,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.devtools.lossy_proxy import pass_on, reply
 from ipcount.jobs import idle
 from ipcount.jobs.rebuild import rebuild
 from ipcount.jobs.verify import verify
@@ -125,23 +125,7 @@ class IgnoresConditionalWrites(BaseHTTPRequestHandler):
         pass
 
     def forward(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else None
-        headers = {k: v for k, v in self.headers.items()
-                   if k.lower() not in ("host", "connection", "if-none-match", "if-match")}
-        upstream = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=60)
-        upstream.request(self.command, self.path, body=body, headers=headers)
-        answer = upstream.getresponse()
-        data = answer.read()
-        self.send_response(answer.status)
-        for k, v in answer.getheaders():
-            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        upstream.close()
+        reply(self, *pass_on(self, self.upstream, drop=("if-none-match", "if-match")))
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
 
