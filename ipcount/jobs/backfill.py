@@ -18,7 +18,7 @@ from ipcount.rules.config import PipelineConfig
 from ipcount.rules.coverage import next_chunk
 from ipcount.rules.errors import DataLossError
 from ipcount.rules.ledger import BACKFILL, EpochPlan, EpochSummary, LedgerState
-from ipcount.rules.offsets import OffsetRange, check_readable, describe, split_at_log_start
+from ipcount.rules.offsets import OffsetRange, describe, split_at_log_start
 from ipcount.rules.requests import BackfillRequest, check_against_log
 from ipcount.storage import broker
 
@@ -107,7 +107,7 @@ def run_backfill(cfg: PipelineConfig, spark: SparkSession, request: BackfillRequ
     resumed = []
     for plan in state.pending_backfills:  # a crashed backfill's chunk, whichever request it was
         resumed.extend(_finish(runner, plan))
-    if resumed or state.pending_backfills:
+    if state.pending_backfills:
         state = runner.state()
     skipped = tuple(o for r in requested for o in state.coverage.overlaps(r))
     if skipped:
@@ -131,9 +131,7 @@ def _next_chunk(cfg: PipelineConfig, st: LedgerState, request_id: str, wanted: t
     what is read) as its lost ranges."""
     gaps, deleted = split_at_log_start([g for r in wanted for g in st.coverage.gaps(r)], earliest)
     if deleted and cfg.on_data_loss != "skip":
-        r = deleted[0]
-        check_readable(r.topic, r.partition, r.from_offset, earliest.get(r.partition, r.until_offset), r.until_offset)
-        raise DataLossError(f"data loss on {r.topic}-{r.partition}: the partition no longer exists")
+        raise _deleted(deleted[0], f"backfill {request_id}")
     for r in deleted:
         log.warning("data loss on %s-%d: offsets [%d, %d) of backfill %s were deleted before they were counted; "
                     "skipping them (on_data_loss=skip), recorded in the ledger as lost",
@@ -156,18 +154,15 @@ def _finish(runner: EpochRunner, plan: EpochPlan) -> list[EpochSummary]:
     if not lost:
         return [runner.execute(plan, earliest, latest, resumed=True)]
     if cfg.on_data_loss != "skip":
-        r = lost[0]
-        raise DataLossError(f"data loss on {r.topic}-{r.partition}: offsets [{r.from_offset}, {r.until_offset}) of "
-                            f"unfinished backfill epoch {plan.epoch} (request {plan.request_id}) were deleted before "
-                            "they were counted. Run again with on_data_loss=skip (--on-data-loss skip) to record them "
-                            "as lost and count the rest")
+        raise _deleted(lost[0], f"unfinished backfill epoch {plan.epoch} (request {plan.request_id})")
     if runner.settle_aged_out(plan, lost):
         return []
     rest, _ = split_at_log_start(plan.nonempty_ranges, earliest)
-
-    def planner(st: LedgerState) -> EpochPlan | None:
-        left = tuple(g for r in rest for g in st.coverage.gaps(r))
-        return EpochPlan(st.last_epoch + 1, left, st.request_watermarks.get(plan.request_id), kind=BACKFILL,
-                         request_id=plan.request_id, chain_watermark_ms=st.watermark_ms) if left else None
-    again = runner.record_new_plan(planner)
+    again = runner.record_new_plan(lambda st: _next_chunk(cfg, st, plan.request_id, rest, earliest))
     return [] if again is None else [runner.execute(again, earliest, latest)]
+
+
+def _deleted(r: OffsetRange, of: str) -> DataLossError:
+    return DataLossError(f"data loss on {r.topic}-{r.partition}: offsets [{r.from_offset}, {r.until_offset}) of {of} "
+                         "were deleted before they were counted. Run again with on_data_loss=skip (--on-data-loss "
+                         "skip) to record them as lost and count the rest")

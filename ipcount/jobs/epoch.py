@@ -201,7 +201,6 @@ class EpochRunner:
         stages["merge"] = time.monotonic() - t  # dead letters, late records, MERGE into counts
         return sink_version
 
-
     def _let_the_chain_commit(self, plan: EpochPlan) -> None:
         """Wait while the chain's unfinished epoch of now is still unfinished (bounded: its
         runner may have died, and then it waits for the next chain run)."""

@@ -140,14 +140,11 @@ class Sink:
                 rs_append_once(path, _conform(rows, columns), self.txn_app_id(epoch), epoch, f"epoch={epoch}")
         if not counts.num_rows:
             facts = self._facts(epoch, None, watermark_after_ms)
-            if rs_append_once(self.cfg.counts_path, arrow_schema(COUNTS_COLUMNS).empty_table(),
-                              self.txn_app_id(epoch), epoch, f"epoch={epoch}", markers=lambda _: facts) is not None:
-                return None
+            committed = rs_append_once(self.cfg.counts_path, arrow_schema(COUNTS_COLUMNS).empty_table(),
+                                       self.txn_app_id(epoch), epoch, f"epoch={epoch}", markers=lambda _: facts)
         elif plan.kind == SCHEDULED:
             committed = self._merge_counts(epoch, counts, watermark_after_ms, finalize_untouched=True, chain=chain,
                                            watermark_after_ms=watermark_after_ms)
-            if committed is not None:
-                return committed
         else:
             # A backfill's windows are final only against the live chain's watermark (recorded in
             # the plan, so a replay marks the same): the chain may still count records into a
@@ -155,8 +152,8 @@ class Sink:
             # them as its watermark moves on.
             committed = self._merge_counts(epoch, counts, plan.chain_watermark_ms, finalize_untouched=False,
                                            watermark_after_ms=watermark_after_ms)
-            if committed is not None:
-                return committed
+        if committed is not None:  # this call's commit: its version holds the counts, if any
+            return committed if counts.num_rows else None
         # An earlier attempt's commit, or a settling run's fence, holds the transaction.
         done = self.epoch_commit(epoch)
         if done is None or done.fenced:
