@@ -422,11 +422,15 @@ def _chaos_arguments(sub) -> None:
                                    "in an Airflow home of its own) as separate processes, SIGKILL one of "
                                    "them at a random moment each round or SIGKILL and restart the embedded "
                                    "broker under the chain, delete records under the chain and a backfill "
-                                   "as retention would (retention: on_data_loss skip or fail), add a "
-                                   "partition half way, then finish without kills and recount in plain "
-                                   "Python: each deleted record counted before it aged out or recorded "
-                                   "lost, every other one counted once. Exit code 0 when duplicates and "
-                                   "losses are both 0, else 1.")
+                                   "as retention would (retention: on_data_loss skip or fail), rebuild the "
+                                   "run's tables into a replay target under the chain (rebuild), lose the "
+                                   "answers to commits the store took (answers: the run's tables on an S3 "
+                                   "store of its own behind a lossy proxy), add a partition half way, then "
+                                   "finish without kills and recount in plain Python: each deleted record "
+                                   "counted before it aged out or recorded lost, every other one counted "
+                                   "once, in the run's tables and the replay target; with publish on, no "
+                                   "version published twice and no final row changed by a live epoch. Exit "
+                                   "code 0 when duplicates, losses and changed final rows are all 0, else 1.")
     p.add_argument("--kills", type=_positive_int, default=None,
                    help="kills to survive (default 20; resumed: the paused run's, or this many in all)")
     p.add_argument("--records", type=_positive_int, default=None,

@@ -26,6 +26,16 @@ records are read back first and kept with the run's state, as is how far each pa
 deleted. The other rounds run under ``fail`` until something is deleted, then under ``skip``
 (under ``fail`` a chain that met deleted offsets could only fail from then on).
 
+The ``rebuild`` scenario is ``ipcount rebuild --into replay`` racing the chain, killed like the
+rest and resumed by the next rebuild round. A rebuild replays only offsets Kafka still holds,
+so when a run has both, retention waits until every other scenario has had its round and
+half the kills are made, and the rebuild is then run to its end once, without kills, before
+the first records are deleted (or at the finish, if none are); from then on rebuild has no
+rounds. The ``answers`` scenario is the chain and a backfill racing while commit answers are
+lost: a run with it keeps its warehouse on an S3 store of its own (s3proxy) behind
+:mod:`ipcount.devtools.lossy_proxy`, which in those rounds lets the store take every third
+commit and closes the connection instead of answering.
+
 Then it lets the chain and every backfill finish without kills (under ``skip`` if anything was
 deleted, so that what was left unfinished over deleted offsets settles; each backfill request
 cut at the log start, as one reaching below it is refused), and recounts everything in plain
@@ -34,9 +44,13 @@ Python (:mod:`ipcount.rules.records`, not Spark) from Kafka and the kept copies:
 * **duplicates**: counts above the recount, dead-letter or late rows of an offset more
   than once or of an offset that should have none, ledger ranges that overlap;
 * **losses**: counts below the recount, missing dead-letter or late rows, records that no
-  ledger row covers, ``lost`` rows over offsets that were never deleted.
+  ledger row covers, ``lost`` rows over offsets that were never deleted;
+* the replay target, if rebuilt: the source's epochs of the moment it was completed, with the
+  same ranges, and tables that equal a recount of them (the same two counts);
+* with publishing on, the sink topic: no version sent twice, the last value per key the
+  table's row, and no row that was published final changed afterwards by a live epoch.
 
-Both must be 0: an offset below its partition's deletion mark must be counted (it was before
+All must be 0: an offset below its partition's deletion mark must be counted (it was before
 it aged out) or covered by a ``lost`` row, one at or above it counted, once
 (:func:`check_ledger`); the recount covers exactly the offsets committed ledger rows cover.
 Scenarios take turns (in a shuffled order), each at least once, so a run
@@ -51,6 +65,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
@@ -66,22 +81,26 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Mapping, NamedTuple
 
-from ipcount.devtools.chaos_state import DELETED_FILE, STATE_FILE, RunState, round_rng
+from ipcount.devtools.chaos_state import DELETED_FILE, REBUILD, RETENTION, STATE_FILE, RunState, round_rng
 from ipcount.devtools.embedded_airflow import airflow_env
 from ipcount.devtools.embedded_kafka import EmbeddedKafka, free_port, proc_stat
+from ipcount.devtools.embedded_s3 import EmbeddedS3
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig, location_scheme
 from ipcount.rules.errors import EXIT_DATA_LOSS, ConfigError, UnknownTopicError
 from ipcount.jobs.verify import LATE, MALFORMED, recount_record, table_counts
 from ipcount.rules.ledger import COMMITTED, LOST, Row, is_scheduled
 from ipcount.rules.offsets import split_at_log_start
+from ipcount.rules.publish import LIVE
 from ipcount.rules.requests import parse_offsets
 from ipcount.storage import broker
 from ipcount.storage.delta import read_rows
 
 log = logging.getLogger(__name__)
 
-SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker", "retention")
+SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker", "retention", "rebuild", "answers")
+REPLAY_TARGET = "replay"  # what the rebuild scenario rebuilds the run's tables into
+LOSE_EVERY = 3  # in answers rounds, the store's answer to every third commit it takes is lost
 AIRFLOW = Path(sys.executable).parent / "airflow"
 AIRFLOW_START_SECONDS = 10.0  # `airflow dags test` imports and parses before spark-submit starts
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z: event times, well behind any Kafka timestamp
@@ -94,8 +113,8 @@ GIVE_UP_SECONDS = 240.0  # a kill aimed at the write-ahead window that never ope
 # not made (writing: the write-ahead window), ledger commit made (committed).
 PHASES = (STARTING, PLANNING, WRITING, DONE) = ("starting", "planning", "writing", "committed")
 _PHASE_LINES = ((re.compile(r"ledger has entries|empty ledger|backfill bf-[0-9a-f]+: "), PLANNING),
-                (re.compile(r"planned epoch \d|resuming unfinished epoch|finishing unfinished backfill epoch"),
-                 WRITING),
+                (re.compile(r"planned epoch \d|resuming unfinished epoch|finishing unfinished backfill epoch|"
+                            r"rebuild: replaying epoch \d"), WRITING),
                 (re.compile(r"epoch \d+ committed: "), DONE))
 
 
@@ -129,13 +148,16 @@ class ChaosReport:
     epochs: int = 0              # committed epochs in the ledger
     counted: int = 0
     published: int = 0           # records in the sink topic (publish on), read_committed
+    rebuilt: int = 0             # epochs in the replay target (rebuild scenario)
+    answers_lost: int = 0        # commit answers the store's proxy lost (answers scenario)
     duplicates: int = 0
     losses: int = 0
+    final_changes: int = 0       # published final rows a live epoch changed afterwards
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.paused and self.duplicates == 0 and self.losses == 0
+        return not self.paused and self.duplicates == 0 and self.losses == 0 and self.final_changes == 0
 
     def line(self) -> str:
         scenarios = ", ".join(f"{k} {v}" for k, v in sorted(self.by_scenario.items()))
@@ -154,7 +176,10 @@ class ChaosReport:
                    if self.deleted else "")
                 + f", {self.epochs} epochs committed, {self.counted} counted"
                 + (f", {self.published} published" if self.published else "")
-                + f"; duplicates {self.duplicates}, losses {self.losses}")
+                + (f", {self.rebuilt} epochs rebuilt" if self.rebuilt else "")
+                + (f", {self.answers_lost} commit answers lost" if self.answers_lost else "")
+                + f"; duplicates {self.duplicates}, losses {self.losses}"
+                + (f", final rows changed {self.final_changes}" if self.published else ""))
 
 
 class _Processes:
@@ -265,8 +290,16 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
         state = RunState.load(run_dir / STATE_FILE)
         _check_scenarios(cfg, tuple(state.scenarios), broker_to_restart)
         state.kills_wanted = kills or state.kills_wanted
-    chaos_cfg = _chaos_config(cfg, state, run_dir)
-    if resume is None:
+    with _LossyStore(run_dir) if state.object_store else _NoStore() as store:
+        return _run(_chaos_config(cfg, state, run_dir), state, run_dir, store, broker_to_restart, max_seconds, pause,
+                    resumed=resume is not None)
+
+
+def _run(chaos_cfg: PipelineConfig, state: RunState, run_dir: Path, store: _NoStore,
+         broker_to_restart: EmbeddedKafka | None,
+         max_seconds: float, pause: bool, resumed: bool) -> ChaosReport:
+    """The rounds of one sitting, then (unless pausing) the finish and the recount."""
+    if not resumed:
         source = _Source(chaos_cfg, state, partitions=PARTITIONS)
         source.produce(state.batch, round_rng(state.seed, 0))
     else:
@@ -274,7 +307,7 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
         # (The broker's word: a partition added by a sitting killed before it saved.)
         state.partitions_added = max(state.partitions_added, source.partitions - PARTITIONS)
     log.info("chaos: topic %s, warehouse %s, logs %s%s", state.name, chaos_cfg.warehouse, run_dir / "logs",
-             f"; resumed at {state.kills} kills after {state.rounds} rounds" if resume else "")
+             f"; resumed at {state.kills} kills after {state.rounds} rounds" if resumed else "")
     procs = _Processes(chaos_cfg, run_dir / "logs")
     killer = _Killer(procs, tuple(state.kill_window), state.write_window)
     sitting = {"started": _now(), "stopped": None, "kills": 0}
@@ -287,15 +320,22 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
                 source.add_partition()
                 state.partitions_added += 1
             source.produce(state.batch, rng)
-            scenario = state.order[state.rounds % len(state.order)]
+            scenario = state.next_scenario()
             # (Under fail, a chain that met deleted offsets could do nothing but fail from then on.)
             round_cfg = chaos_cfg.replace(on_data_loss="skip") if state.deleted else chaos_cfg
             if scenario == "broker":
                 phases = _broker_round(round_cfg, killer, broker_to_restart)
             elif scenario == "dag":
                 phases = _dag_round(round_cfg, killer, state.backfills, run_dir / "airflow")
-            elif scenario == "retention":
+            elif scenario == RETENTION:
+                if not state.deleted:  # the last moment a rebuild can replay everything
+                    _complete_rebuild(chaos_cfg, procs, state, run_dir)
                 phases = _retention_round(chaos_cfg, killer, state, run_dir)
+            elif scenario == REBUILD:
+                phases = killer.kill_some([procs.start("epoch", *round_cfg.to_args(), "--epochs", "1000"),
+                                           procs.start("rebuild", "--into", REPLAY_TARGET, *round_cfg.to_args())])
+            elif scenario == "answers":
+                phases = _answers_round(round_cfg, killer, state, store)
             else:
                 phases = _round(scenario, round_cfg, killer, state.backfills)
             state.rounds += 1
@@ -311,13 +351,15 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
                      ", ".join(phases) or "-", state.kills)
         if not pause:
             _finish(chaos_cfg, procs, state.backfills, deleted=bool(state.deleted))
+            if not state.deleted:
+                _complete_rebuild(chaos_cfg, procs, state, run_dir)
     finally:  # an error or Ctrl-C leaves no JVM of the run behind (they are in sessions of their own)
         state.strays += procs.kill_all()
         sitting["stopped"] = _now()
         state.save(run_dir / STATE_FILE)
     report = _report(state, run_dir, chaos_cfg, paused=pause)
     if not pause:
-        _recount(chaos_cfg, report, state.deleted_marks(), _kept_records(run_dir))
+        _recount(chaos_cfg, report, state.deleted_marks(), _kept_records(run_dir), state.rebuilt)
         if chaos_cfg.publish:
             _recount_sink(chaos_cfg, report)
     log.info("%s", report.line())
@@ -360,7 +402,8 @@ def _new_run(cfg: PipelineConfig, kills: int, records: int, seed: int, workdir: 
     state = RunState(name=name, seed=seed, kills_wanted=kills, scenarios=list(scenarios), order=order, batch=batch,
                      clock_ms=BASE_MS, kill_window=list(kill_window), write_window=write_window,
                      # Two batches an epoch: a chain that lost rounds to kills catches up soon.
-                     max_records_per_epoch=max_records_per_epoch or 2 * batch, publish=cfg.publish)
+                     max_records_per_epoch=max_records_per_epoch or 2 * batch, publish=cfg.publish,
+                     object_store="answers" in scenarios)
     broker.create_topic(_chaos_config(cfg, state, run_dir), PARTITIONS)
     state.save(run_dir / STATE_FILE)
     return run_dir, state
@@ -369,7 +412,8 @@ def _new_run(cfg: PipelineConfig, kills: int, records: int, seed: int, workdir: 
 def _chaos_config(cfg: PipelineConfig, state: RunState, run_dir: Path) -> PipelineConfig:
     """The user's connection settings, with the run's own topic, tables and pipeline id."""
     name = state.name
-    return cfg.replace(topic=name, warehouse=str(run_dir / "warehouse"), counts_table="", ledger_table="",
+    warehouse = EmbeddedS3().uri(name, "warehouse") if state.object_store else str(run_dir / "warehouse")
+    return cfg.replace(topic=name, warehouse=warehouse, counts_table="", ledger_table="",
                        dead_letter_table="", late_table="", pipeline_id=name, group_id=name,
                        start_position="earliest", on_data_loss="fail", epoch_server="",
                        epoch_server_token_file=str(run_dir / "epoch-server.token"),
@@ -382,7 +426,7 @@ def _report(state: RunState, run_dir: Path, cfg: PipelineConfig, paused: bool) -
                        kills_wanted=state.kills_wanted, sittings=len(state.sittings), kills=state.kills,
                        rounds=state.rounds, by_scenario=Counter(state.by_scenario),
                        by_phase=Counter(state.by_phase), partitions_added=state.partitions_added,
-                       strays=state.strays)
+                       strays=state.strays, answers_lost=state.answers_lost)
 
 
 def _now() -> str:
@@ -506,6 +550,106 @@ def _round(scenario: str, cfg: PipelineConfig, killer: _Killer, backfills: list[
             backfills.append(spec)
             running.append(procs.start("backfill", "--offsets", spec, *args))
     return killer.kill_some(running)
+
+
+class _NoStore:
+    """The run's warehouse is a local directory: no store to start, no answers to lose."""
+
+    def __enter__(self) -> _NoStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def losing(self, every: int) -> None:
+        raise ConfigError("the answers scenario needs the run's warehouse on its own object store")
+
+    @property
+    def lost(self) -> int:
+        return 0
+
+
+class _LossyStore(_NoStore):
+    """The run's warehouse on an S3 store of its own (s3proxy, objects under the run's
+    directory), reached through :mod:`ipcount.devtools.lossy_proxy`, which loses commit answers
+    while told to (:meth:`losing`). While the run lasts, the AWS variables of this process - and
+    so of every process it starts - point at the proxy."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.s3 = EmbeddedS3(state_dir=run_dir / "s3", port=free_port(), authorization=False)
+        ctx = multiprocessing.get_context("spawn")
+        self._every, self._lost = ctx.Value("i", 0), ctx.Value("i", 0)
+        self._saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> _LossyStore:
+        from ipcount.devtools.lossy_proxy import start_proxy
+
+        self.s3.start()
+        try:
+            self.proxy, port = start_proxy(self.s3.port, self._every, self._lost)
+        except BaseException:
+            self.s3.stop()
+            raise
+        env = {**self.s3.environment(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        self._saved = {k: os.environ.get(k) for k in (*env, "AWS_ENDPOINT_URL_S3")}
+        os.environ.pop("AWS_ENDPOINT_URL_S3", None)  # (it would win over AWS_ENDPOINT_URL)
+        os.environ.update(env)
+        log.info("chaos: the run's tables are on %s, through a proxy on port %d", self.s3.endpoint, port)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self._saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self.proxy.kill()
+        self.s3.stop()
+
+    def losing(self, every: int) -> None:
+        """Lose the answer to every ``every``-th commit the store takes from now on (0: none)."""
+        self._every.value = every
+
+    @property
+    def lost(self) -> int:
+        """Commit answers lost so far in this sitting."""
+        return self._lost.value
+
+
+def _answers_round(cfg: PipelineConfig, killer: _Killer, state: RunState, store: _NoStore) -> list[str]:
+    """The chain and a backfill racing, as in the backfill round, while the store loses the
+    answer to every :data:`LOSE_EVERY`-th commit it takes: the writer tries again and is told
+    the commit exists, or gives up, and must find its own commit there, not take it for
+    another's or make it twice."""
+    lost = store.lost
+    store.losing(LOSE_EVERY)
+    try:
+        return _round("backfill", cfg, killer, state.backfills)
+    finally:
+        store.losing(0)
+        state.answers_lost += store.lost - lost
+
+
+def _complete_rebuild(cfg: PipelineConfig, procs: _Processes, state: RunState, run_dir: Path) -> None:
+    """If rebuild rounds ran: the rebuild into the replay target run to its end, no kill, and
+    the source's committed epochs - what the target must then hold - kept in the state. Once
+    (before retention deletes anything: a rebuild needs every offset it replays)."""
+    if REBUILD not in state.by_scenario or state.rebuilt is not None:
+        return
+    epochs = sorted({r["epoch"] for r in read_rows(cfg.ledger_path, ["epoch", "topic", "status"])
+                     if r["topic"] == cfg.topic and r["status"] == COMMITTED})
+    log.info("chaos: completing the rebuild into %s (%d committed epochs)", REPLAY_TARGET, len(epochs))
+    proc = procs.start("rebuild", "--into", REPLAY_TARGET, *cfg.to_args())
+    try:
+        code = proc.wait(timeout=1800)
+    except subprocess.TimeoutExpired:
+        procs.kill(proc)
+        code = None
+    if code != 0:
+        raise RuntimeError(f"chaos: completing the rebuild into {REPLAY_TARGET} failed (exit code {code}; see "
+                           f"{procs.log_of[proc.pid]})")
+    state.rebuilt = epochs
+    state.save(run_dir / STATE_FILE)
 
 
 def _retention_round(cfg: PipelineConfig, killer: _Killer, state: RunState, run_dir: Path) -> list[str]:
@@ -822,9 +966,10 @@ def check_ledger(rows: Iterable[Row], records: Iterable[tuple[int, int]], delete
 
 
 def _recount(cfg: PipelineConfig, report: ChaosReport, deleted: Mapping[int, int],
-             kept: dict[tuple[int, int], _Kept]) -> None:
+             kept: dict[tuple[int, int], _Kept], rebuilt: list[int] | None) -> None:
     """Compare the tables with a plain-Python recount over the ledger's epochs, of Kafka and of
-    the ``kept`` copies of what retention rounds ``deleted``."""
+    the ``kept`` copies of what retention rounds ``deleted``; and the replay target, if the
+    run ``rebuilt`` it, with the source's epochs it must hold."""
     earliest, latest = broker.partition_offsets(cfg)
     in_kafka: dict[tuple[int, int], object] = dict(kept)
     for p, end in latest.items():
@@ -838,25 +983,41 @@ def _recount(cfg: PipelineConfig, report: ChaosReport, deleted: Mapping[int, int
     if unfinished:
         report.problems.append(f"unfinished epochs after the final run: {unfinished}")
 
-    check = check_ledger(rows, in_kafka, deleted)
+    check = _check_owners(report, rows, in_kafka, deleted, "ledger")
     report.lost = len(check.lost)
+    report.counted = _recount_tables(cfg, report, check.counted, in_kafka, "")
+    if rebuilt is not None:
+        _recount_rebuild(cfg, report, rows, rebuilt, in_kafka)
+
+
+def _check_owners(report: ChaosReport, rows: list[Row], records: Iterable[tuple[int, int]],
+                  deleted: Mapping[int, int], what: str) -> LedgerCheck:
+    """:func:`check_ledger`, its duplicates and losses added to ``report``."""
+    check = check_ledger(rows, records, deleted)
     overlapping = sum(n - 1 for n in check.owners.values())
     report.duplicates += overlapping
     report.losses += len(check.unowned) + len(check.lost_live)
     if overlapping or check.unowned:
-        report.problems.append(f"ledger: {overlapping} offsets owned twice ({_spans(check.owners)}), "
+        report.problems.append(f"{what}: {overlapping} offsets owned twice ({_spans(check.owners)}), "
                                f"{len(check.unowned)} records owned by none ({_spans(check.unowned)}; deletion "
                                f"marks {dict(sorted(deleted.items()))})")
     if check.lost_live:
         live = [f"epoch {r['epoch']} p{r['partition']}[{r['from_offset']},{r['until_offset']})" for r in rows
                 if r["status"] == LOST and r["until_offset"] > deleted.get(r["partition"], 0)]
-        report.problems.append(f"ledger: {len(check.lost_live)} offsets recorded lost that were never deleted "
+        report.problems.append(f"{what}: {len(check.lost_live)} offsets recorded lost that were never deleted "
                                f"(marks {dict(sorted(deleted.items()))}): {', '.join(live)}")
+    return check
 
+
+def _recount_tables(cfg: PipelineConfig, report: ChaosReport, counted: Mapping[tuple[int, int], Row],
+                    in_kafka: Mapping[tuple[int, int], object], where: str) -> int:
+    """The counts, dead-letter and late tables of ``cfg`` against a recount of the ``counted``
+    records (each with the ledger row that owns it); differences added to ``report``. The
+    total of the counts table."""
     expected_counts: Counter = Counter()
     expected_dead: Counter = Counter()
     expected_late: Counter = Counter()
-    for (p, o), r in check.counted.items():  # (each once: an offset owned twice is a duplicate already)
+    for (p, o), r in counted.items():  # (each once: an offset owned twice is a duplicate already)
         outcome, key = recount_record(cfg, r, in_kafka[(p, o)])
         if outcome == MALFORMED:
             expected_dead[(p, o, key)] += 1
@@ -868,7 +1029,6 @@ def _recount(cfg: PipelineConfig, report: ChaosReport, deleted: Mapping[int, int
     actual_dead = Counter((r["partition"], r["offset"], r["reason"])
                           for r in read_rows(cfg.dead_letter_path, ["partition", "offset", "reason"]))
     actual_late = Counter((r["partition"], r["offset"]) for r in read_rows(cfg.late_path, ["partition", "offset"]))
-    report.counted = sum(actual_counts.values())
     for what, want, got in (("counts", expected_counts, actual_counts), ("dead letters", expected_dead, actual_dead),
                             ("late records", expected_late, actual_late)):
         over = sum(max(0, got[k] - want[k]) for k in got)
@@ -876,7 +1036,30 @@ def _recount(cfg: PipelineConfig, report: ChaosReport, deleted: Mapping[int, int
         report.duplicates += over
         report.losses += under
         if over or under:
-            report.problems.append(f"{what}: {over} more than the recount, {under} fewer")
+            report.problems.append(f"{where}{what}: {over} more than the recount, {under} fewer")
+    return sum(actual_counts.values())
+
+
+def _recount_rebuild(cfg: PipelineConfig, report: ChaosReport, source_rows: list[Row], rebuilt: list[int],
+                     in_kafka: Mapping[tuple[int, int], object]) -> None:
+    """The replay target holds exactly the source's epochs ``rebuilt`` (same ranges, all
+    committed), and its tables equal a recount of them."""
+    target = cfg.for_target(REPLAY_TARGET)
+    rows = [r for r in read_rows(target.ledger_path) if r["topic"] == cfg.topic]
+    report.rebuilt = len({r["epoch"] for r in rows})
+
+    def ranges(of: Iterable[Row]) -> set[tuple]:
+        return {(r["epoch"], r["partition"], r["from_offset"], r["until_offset"], r["status"]) for r in of}
+    want, got = ranges(r for r in source_rows if r["epoch"] in set(rebuilt)), ranges(rows)
+    if want != got:
+        report.losses += len(want - got)
+        report.duplicates += len(got - want)
+        report.problems.append(f"replay target: {len(want - got)} of the source's ledger rows missing "
+                               f"({sorted(want - got)[:5]}), {len(got - want)} the source has not "
+                               f"({sorted(got - want)[:5]})")
+    owned = {(r["partition"], o) for r in rows for o in range(r["from_offset"], r["until_offset"])} & in_kafka.keys()
+    check = _check_owners(report, rows, owned, {}, "replay target ledger")
+    _recount_tables(target, report, check.counted, in_kafka, "replay target ")
 
 
 def _spans(offsets: Iterable[tuple[int, int]]) -> str:
@@ -896,8 +1079,9 @@ def _iso_ms(text: str) -> int:
 
 def _recount_sink(cfg: PipelineConfig, report: ChaosReport) -> None:
     """With publishing on: publish what the finish committed, then check the sink topic as a
-    read_committed consumer sees it: no (version, key) twice, and its last value per key is
-    the counts table's row."""
+    read_committed consumer sees it: no (version, key) twice, its last value per key is the
+    counts table's row, and no live epoch changed a row after it was published final
+    (:func:`live_changes_to_final_rows`)."""
     from ipcount.jobs.publish import publish_pending
     from ipcount.storage.publisher import committed_records
 
@@ -906,9 +1090,13 @@ def _recount_sink(cfg: PipelineConfig, report: ChaosReport) -> None:
     report.published = len(records)
     sent = Counter((dict(r.headers).get("ipcount-version"), r.key) for r in records)
     twice = sum(n - 1 for n in sent.values() if n > 1)
-    last: dict[bytes, dict] = {}
-    for r in records:
-        last[r.key] = json.loads(r.value)
+    values = [json.loads(r.value) for r in records]
+    last = {r.key: v for r, v in zip(records, values)}
+    changed = live_changes_to_final_rows(values)
+    report.final_changes = len(changed)
+    if changed:
+        report.problems.append(f"sink topic: {len(changed)} rows published final were changed by live epochs "
+                               f"afterwards, e.g. {changed[:3]}")
     got = Counter({(_iso_ms(v["window_start"]), v["ip"]): v["count"] for v in last.values()})
     want = table_counts(cfg.counts_path)
     over = sum(max(0, got[k] - want[k]) for k in got) + twice
@@ -920,6 +1108,22 @@ def _recount_sink(cfg: PipelineConfig, report: ChaosReport) -> None:
                                f"{under} below")
 
 
+def live_changes_to_final_rows(values: Iterable[Mapping]) -> list[Mapping]:
+    """Of the sink topic's values in the order published (per key, the order of its partition),
+    those by which a live epoch changed the count of a row published final before. A backfill
+    may correct a closed window (its new count is then the final one); a live epoch's records
+    for a closed window go to the late table, never into the count."""
+    final: dict[tuple[str, str], int] = {}
+    out = []
+    for v in values:
+        key = (v["window_start"], v["ip"])
+        if key in final and v["kind"] == LIVE and v["count"] != final[key]:
+            out.append(v)
+        if v["is_final"]:
+            final[key] = v["count"]
+    return out
+
+
 def report_json(report: ChaosReport) -> str:
     return json.dumps({"ok": None if report.paused else report.ok, "paused": report.paused,
                        "sittings": report.sittings, "run_dir": report.run_dir, "kills": report.kills,
@@ -929,6 +1133,7 @@ def report_json(report: ChaosReport) -> str:
                        "strays": report.strays,
                        "records": report.records, "deleted": report.deleted, "lost": report.lost,
                        "epochs": report.epochs, "counted": report.counted,
-                       "published": report.published,
+                       "published": report.published, "rebuilt": report.rebuilt,
+                       "answers_lost": report.answers_lost, "final_changes": report.final_changes,
                        "duplicates": report.duplicates, "losses": report.losses, "problems": report.problems,
                        "topic": report.topic, "warehouse": report.warehouse})

@@ -18,6 +18,7 @@ from pathlib import Path
 from ipcount.rules.errors import ConfigError
 
 STATE_FORMAT = 1
+RETENTION, REBUILD = "retention", "rebuild"
 STATE_FILE = "state.json"
 DELETED_FILE = "deleted-records.jsonl"
 
@@ -51,11 +52,30 @@ class RunState:
     strays: int = 0
     deleted: dict[str, int] = field(default_factory=dict)  # partition -> the highest log start a retention round set
     sittings: list[dict] = field(default_factory=list)   # {"started", "stopped", "kills"}
+    object_store: bool = False   # the warehouse is on the run's own S3 store, behind a proxy that loses answers
+    answers_lost: int = 0        # commit answers the proxy lost (in answers rounds)
+    rebuilt: list[int] | None = None  # the source's committed epochs when the replay target was completed
+
+    def next_scenario(self) -> str:
+        """The scenario of the next round: the order's next, except that when the run rebuilds,
+        retention waits until every other scenario has had a round and half the kills are made,
+        and rebuild has no more rounds once records were deleted (a rebuild replays only offsets
+        Kafka still holds)."""
+        n = len(self.order)
+        others_done = all(s in self.by_scenario for s in self.order if s != RETENTION)
+        for k in range(n):
+            s = self.order[(self.rounds + k) % n]
+            if s == RETENTION and REBUILD in self.order and not (others_done and 2 * self.kills >= self.kills_wanted):
+                continue
+            if s == REBUILD and self.deleted:
+                continue
+            return s
+        return self.order[self.rounds % n]
 
     def enough(self, pausing: bool) -> bool:
         """Whether the kills wanted are made - and, for a run that is to finish now rather than
         pause, every scenario has had its round (a round may kill more than one)."""
-        return self.kills >= self.kills_wanted and (pausing or self.rounds >= len(self.order))
+        return self.kills >= self.kills_wanted and (pausing or set(self.order) <= set(self.by_scenario))
 
     def deleted_marks(self) -> dict[int, int]:
         """Partition -> every offset below it was deleted by a retention round (JSON keys are text)."""

@@ -4,16 +4,22 @@ the answer). What a client then does - tries again and is told the object exists
 up - is the "commit whose answer was lost" every writer of the tables has to survive.
 
 Only PUTs of Delta commit files (``_delta_log/<version>.json``) lose answers, every
-``every``-th of them; everything else is passed on as it is. The store behind it must not
+``every``-th of them (none while ``every`` is 0: a shared ``multiprocessing.Value`` lets the
+process that started the proxy turn losing on and off); everything else is passed on as it is. The store behind it must not
 check signatures (``EmbeddedS3(authorization=False)``): the proxy's own connection to it
 carries another Host header than the one the client signed.
 """
 from __future__ import annotations
 
 import http.client
+import multiprocessing
 import re
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ipcount.devtools.embedded_kafka import free_port
 
 COMMIT_FILE = re.compile(r"/_delta_log/\d{20}\.json(\?|$)")
 
@@ -66,11 +72,12 @@ class _Handler(BaseHTTPRequestHandler):
 class LossyProxy(ThreadingHTTPServer):
     """Serves on 127.0.0.1:``port`` until the process ends. Run it in a process of its own
     (:func:`serve`): delta-rs calls hold the calling interpreter while they wait for it.
-    ``lost``: a shared counter of the answers lost (``multiprocessing.Value``), or None."""
+    ``every``: an int or a shared ``multiprocessing.Value``; ``lost``: a shared counter of the
+    answers lost (``multiprocessing.Value``), or None."""
 
     daemon_threads = True
 
-    def __init__(self, upstream_port: int, port: int, every: int = 3, lost=None) -> None:
+    def __init__(self, upstream_port: int, port: int, every=3, lost=None) -> None:
         super().__init__(("127.0.0.1", port), _Handler)
         self.upstream_port, self.every, self.lost = upstream_port, every, lost
         self._stored = 0
@@ -78,11 +85,12 @@ class LossyProxy(ThreadingHTTPServer):
 
     def lose_this_answer(self, status: int) -> bool:
         """Whether the answer to this stored commit is lost (every ``every``-th stored one)."""
-        if status >= 300:
+        every = self.every if isinstance(self.every, int) else self.every.value
+        if status >= 300 or every <= 0:
             return False
         with self._lock:
             self._stored += 1
-            if self._stored % self.every:
+            if self._stored % every:
                 return False
             if self.lost is not None:
                 with self.lost.get_lock():
@@ -90,6 +98,26 @@ class LossyProxy(ThreadingHTTPServer):
             return True
 
 
-def serve(upstream_port: int, port: int, every: int = 3, lost=None) -> None:
+def serve(upstream_port: int, port: int, every=3, lost=None) -> None:
     """The target of the proxy's process."""
     LossyProxy(upstream_port, port, every, lost).serve_forever()
+
+
+def start_proxy(upstream_port: int, every=3, lost=None, timeout: float = 60.0) -> tuple[multiprocessing.Process, int]:
+    """The proxy (:func:`serve`) in a spawned process on a free port, listening: the process
+    and its port. The caller kills the process when done."""
+    port = free_port()
+    proc = multiprocessing.get_context("spawn").Process(target=serve, args=(upstream_port, port, every, lost),
+                                                        daemon=True)
+    proc.start()
+    deadline = time.monotonic() + timeout   # (the spawned interpreter imports first)
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return proc, port
+        except OSError:
+            if not proc.is_alive() or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the lossy proxy did not listen on 127.0.0.1:{port} within {timeout:.0f} s "
+                                   f"(exit code {proc.exitcode})") from None
+            time.sleep(0.2)

@@ -91,6 +91,7 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
             continue
         if plan.epoch not in pending:
             runner.ledger.record_plan(plan, run_id)
+        log.info("rebuild: replaying epoch %d: %s", plan.epoch, plan.describe())
         runner.execute(plan, earliest, latest, resumed=plan.epoch in pending)
         report.replayed.append(plan.epoch)
     log.info("%s", report.line())

@@ -250,40 +250,22 @@ def test_the_compose_object_store_takes_one_commit_per_version(tmp_path):
         assert store.wait(timeout=60) == 0, (tmp_path / "s3.log").read_text()[-3000:]
 
 
-def wait_for_port(port: int, seconds: float = 60.0) -> None:
-    """Until something listens on 127.0.0.1:``port`` (a spawned process imports first)."""
-    import time
-
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
 def test_commits_whose_answers_were_lost_are_counted_exactly_once(cfg, spark, monkeypatch, tmp_path):
     """Every third commit the store takes never gets its answer back (the connection closes
     instead), so the client tries again and is told the commit exists, or gives up. Each
     writer - table creation, the manifest, plans, sink commits, ledger commits - must find
     its own commit there and go on, never take it for another's or make it twice."""
     from ipcount.devtools.embedded_s3 import EmbeddedS3
-    from ipcount.devtools.lossy_proxy import serve
+    from ipcount.devtools.lossy_proxy import start_proxy
     from ipcount.jobs.backfill import run_backfill
     from ipcount.rules.requests import BackfillRequest, parse_offsets
     from tests.tables import lanes
 
     store = EmbeddedS3(state_dir=tmp_path / "lossy", port=free_port(), authorization=False)
     store.start()
-    ctx = multiprocessing.get_context("spawn")
-    lost, port = ctx.Value("i", 0), free_port()
-    proxy = ctx.Process(target=serve, args=(store.port, port, 3, lost), daemon=True)
-    proxy.start()
+    lost = multiprocessing.get_context("spawn").Value("i", 0)
+    proxy, port = start_proxy(store.port, 3, lost)
     try:
-        wait_for_port(port)
         for name, value in store.environment().items():
             monkeypatch.setenv(name, value)
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")

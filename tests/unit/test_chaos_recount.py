@@ -1,9 +1,9 @@
 """The chaos recount's ledger rule when retention rounds deleted records: below a partition's
 deletion mark an offset is counted or lost, at or above it counted, once; where retention
-rounds delete to; the backfill requests the finish runs again."""
+rounds delete to; the backfill requests the finish runs again; final rows a live epoch changed."""
 from __future__ import annotations
 
-from ipcount.devtools.chaos import check_ledger, deletion_point, live_requests
+from ipcount.devtools.chaos import check_ledger, deletion_point, live_changes_to_final_rows, live_requests
 
 
 def row(epoch, partition, start, until, status="committed"):
@@ -56,3 +56,17 @@ def test_the_finish_runs_backfill_requests_from_the_log_start():
     assert live_requests(["0:2-8"], earliest, latest) == ["0:10-40"]
     assert live_requests(["0:2-8"], {0: 10, 1: 40}, {0: 10, 1: 40}) == []
     assert live_requests([], earliest, latest) == []
+
+
+def sent(ip, count, final, kind="live", window="2026-11-21T10:00:00.000Z"):
+    return {"window_start": window, "ip": ip, "count": count, "is_final": final, "kind": kind}
+
+
+def test_a_live_epoch_that_changes_a_row_published_final_is_caught_and_a_backfill_correction_is_not():
+    values = [sent("a", 1, False), sent("a", 2, True),           # counted, then closed by the watermark
+              sent("a", 3, True, kind="backfill"),              # a backfill corrects the closed window
+              sent("a", 3, True),                               # republished unchanged: no change
+              sent("b", 5, True), sent("b", 6, True),           # a live epoch changed a final row
+              sent("c", 1, True, window="2026-11-21T10:01:00.000Z"), sent("c", 1, False)]
+    assert live_changes_to_final_rows(values) == [values[5]]
+    assert live_changes_to_final_rows(values[:4]) == []

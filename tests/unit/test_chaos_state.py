@@ -8,9 +8,9 @@ from ipcount.rules.errors import ConfigError
 
 
 def state(**extra) -> RunState:
-    return RunState(name="chaos_7_abc123", seed=7, kills_wanted=4, scenarios=["race", "dag"],
-                    order=["dag", "race"], batch=40, clock_ms=1_795_255_200_000,
-                    max_records_per_epoch=80, **extra)
+    return RunState(**{"name": "chaos_7_abc123", "seed": 7, "kills_wanted": 4, "scenarios": ["race", "dag"],
+                       "order": ["dag", "race"], "batch": 40, "clock_ms": 1_795_255_200_000,
+                       "max_records_per_epoch": 80, **extra})
 
 
 def test_the_state_round_trips_and_says_when_the_run_is_done(tmp_path):
@@ -20,7 +20,7 @@ def test_the_state_round_trips_and_says_when_the_run_is_done(tmp_path):
     assert RunState.load(tmp_path / "state.json") == s and not s.enough(pausing=True)
     s.kills = 4
     assert s.enough(pausing=True) and s.enough(pausing=False)
-    s.rounds = 1  # four kills in one round: a pause may come now, the finish waits for dag's and race's turns
+    s.by_scenario = {"dag": 2}  # four kills in two rounds: a pause may come now, the finish waits for race's turn
     assert s.enough(pausing=True) and not s.enough(pausing=False)
     assert not (tmp_path / "state.json.tmp").exists()
 
@@ -48,3 +48,27 @@ def test_a_missing_or_foreign_state_is_a_clear_error(tmp_path):
     (tmp_path / "state.json").write_text("{")
     with pytest.raises(ConfigError, match="is not JSON"):
         RunState.load(tmp_path / "state.json")
+
+
+def test_retention_waits_for_the_rebuild_and_the_rebuild_stops_once_records_are_deleted():
+    s = state(kills_wanted=8, scenarios=["chain", "retention", "rebuild"], order=["retention", "rebuild", "chain"])
+    played = []
+    while len(played) < 9:
+        scenario = s.next_scenario()
+        played.append(scenario)
+        if scenario == "retention":
+            s.mark_deleted(0, 5)
+        s.by_scenario[scenario] = s.by_scenario.get(scenario, 0) + 1
+        s.rounds, s.kills = s.rounds + 1, s.kills + 1
+    # Retention's turns (rounds 0 and 3) go to the next scenario until every other one has had
+    # a round and four of the eight kills are made; once records are deleted, rebuild's go on.
+    assert played == ["rebuild", "rebuild", "chain", "rebuild", "rebuild", "chain", "retention", "chain", "chain"]
+    assert s.enough(pausing=False)
+
+
+def test_without_a_rebuild_retention_takes_its_turns_from_the_start():
+    s = state(scenarios=["chain", "retention"], order=["retention", "chain"])
+    assert s.next_scenario() == "retention"
+    s.mark_deleted(0, 5)
+    s.rounds = 1
+    assert s.next_scenario() == "chain"
