@@ -115,13 +115,17 @@ class EpochRunner:
         stages: dict[str, float] = {}
         self.crash("after_plan")
         # Data that aged out (or a partition that vanished) since planning fails loudly, too.
-        check_partitions_exist(cfg.topic, {r.partition: r.from_offset for r in plan.nonempty_ranges}, latest)
-        for r in plan.nonempty_ranges:
-            check_readable(cfg.topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
+        _check_still_there(cfg.topic, plan, earliest, latest)
         stages["plan"] = time.monotonic() - started
 
         t = time.monotonic()
-        tally = _read_and_tally(self.spark, cfg, plan)
+        try:
+            tally = _read_and_tally(self.spark, cfg, plan)
+        except Exception:
+            # Retention may pass the ranges between that check and Spark's read: the read then
+            # fails with a Java trace; say what happened, as the check would have.
+            _check_still_there(cfg.topic, plan, *broker.partition_offsets(cfg))
+            raise
         metrics = tally.metrics() if tally is not None else {}
         epoch_max = tally.max_event_ms() if tally is not None else None
         stages["read"] = time.monotonic() - t  # Kafka read, parse, classify, tally (one Spark job), metrics
@@ -300,6 +304,13 @@ def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int]
         log.info("nothing new to read on %s: %s", cfg.topic, plan.describe())
         return None
     return plan
+
+
+def _check_still_there(topic: str, plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int]) -> None:
+    """:class:`DataLossError` if Kafka no longer has all of the plan's ranges."""
+    check_partitions_exist(topic, {r.partition: r.from_offset for r in plan.nonempty_ranges}, latest)
+    for r in plan.nonempty_ranges:
+        check_readable(topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
 
 
 def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -> EpochTally | None:

@@ -317,3 +317,20 @@ def test_a_chain_that_gave_up_its_first_epoch_goes_on_from_its_lost_rows(cfg, sp
     want = expected_tables(produced, _committed_ranges(cfg))
     assert counts(cfg) == want.counts
     assert dead_letters(cfg) == want.dead
+
+
+def test_records_deleted_while_an_epoch_reads_them_fail_as_data_loss(cfg, spark, monkeypatch):
+    # Retention passes between the epoch's check of the log start and its Spark read: the read
+    # fails, and the epoch must say so as data loss naming the offsets, not as a Java traceback.
+    from ipcount.jobs import epoch as epoch_job
+
+    produce_batch(cfg, 23, BASE_MS)
+    read = epoch_job._read_and_tally
+
+    def retention_mid_read(spark_, cfg_, plan):
+        delete_before(cfg, {1: 12})
+        return read(spark_, cfg_, plan)
+    monkeypatch.setattr(epoch_job, "_read_and_tally", retention_mid_read)
+    with pytest.raises(DataLossError, match=rf"data loss on {cfg.topic}-1: offsets \[0, 12\) were deleted"):
+        run_epoch(cfg, spark)
+    assert {r["status"] for r in ledger(cfg)} == {"planned"}   # unfinished: the next run settles it
