@@ -93,8 +93,9 @@ SETTINGS_HELP = {
     "publish": "after each epoch, publish the counts rows it changed to publish_topic, exactly once (one Kafka "
                "transaction per counts-table version, with the publisher's cursor); turns on the counts table's "
                "change data feed",
-    "publish_topic": "the compacted Kafka topic the counts are published to (keyed by window and IP; "
-                     "read it with isolation.level=read_committed)",
+    "publish_topic": "the Kafka topic the counts are published to, made if missing; an existing one must have "
+                     "cleanup.policy=compact only (keyed by window and IP; read it with "
+                     "isolation.level=read_committed)",
     "kafka_connection": "id of an Airflow connection of type kafka whose extra (librdkafka names: bootstrap.servers, "
                         "security.protocol, sasl.mechanism, sasl.username, sasl.password, ssl.ca.location, "
                         "ssl.certificate.location, ssl.key.location, ssl.endpoint.identification.algorithm) gives "
