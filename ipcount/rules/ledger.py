@@ -56,6 +56,7 @@ COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("kind", "string", True),                    # scheduled | backfill (null: scheduled)
     ("request_id", "string", True),              # the backfill request
     ("chain_watermark_ms", "bigint", True),      # scheduled chain's watermark at planning
+    ("planned_by", "string", True),              # the run that planned the epoch (run_id: that committed it)
 )
 # What planning reads of each row.
 STATE_COLUMNS = ("epoch", "topic", "partition", "from_offset", "until_offset", "status", "kind", "request_id",

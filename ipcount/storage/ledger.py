@@ -210,7 +210,7 @@ def _uncommitted_rows(plan: EpochPlan, status: str, ranges: tuple[OffsetRange, .
     with a status before the commit (planned or lost): no counts, no commit time."""
     return [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, status, planned_at,
              None, None, None, None, None, plan.watermark_ms, None, None, None, run_id, None, None,
-             plan.kind, plan.request_id, plan.chain_watermark_ms) for r in ranges]
+             plan.kind, plan.request_id, plan.chain_watermark_ms, run_id) for r in ranges]
 
 
 # -- reads without a JVM ------------------------------------------------------------------

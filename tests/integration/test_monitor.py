@@ -390,3 +390,53 @@ def test_a_user_who_may_read_only_the_epoch_dag_sees_nothing_of_backfills(server
     status, html = server.get("/epochs", token="default")  # the admin is offered the replay target
     assert status == 200 and "audit" in html
 
+
+def test_a_run_note_tells_the_run_s_epochs_from_those_it_finished_for_others(cfg, spark, monkeypatch):
+    """Real runs over a real ledger, their notes made as the listener makes them (the rows read
+    by run_rows in a child process): backfill run A's chunk of request X, left planned when A
+    failed, is finished by run B of request Y before B's own chunk; the chain's run D resumes
+    the epoch run C left. A commit writes its run's id over the planner's in the ledger."""
+    from types import SimpleNamespace
+
+    from ipcount.jobs.backfill import run_backfill
+    from ipcount.jobs.epoch import run_epoch
+    from ipcount.orchestration.monitor import notes
+    from ipcount.rules.requests import request_from_fields
+
+    class Failed(Exception):
+        pass
+
+    def fail_after_plan(point: str) -> None:
+        if point == "after_plan":
+            raise Failed(point)
+
+    gen = TrafficGenerator(seed=43, events_per_second=40)
+    produce(cfg.bootstrap_servers, cfg.topic, gen.records(90, BASE_MS), partition_of=lambda i, r: i % 3)
+    x, y = {"offsets": "0:0-10,1:0-10"}, {"offsets": "2:0-10"}
+    with pytest.raises(Failed):
+        run_backfill(cfg, spark, request_from_fields(x, cfg.topic), run_id="manual__a", crash=fail_after_plan)
+    run_backfill(cfg, spark, request_from_fields(y, cfg.topic), run_id="manual__b")
+    with pytest.raises(Failed):
+        run_epoch(cfg, spark, run_id="scheduled__c", crash=fail_after_plan)
+    run_epoch(cfg, spark, run_id="scheduled__d")
+    assert {(r["epoch"], r["run_id"]) for r in ledger(cfg)} == {
+        (1, "manual__b"), (2, "manual__b"), (3, "scheduled__d")}
+
+    monkeypatch.delenv("IPCOUNT_CONFIG", raising=False)
+    for name, value in cfg.to_env().items():
+        monkeypatch.setenv(name, value)
+
+    def note(dag_id: str, run_id: str, conf: dict) -> tuple[str, str]:
+        """(the run's own part, the part about others' epochs) of its note."""
+        run = SimpleNamespace(id=1, dag_id=dag_id, run_id=run_id, run_type="manual", conf=conf)
+        own, _, other = notes._note(notes._Run.of(run)).partition("Epochs it finished for another run or request:")
+        return own, other
+
+    own, other = note("ipcount_backfill", "manual__b", y)
+    assert "- **epoch 2** (backfill) committed: p2 [0, 10); read 10" in own and "epoch 1" not in own
+    assert (f"- **epoch 1** (backfill for request `{request_from_fields(x, cfg.topic).request_id}`, planned by run "
+            "`manual__a`) committed: p0 [0, 10) p1 [0, 10); read 20") in other
+    own, other = note("ipcount_epoch", "scheduled__d", {})
+    assert "None of its own." in own
+    assert ("- **epoch 3** (scheduled, planned by run `scheduled__c`) committed: p0 [10, 30) p1 [10, 30) "
+            "p2 [10, 30); read 60") in other

@@ -162,6 +162,68 @@ def test_run_note():
     assert len(long) <= NOTE_LIMIT and "more epoch(s)" in long and "into target `audit`" in long
 
 
+
+def test_a_run_note_lists_apart_the_epochs_the_run_finished_for_another_run():
+    """A commit writes the committing run's id: a backfill run that first finishes another
+    request's unfinished chunk, and the chain's run that resumes the epoch a failed run left,
+    hold that epoch's rows; the ledger's ``planned_by`` says whose it is."""
+    theirs = dict(kind="backfill", request_id="bf-x", planned_by="manual__a")
+    mine = dict(kind="backfill", request_id="bf-y", planned_by="manual__b")
+    rows = [row(1, 0, 0, 10, run_id="manual__b", **theirs), row(1, 1, 0, 5, run_id="manual__b", **theirs),
+            row(2, 0, 10, 20, run_id="manual__b", **mine), row(3, 0, 20, 25, "planned", run_id="manual__b", **mine)]
+    note = run_note("ipcount_backfill", "manual__b", rows)
+    own, _, other = note.partition("Epochs it finished for another run or request:")
+    assert "- **epoch 2** (backfill) committed: p0 [10, 20)" in own and "**epoch 3** unfinished: p0 [20, 25)" in own
+    assert "epoch 1" not in own
+    assert ("- **epoch 1** (backfill for request `bf-x`, planned by run `manual__a`) committed: p0 [0, 10) "
+            "p1 [0, 5); read 15, counted 11, late 2, malformed 2; counts v2") in other
+
+    rows = [row(4, 0, 0, 10, run_id="scheduled__b", planned_by="scheduled__a")]
+    note = run_note("ipcount_epoch", "scheduled__b", rows)
+    own, _, other = note.partition("Epochs it finished for another run or request:")
+    assert "None of its own." in own and "epoch 4" not in own
+    assert "- **epoch 4** (scheduled, planned by run `scheduled__a`) committed: p0 [0, 10)" in other
+    note = run_note("ipcount_epoch", "scheduled__b", [row(4, 0, 0, 10, run_id="scheduled__b", planned_by=None)])
+    assert "- **epoch 4** (scheduled, planned by a run without a run id) committed" in note
+
+
+def test_a_run_note_lists_apart_an_epoch_counted_for_another_request():
+    """A backfill run that gives up another request's chunk whose offsets aged out counts the
+    rest of it as a new epoch of its own planning, but for that other request."""
+    rows = [row(5, 0, 0, 10, run_id="manual__b", planned_by="manual__b", kind="backfill", request_id="bf-x"),
+            row(6, 0, 10, 20, run_id="manual__b", planned_by="manual__b", kind="backfill", request_id="bf-y")]
+    note = run_note("ipcount_backfill", "manual__b", rows, request_id="bf-y")
+    own, _, other = note.partition("Epochs it finished for another run or request:")
+    assert "- **epoch 6** (backfill) committed" in own and "epoch 5" not in own
+    assert "- **epoch 5** (backfill for request `bf-x`) committed: p0 [0, 10)" in other
+    # Many of both: the run's own come first, and the note stays within Airflow's limit.
+    many = ([row(e, p, e * 10, e * 10 + 5, run_id="r", planned_by="x") for e in range(1, 4) for p in range(3)]
+            + [row(e, p, e * 10, e * 10 + 5, run_id="r") for e in range(4, 40) for p in range(3)])
+    long = run_note("ipcount_epoch", "r", many)
+    assert len(long) <= NOTE_LIMIT and long.endswith("- ... and 32 more epoch(s)")  # 29 own, 3 not
+    assert "**epoch 4**" in long and "**epoch 1**" not in long
+
+
+def test_a_run_s_request_is_the_one_its_epoch_task_counts():
+    """The note tells the run's own backfill request from others by the id its epoch task's
+    request gets: the backfill DAG's form, or an `airflow backfill create` run's interval."""
+    from ipcount.orchestration.monitor.notes import _Run
+    from ipcount.orchestration.monitor.run_rows import request_id
+    from ipcount.rules.requests import BackfillRequest, parse_offsets
+
+    form = SimpleNamespace(id=1, dag_id="ipcount_backfill", run_id="manual__b", run_type="manual",
+                           conf={"target": "audit", "offsets": "0:0-10,2:5-9", "max_records_per_epoch": 5})
+    run = _Run.of(form)
+    assert run.target == "audit"
+    assert request_id(run.request, "t") == BackfillRequest("audit", parse_offsets("0:0-10,2:5-9", "t")).request_id
+    interval = SimpleNamespace(id=2, dag_id="ipcount_epoch", run_id="backfill__x", run_type="backfill", conf={},
+                               data_interval_start=T0, data_interval_end=T0 + timedelta(hours=1))
+    ms = int(T0.timestamp() * 1000)
+    assert request_id(_Run.of(interval).request, "t") == BackfillRequest(from_ms=ms, until_ms=ms + 3_600_000).request_id
+    chain = SimpleNamespace(id=3, dag_id="ipcount_epoch", run_id="scheduled__x", run_type="scheduled", conf={})
+    assert _Run.of(chain).request == "" and request_id("", "t") is None
+    assert request_id('{"offsets": "0:9-5"}', "t") is None  # refused: its run counted nothing
+
 def test_partition_lag_counts_from_the_chain_or_the_log_start():
     from ipcount.orchestration.monitor.model import partition_lag
 
@@ -294,7 +356,8 @@ def test_the_run_note_listener_reads_no_ledger_inside_the_scheduler(monkeypatch,
     for name, value in (("AWS_ENDPOINT_URL", f"http://127.0.0.1:{store.server_address[1]}"), ("AWS_ALLOW_HTTP", "true"),
                         ("AWS_ACCESS_KEY_ID", "key"), ("AWS_SECRET_ACCESS_KEY", "secret"), ("AWS_REGION", "us-east-1")):
         monkeypatch.setenv(name, value)
-    run = SimpleNamespace(id=1, dag_id="ipcount_epoch", run_id="scheduled__stalled", conf={}, note=None)
+    run = SimpleNamespace(id=1, dag_id="ipcount_epoch", run_id="scheduled__stalled", run_type="scheduled", conf={},
+                          note=None)
     hook = threading.Thread(target=notes.on_dag_run_success, args=(run, "success"), daemon=True)
     try:
         started = time.monotonic()
