@@ -15,6 +15,7 @@ import http.client
 import multiprocessing
 import re
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -82,6 +83,11 @@ class LossyProxy(ThreadingHTTPServer):
         self.upstream_port, self.every, self.lost = upstream_port, every, lost
         self._stored = 0
         self._lock = threading.Lock()
+
+    def handle_error(self, request, client_address) -> None:
+        """A client killed mid-request (chaos kills them) is no error of the proxy's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     def lose_this_answer(self, status: int) -> bool:
         """Whether the answer to this stored commit is lost (every ``every``-th stored one)."""
