@@ -31,7 +31,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ipcount.rules.config import SETTINGS_HELP, STATE_DIR, PipelineConfig, flag
+from ipcount.rules.config import SETTINGS, STATE_DIR, PipelineConfig, env_name, flag
 from ipcount.rules.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, BadRequestError, ConfigError, IpcountError
 
 log = logging.getLogger("ipcount")
@@ -41,14 +41,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "pipeline settings (override --config file and IPCOUNT_* environment variables)")
     group.add_argument("--config", metavar="FILE", help="TOML or JSON file of settings (or $IPCOUNT_CONFIG)")
-    for f in fields(PipelineConfig):
-        default = getattr(PipelineConfig, f.name, None)
-        help_text = f"{SETTINGS_HELP.get(f.name, '')} (default: {default}; env IPCOUNT_{f.name.upper()})"
-        if str(f.type) == "bool":
-            group.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+    for s in SETTINGS:
+        help_text = f"{s.help} (default: {s.default}; env {s.env})"
+        if s.type == "bool":
+            group.add_argument(flag(s.name), dest=s.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         else:
-            group.add_argument(flag(f.name), dest=f.name, metavar=f.name.upper(), default=None, help=help_text)
+            group.add_argument(flag(s.name), dest=s.name, metavar=s.name.upper(), default=None, help=help_text)
 
 
 def _positive_rate(text: str) -> float:
@@ -705,7 +704,7 @@ def _airflow(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     # The DAG reads its settings from IPCOUNT_* variables: hand over any given as flags.
     for name, value in cfg.to_dict().items():
         if getattr(args, name, None) is not None:
-            env[f"IPCOUNT_{name.upper()}"] = str(value)
+            env[env_name(name)] = str(value)
     airflow = str(Path(sys.executable).parent / "airflow")
     os.execve(airflow, [airflow, *args.airflow_args], env)
 

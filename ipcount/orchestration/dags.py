@@ -8,8 +8,8 @@ from difflib import get_close_matches
 from typing import Any, Mapping
 
 from ipcount.orchestration.kafka_connection import resolved
-from ipcount.rules.config import (DATA_LOSS_POLICIES, REPO_ROOT, RESET_POLICIES, SETTINGS_HELP, START_POSITIONS,
-                                  PipelineConfig, flag, location_scheme, negated_flag)
+from ipcount.rules.config import (REPO_ROOT, RUN, SETTINGS, SETTINGS_BY_NAME, SETTINGS_HELP, PipelineConfig,
+                                  Setting, flag, location_scheme, negated_flag)
 from ipcount.rules.errors import BadRequestError, ConfigError
 from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, request_from_fields
 from ipcount.rules.tableset import MEANING
@@ -22,21 +22,24 @@ EPOCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "epoch_job.py")
 EPOCH_DAG_ID, BACKFILL_DAG_ID = "ipcount_epoch", "ipcount_backfill"
 
 
-# Settings a DAG run may override from the trigger form or `airflow dags trigger --conf`:
-# name -> (JSON schema, title). The pipeline's topic and tables are not among them: they
-# define the pipeline, and an epoch must chain with the ones before it.
-RUN_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
-    "max_records_per_epoch": ({"type": "integer", "minimum": 1}, "Max records in this epoch"),
-    "start_position": ({"type": "string", "enum": list(START_POSITIONS)},
-                       "Start position (only while the ledger is empty)"),
-    "start_timestamp_ms": ({"type": "integer", "minimum": -1}, "Start timestamp, epoch ms (start_position timestamp)"),
-    "start_offsets": ({"type": "string", "pattern": r"^\s*(\d+\s*:\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*)*)?$"},
-                      "Start offsets 'partition:offset,...' (start_position specific)"),
-    "group_offsets_reset": ({"type": "string", "enum": list(RESET_POLICIES)},
-                            "Reset for partitions without group offsets (start_position group-offsets)"),
-    "on_data_loss": ({"type": "string", "enum": list(DATA_LOSS_POLICIES)}, "On offsets deleted before counted"),
-    "commit_offsets": ({"type": "boolean"}, "Commit offsets to the consumer group"),
-}
+# Settings a DAG run may override from the trigger form or `airflow dags trigger --conf`
+# (scope RUN in ipcount.rules.config): name -> (JSON schema, title). The pipeline's topic and
+# tables are not among them: they define the pipeline, and an epoch must chain with the ones before it.
+JSON_TYPES = {"str": "string", "int": "integer", "bool": "boolean"}
+
+
+def param_schema(s: Setting) -> dict[str, Any]:
+    """The JSON schema of a setting's Param: its type, least value and choices, and any more."""
+    schema: dict[str, Any] = {"type": JSON_TYPES[s.type]}
+    if s.minimum is not None:
+        schema["minimum"] = s.minimum
+    if s.choices:
+        schema["enum"] = list(s.choices)
+    return {**schema, **s.param}
+
+
+RUN_PARAMS: dict[str, tuple[dict[str, Any], str]] = {s.name: (param_schema(s), s.title) for s in SETTINGS
+                                                     if s.scope == RUN}
 # What the tables mean is fixed with them (ipcount.rules.tableset), never a per-run choice.
 
 
@@ -117,7 +120,7 @@ BACKFILL_PARAMS: dict[str, tuple[dict[str, Any], str, str]] = {
                   "timestamp is at or after it"),
     "until_time": ({"type": ["null", "string"], "format": "date-time"}, "Until (time)",
                    "end of the time range (exclusive); must not be in the future"),
-    "max_records_per_epoch": ({"type": "integer", "minimum": 1}, "Max records per epoch",
+    "max_records_per_epoch": (param_schema(SETTINGS_BY_NAME["max_records_per_epoch"]), "Max records per epoch",
                               "the range is counted in epochs of at most this many offsets, each committed on its own"),
 }
 

@@ -10,7 +10,7 @@ import json
 import os
 import re
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -29,92 +29,44 @@ EVENT_TIME_SOURCES = ("payload", "kafka")
 IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
 
-# What each setting means: the CLI's --help, the DAG's Params and the settings table of
-# docs/configuration.md say exactly this (tests/unit/test_docs.py checks the table).
-SETTINGS_HELP = {
-    "pipeline_id": "name of the pipeline; the Delta txnAppId prefix of its writes",
-    "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
-    "topic": "source topic",
-    "warehouse": "directory or object-storage URI (s3://bucket/prefix) holding the Delta tables (counts, "
-                 "ledger, dead_letters, late_records)",
-    "counts_table": "location of the counts table (default <warehouse>/counts)",
-    "ledger_table": "location of the offset ledger (default <warehouse>/ledger)",
-    "dead_letter_table": "location of the dead-letter table (default <warehouse>/dead_letters)",
-    "late_table": "location of the late-records table (default <warehouse>/late_records)",
-    "window_seconds": "tumbling event-time window size",
-    "allowed_lateness_seconds": "a window accepts records until the watermark passes its end plus this",
-    "event_time": "where event time comes from: payload (the record's JSON ts or NGINX [time]) or kafka (the "
-                  "Kafka record timestamp; the payload's time is then neither required nor checked)",
-    "max_records_per_epoch": "cap on the offsets one epoch (or one backfill chunk) reads, split across "
-                             "partitions by backlog (no partition with a backlog is starved)",
-    "start_position": "where a pipeline with an empty ledger starts: earliest, latest, timestamp, "
-                      "group-offsets or specific; ignored (and logged) once the ledger has entries",
-    "start_timestamp_ms": "for start_position timestamp: per partition, the first offset whose record timestamp "
-                          "is at or after this epoch-ms time (the end if none)",
-    "start_offsets": "for start_position specific: 'partition:offset,...'; partitions not named start at "
-                     "earliest; offsets outside the log are refused",
-    "group_offsets_reset": "for start_position group-offsets: partitions where the group has no committed offset "
-                           "start at earliest or latest, or the epoch fails (none)",
-    "on_data_loss": "offsets deleted before they were counted: fail the epoch (naming partition and offsets), or "
-                    "skip them and record the gap in the ledger as status 'lost'",
-    "group_id": "Kafka consumer group that receives the committed offsets (monitoring only)",
-    "commit_offsets": "commit the ledger's positions to the consumer group after each epoch",
-    "max_value_bytes": "larger record values go to the dead-letter table as too_large",
-    "max_event_time_ahead_seconds": "records whose event time is further than this past their Kafka timestamp "
-                                    "(or the time their epoch was planned) go to the dead-letter table as "
-                                    "event_time_ahead, so that one bad clock cannot move the watermark into the "
-                                    "future (Kafka 4's message.timestamp.after.max.ms defaults to an hour too)",
-    "spark_master": "master of the in-process Spark session (bin/ipcount epoch); the DAGs' spark-submit uses "
-                    "Airflow's spark_default connection",
-    "kafka_timeout_seconds": "timeout of broker requests",
-    "schedule": "the epoch DAG's schedule, read when Airflow parses the DAG: a cron expression or preset, as data "
-                "intervals [previous tick, tick) (a run made by airflow backfill create counts the records whose "
-                "Kafka timestamps fall in its interval), or @continuous: each run starts as the last one ends "
-                "(the lowest latency)",
-    "command_timeout_seconds": "the longest one Spark command of a DAG run (epoch, backfill, rebuild) may take: "
-                               "the tasks' execution_timeout, the operator's wait on the epoch server, and the "
-                               "server's limit on the command (its Spark jobs are then cancelled)",
-    "dagrun_timeout_seconds": "a DAG run still running after this fails (Airflow's dagrun_timeout), so one stuck "
-                              "run cannot hold the DAG's one active run for good",
-    "epoch_server": "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs' "
-                    "Spark tasks send their command to; empty, or no answer within 3 s: a spark-submit per run "
-                    "(bin/run starts one and sets this)",
-    "kafka_security_protocol": "how the pipeline talks to Kafka: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL "
-                               "(SASL login over TLS)",
-    "kafka_sasl_mechanism": "for SASL_*: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
-    "kafka_sasl_username": "for SASL_*: the user name",
-    "kafka_sasl_password_file": "for SASL_*: a file holding the password (mode 0600; the password is never a "
-                                "setting, so it is in no command line, environment, ledger or log)",
-    "kafka_ssl_cafile": "for SSL and SASL_SSL: PEM file of the CA(s) to trust (default: the system's)",
-    "kafka_ssl_client_pem": "for SSL and SASL_SSL with client certificates: one PEM file holding the unencrypted "
-                            "private key and the certificate chain (mode 0600)",
-    "kafka_ssl_check_hostname": "for SSL and SASL_SSL: check that the broker's certificate names the host "
-                                "connected to (turn off only for a test broker)",
-    "publish": "after each epoch, publish the counts rows it changed to publish_topic, exactly once (one Kafka "
-               "transaction per counts-table version, with the publisher's cursor); turns on the counts table's "
-               "change data feed",
-    "publish_topic": "the Kafka topic the counts are published to, made if missing; an existing one must have "
-                     "cleanup.policy=compact only (keyed by window and IP; read it with "
-                     "isolation.level=read_committed)",
-    "kafka_connection": "id of an Airflow connection of type kafka whose extra (librdkafka names: bootstrap.servers, "
-                        "security.protocol, sasl.mechanism, sasl.username, sasl.password, ssl.ca.location, "
-                        "ssl.certificate.location, ssl.key.location, ssl.endpoint.identification.algorithm) gives "
-                        "the Kafka settings to the DAGs' tasks and the monitor; they write its password to a private "
-                        "file for the task's run",
-    "epoch_server_token_file": "file holding the epoch server's shared token (mode 0600; ipcount serve creates "
-                               "it if missing); every request must carry it (default .local/epoch-server.token)",
-}
+# Who may set a setting. PIPELINE: it defines the pipeline (a request to the epoch server must
+# name the served pipeline's own value). RUN: one run may set it differently (the epoch DAG's
+# Params, the epoch server's per-run flags). CALLER: where and how the caller runs a command,
+# not what it does (the epoch server ignores a request's). SECRET_FILE: a file with the Kafka
+# login's secrets (a task writes its own per run; the epoch server always uses its own).
+PIPELINE, RUN, CALLER, SECRET_FILE = "pipeline", "run", "caller", "secret_file"
+START_OFFSETS_PATTERN = r"^\s*(\d+\s*:\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*)*)?$"
 
-# Settings one run may set differently (the epoch DAG's Params, the epoch server's per-run
-# flags); everything else belongs to the pipeline.
-PER_RUN_SETTINGS = ("max_records_per_epoch", "start_position", "start_timestamp_ms", "start_offsets",
-                    "group_offsets_reset", "on_data_loss", "commit_offsets")
-# Settings that are the caller's business: where and how it runs a command, not what it does.
-CALLER_SETTINGS = ("spark_master", "schedule", "command_timeout_seconds", "dagrun_timeout_seconds",
-                   "epoch_server", "epoch_server_token_file")
-# Files with the Kafka login's secrets. A caller has its own copies (a task writes them per
-# run from a connection); the epoch server always logs in with its own, never a request's.
-SECRET_FILE_SETTINGS = ("kafka_sasl_password_file", "kafka_ssl_client_pem")
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting, declared once as a field of :class:`PipelineConfig`: its CLI flag, its
+    ``IPCOUNT_*`` variable, its config-file key, its DAG Param (scope RUN) and its row in
+    docs/configuration.md all come from here (tests/unit/test_docs.py checks the table)."""
+
+    name: str
+    type: str                        # "str", "int" or "bool": the field's annotation
+    default: Any
+    help: str                        # the CLI's --help, the Param's description, the docs row
+    minimum: int | None = None       # int settings: the least allowed value
+    choices: tuple[str, ...] = ()    # the words allowed
+    scope: str = PIPELINE
+    title: str = ""                  # scope RUN: the trigger form's label
+    param: Mapping[str, Any] = field(default_factory=dict)  # scope RUN: JSON schema besides type, minimum, choices
+
+    @property
+    def env(self) -> str:
+        return env_name(self.name)
+
+
+def setting(default: Any, help: str, **details: Any) -> Any:
+    """A :class:`PipelineConfig` field and what :class:`Setting` says about it."""
+    return field(default=default, metadata={"setting": {"help": help, **details}})
+
+
+def env_name(name: str) -> str:
+    """``window_seconds`` -> ``IPCOUNT_WINDOW_SECONDS``."""
+    return ENV_PREFIX + name.upper()
 
 
 def flag(name: str) -> str:
@@ -135,16 +87,6 @@ def setting_arg(name: str, value: Any) -> str:
     return f"{flag(name)}={value}"
 
 
-# Settings whose value must be one of a few words.
-CHOICES = {"start_position": START_POSITIONS, "event_time": EVENT_TIME_SOURCES,
-           "on_data_loss": DATA_LOSS_POLICIES, "group_offsets_reset": RESET_POLICIES,
-           "kafka_security_protocol": SECURITY_PROTOCOLS}
-# Integer settings and their least allowed value.
-MINIMUMS = {"window_seconds": 1, "max_records_per_epoch": 1, "max_value_bytes": 1,
-            "kafka_timeout_seconds": 1, "allowed_lateness_seconds": 0,
-            "max_event_time_ahead_seconds": 0, "command_timeout_seconds": 1, "dagrun_timeout_seconds": 1}
-
-
 @dataclass(frozen=True)
 class PipelineConfig:
     """Everything an epoch needs to know. Validated when built.
@@ -153,44 +95,143 @@ class PipelineConfig:
     table elsewhere.
     """
 
-    pipeline_id: str = "ipcount"
-    bootstrap_servers: str = "127.0.0.1:9092"
-    topic: str = "ip_count_source"
-    warehouse: str = str(STATE_DIR / "warehouse")
-    counts_table: str = ""
-    ledger_table: str = ""
-    dead_letter_table: str = ""
-    late_table: str = ""
-    window_seconds: int = 5
-    allowed_lateness_seconds: int = 5
-    event_time: str = "payload"          # or "kafka": the Kafka record timestamp
-    max_records_per_epoch: int = 500_000
-    start_position: str = "earliest"
-    start_timestamp_ms: int = -1         # start_position "timestamp": epoch ms
-    start_offsets: str = ""              # start_position "specific": "partition:offset,..."
-    group_offsets_reset: str = "earliest"  # start_position "group-offsets": partitions with none
-    on_data_loss: str = "fail"           # or "skip": skip deleted offsets, recording the gap
-    group_id: str = "ipcount"
-    commit_offsets: bool = True
-    max_value_bytes: int = 65_536
-    max_event_time_ahead_seconds: int = 3_600
-    spark_master: str = "local[*]"
-    kafka_timeout_seconds: int = 30
-    schedule: str = "* * * * *"
-    command_timeout_seconds: int = 3_600
-    dagrun_timeout_seconds: int = 7_200
-    kafka_security_protocol: str = "PLAINTEXT"
-    kafka_sasl_mechanism: str = ""
-    kafka_sasl_username: str = ""
-    kafka_sasl_password_file: str = ""
-    kafka_ssl_cafile: str = ""
-    kafka_ssl_client_pem: str = ""
-    kafka_ssl_check_hostname: bool = True
-    kafka_connection: str = ""
-    publish: bool = False
-    publish_topic: str = "ip_count_sink"
-    epoch_server: str = ""
-    epoch_server_token_file: str = ""
+    pipeline_id: str = setting("ipcount", "name of the pipeline; the Delta txnAppId prefix of its writes")
+    bootstrap_servers: str = setting("127.0.0.1:9092", "Kafka bootstrap servers, host:port[,host:port]")
+    topic: str = setting("ip_count_source", "source topic")
+    warehouse: str = setting(
+        str(STATE_DIR / "warehouse"),
+        "directory or object-storage URI (s3://bucket/prefix) holding the Delta tables (counts, ledger, "
+        "dead_letters, late_records)")
+    counts_table: str = setting("", "location of the counts table (default <warehouse>/counts)")
+    ledger_table: str = setting("", "location of the offset ledger (default <warehouse>/ledger)")
+    dead_letter_table: str = setting("", "location of the dead-letter table (default <warehouse>/dead_letters)")
+    late_table: str = setting("", "location of the late-records table (default <warehouse>/late_records)")
+    window_seconds: int = setting(5, "tumbling event-time window size", minimum=1)
+    allowed_lateness_seconds: int = setting(
+        5,
+        "a window accepts records until the watermark passes its end plus this",
+        minimum=0)
+    event_time: str = setting(
+        "payload",
+        "where event time comes from: payload (the record's JSON ts or NGINX [time]) or kafka (the Kafka record "
+        "timestamp; the payload's time is then neither required nor checked)",
+        choices=EVENT_TIME_SOURCES)
+    max_records_per_epoch: int = setting(
+        500_000,
+        "cap on the offsets one epoch (or one backfill chunk) reads, split across partitions by backlog (no "
+        "partition with a backlog is starved)",
+        minimum=1, scope=RUN, title="Max records in this epoch")
+    start_position: str = setting(
+        "earliest",
+        "where a pipeline with an empty ledger starts: earliest, latest, timestamp, group-offsets or specific; "
+        "ignored (and logged) once the ledger has entries",
+        choices=START_POSITIONS, scope=RUN, title="Start position (only while the ledger is empty)")
+    start_timestamp_ms: int = setting(
+        -1,
+        "for start_position timestamp: per partition, the first offset whose record timestamp is at or after "
+        "this epoch-ms time (the end if none)",
+        scope=RUN, title="Start timestamp, epoch ms (start_position timestamp)", param={"minimum": -1})
+    start_offsets: str = setting(
+        "",
+        "for start_position specific: 'partition:offset,...'; partitions not named start at earliest; offsets "
+        "outside the log are refused",
+        scope=RUN, title="Start offsets 'partition:offset,...' (start_position specific)",
+        param={"pattern": START_OFFSETS_PATTERN})
+    group_offsets_reset: str = setting(
+        "earliest",
+        "for start_position group-offsets: partitions where the group has no committed offset start at earliest "
+        "or latest, or the epoch fails (none)",
+        choices=RESET_POLICIES, scope=RUN,
+        title="Reset for partitions without group offsets (start_position group-offsets)")
+    on_data_loss: str = setting(
+        "fail",
+        "offsets deleted before they were counted: fail the epoch (naming partition and offsets), or skip them "
+        "and record the gap in the ledger as status 'lost'",
+        choices=DATA_LOSS_POLICIES, scope=RUN, title="On offsets deleted before counted")
+    group_id: str = setting("ipcount", "Kafka consumer group that receives the committed offsets (monitoring only)")
+    commit_offsets: bool = setting(
+        True,
+        "commit the ledger's positions to the consumer group after each epoch",
+        scope=RUN, title="Commit offsets to the consumer group")
+    max_value_bytes: int = setting(65_536, "larger record values go to the dead-letter table as too_large", minimum=1)
+    max_event_time_ahead_seconds: int = setting(
+        3_600,
+        "records whose event time is further than this past their Kafka timestamp (or the time their epoch was "
+        "planned) go to the dead-letter table as event_time_ahead, so that one bad clock cannot move the "
+        "watermark into the future (Kafka 4's message.timestamp.after.max.ms defaults to an hour too)",
+        minimum=0)
+    spark_master: str = setting(
+        "local[*]",
+        "master of the in-process Spark session (bin/ipcount epoch); the DAGs' spark-submit uses Airflow's "
+        "spark_default connection",
+        scope=CALLER)
+    kafka_timeout_seconds: int = setting(30, "timeout of broker requests", minimum=1)
+    schedule: str = setting(
+        "* * * * *",
+        "the epoch DAG's schedule, read when Airflow parses the DAG: a cron expression or preset, as data "
+        "intervals [previous tick, tick) (a run made by airflow backfill create counts the records whose Kafka "
+        "timestamps fall in its interval), or @continuous: each run starts as the last one ends (the lowest "
+        "latency)",
+        scope=CALLER)
+    command_timeout_seconds: int = setting(
+        3_600,
+        "the longest one Spark command of a DAG run (epoch, backfill, rebuild) may take: the tasks' "
+        "execution_timeout, the operator's wait on the epoch server, and the server's limit on the command (its "
+        "Spark jobs are then cancelled)",
+        minimum=1, scope=CALLER)
+    dagrun_timeout_seconds: int = setting(
+        7_200,
+        "a DAG run still running after this fails (Airflow's dagrun_timeout), so one stuck run cannot hold the "
+        "DAG's one active run for good",
+        minimum=1, scope=CALLER)
+    kafka_security_protocol: str = setting(
+        "PLAINTEXT",
+        "how the pipeline talks to Kafka: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL (SASL login over TLS)",
+        choices=SECURITY_PROTOCOLS)
+    kafka_sasl_mechanism: str = setting("", "for SASL_*: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512")
+    kafka_sasl_username: str = setting("", "for SASL_*: the user name")
+    kafka_sasl_password_file: str = setting(
+        "",
+        "for SASL_*: a file holding the password (mode 0600; the password is never a setting, so it is in no "
+        "command line, environment, ledger or log)",
+        scope=SECRET_FILE)
+    kafka_ssl_cafile: str = setting("", "for SSL and SASL_SSL: PEM file of the CA(s) to trust (default: the system's)")
+    kafka_ssl_client_pem: str = setting(
+        "",
+        "for SSL and SASL_SSL with client certificates: one PEM file holding the unencrypted private key and the "
+        "certificate chain (mode 0600)",
+        scope=SECRET_FILE)
+    kafka_ssl_check_hostname: bool = setting(
+        True,
+        "for SSL and SASL_SSL: check that the broker's certificate names the host connected to (turn off only "
+        "for a test broker)")
+    kafka_connection: str = setting(
+        "",
+        "id of an Airflow connection of type kafka whose extra (librdkafka names: bootstrap.servers, "
+        "security.protocol, sasl.mechanism, sasl.username, sasl.password, ssl.ca.location, "
+        "ssl.certificate.location, ssl.key.location, ssl.endpoint.identification.algorithm) gives the Kafka "
+        "settings to the DAGs' tasks and the monitor; they write its password to a private file for the task's "
+        "run")
+    publish: bool = setting(
+        False,
+        "after each epoch, publish the counts rows it changed to publish_topic, exactly once (one Kafka "
+        "transaction per counts-table version, with the publisher's cursor); turns on the counts table's change "
+        "data feed")
+    publish_topic: str = setting(
+        "ip_count_sink",
+        "the Kafka topic the counts are published to, made if missing; an existing one must have "
+        "cleanup.policy=compact only (keyed by window and IP; read it with isolation.level=read_committed)")
+    epoch_server: str = setting(
+        "",
+        "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs' Spark tasks "
+        "send their command to; empty, or no answer within 3 s: a spark-submit per run (bin/run starts one and "
+        "sets this)",
+        scope=CALLER)
+    epoch_server_token_file: str = setting(
+        "",
+        "file holding the epoch server's shared token (mode 0600; ipcount serve creates it if missing); every "
+        "request must carry it (default .local/epoch-server.token)",
+        scope=CALLER)
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -313,7 +354,7 @@ class PipelineConfig:
 
     def to_env(self) -> dict[str, str]:
         """The settings as the ``IPCOUNT_*`` variables the DAGs read (``load`` reads them back)."""
-        return {f"{ENV_PREFIX}{name.upper()}": str(value) for name, value in self.to_dict().items()}
+        return {env_name(name): str(value) for name, value in self.to_dict().items()}
 
     def to_args(self) -> list[str]:
         """The settings as CLI flags of ``ipcount epoch`` (used to hand them to spark-submit)."""
@@ -379,6 +420,17 @@ class PipelineConfig:
     @property
     def max_event_time_ahead_ms(self) -> int:
         return self.max_event_time_ahead_seconds * 1000
+
+
+# Every setting, in declaration order, and the views of it the code reads.
+SETTINGS = tuple(Setting(f.name, str(f.type), f.default, **f.metadata["setting"]) for f in fields(PipelineConfig))
+SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
+SETTINGS_HELP = {s.name: s.help for s in SETTINGS}
+CHOICES = {s.name: s.choices for s in SETTINGS if s.choices}
+MINIMUMS = {s.name: s.minimum for s in SETTINGS if s.minimum is not None}
+PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
+CALLER_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == CALLER)
+SECRET_FILE_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == SECRET_FILE)
 
 
 # Where delta-rs can keep tables besides a local directory (its credentials and endpoint

@@ -1,12 +1,13 @@
-"""The documentation cannot drift from the code: the settings table is the config's own
-help text, and the README's and docs' links point at files that exist."""
+"""The documentation cannot drift from the code: the settings table and the list of per-run
+settings are the settings' own declarations, and the README's and docs' links point at
+files that exist."""
 from __future__ import annotations
 
 import re
 from dataclasses import fields
 from pathlib import Path
 
-from ipcount.rules.config import REPO_ROOT, SETTINGS_HELP, PipelineConfig
+from ipcount.rules.config import PER_RUN_SETTINGS, REPO_ROOT, SETTINGS, SETTINGS_HELP, PipelineConfig
 
 CONFIGURATION = REPO_ROOT / "docs" / "configuration.md"
 MARKER = "<!-- settings table:"
@@ -25,8 +26,8 @@ def default_text(value: object) -> str:
 def settings_table() -> list[str]:
     """The table docs/configuration.md must hold, one row per setting, in field order."""
     rows = ["| setting | default | meaning |", "|---|---|---|"]
-    for f in fields(PipelineConfig):
-        rows.append(f"| `{f.name}` | `{default_text(f.default)}` | {SETTINGS_HELP[f.name]} |")
+    for s in SETTINGS:
+        rows.append(f"| `{s.name}` | `{default_text(s.default)}` | {s.help} |")
     return rows
 
 
@@ -49,7 +50,13 @@ def test_the_settings_table_is_the_configs_own_help_text():
 
 
 def test_every_setting_has_help_text():
-    assert set(SETTINGS_HELP) == {f.name for f in fields(PipelineConfig)}
+    assert set(SETTINGS_HELP) == {f.name for f in fields(PipelineConfig)} and all(SETTINGS_HELP.values())
+
+
+def test_the_per_run_settings_the_docs_list_are_the_declared_ones():
+    text = " ".join(CONFIGURATION.read_text().split())
+    listed = text.split("or the CLI: ", 1)[1].split(". The topic", 1)[0]
+    assert tuple(re.findall(r"`(\w+)`", listed)) == PER_RUN_SETTINGS
 
 
 def test_links_between_the_readme_and_docs_point_at_files_that_exist():
