@@ -18,16 +18,16 @@ epoch server, spark-submit fallbacks).
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ipcount.rules.errors import PlanConflict
 from ipcount.rules.finality import ChainCommit, chain_commits
 from ipcount.rules.offsets import OffsetRange
-from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, PLANNED, SCHEDULED, STATE_COLUMNS, EpochPlan, EpochSummary,
-                                  LedgerState, PartitionMetrics, chain_positions, committed_summaries, is_scheduled,
-                                  plan_from_rows, rows_by_epoch, state_of)
+from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, METRICS, PLANNED, SCHEDULED, STATE_COLUMNS, EpochPlan,
+                                  EpochSummary, LedgerState, PartitionMetrics, chain_positions, committed_summaries,
+                                  is_scheduled, plan_from_rows, rows_by_epoch, state_of)
 from ipcount.storage.delta import (arrow_schema, query_table, read_rows, retry_on_conflict, rs_concurrent_errors,
                                    rs_create_table, sql_literal)
 
@@ -161,17 +161,16 @@ class Ledger:
         rows = []
         for r in plan.ranges:
             m = metrics.get(r.partition, PartitionMetrics()) if metrics is not None else None
-            counted = (None,) * 4 if m is None else (m.records_read, m.records_counted, m.records_late,
-                                                     m.records_malformed)
-            rows.append((plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, COMMITTED, now,
-                         now, *counted,
-                         plan.watermark_ms, watermark_after_ms, sink_version, duration_seconds, run_id,
-                         (lag_after or {}).get(r.partition), dict(stage_seconds or {}),
-                         plan.kind, plan.request_id, plan.chain_watermark_ms))
+            # (The range and planned_at only because they may not be null: the MERGE sets set_cols.)
+            rows.append({"epoch": plan.epoch, "topic": r.topic, "partition": r.partition,
+                         "from_offset": r.from_offset, "until_offset": r.until_offset, "planned_at": now,
+                         "status": COMMITTED, "committed_at": now, **({} if m is None else asdict(m)),
+                         "watermark_after_ms": watermark_after_ms, "sink_version": sink_version,
+                         "duration_seconds": duration_seconds, "run_id": run_id,
+                         "lag_after": (lag_after or {}).get(r.partition), "stage_seconds": dict(stage_seconds or {})})
         updates = arrow_rows(rows)
-        set_cols = ["status", "committed_at", "records_read", "records_counted", "records_late",
-                    "records_malformed", "watermark_after_ms", "sink_version", "duration_seconds", "run_id",
-                    "lag_after", "stage_seconds"]
+        set_cols = ["status", "committed_at", *METRICS, "watermark_after_ms", "sink_version", "duration_seconds",
+                    "run_id", "lag_after", "stage_seconds"]
 
         def merge() -> None:
             (DeltaTable(self.path)
@@ -196,21 +195,27 @@ class Ledger:
             log.info("compacting the ledger: a concurrent commit (%s); next time", type(e).__name__)
 
 
-def arrow_rows(rows: list[tuple]) -> pa.Table:
-    """Ledger rows (tuples in column order) as an Arrow table of the ledger's schema."""
+def arrow_rows(rows: list[Mapping[str, Any]]) -> pa.Table:
+    """Ledger rows (column name -> value; a column left out is null) as an Arrow table of the
+    ledger's schema. A name that is no column is refused: it would be dropped silently."""
     import pyarrow as pa
 
     schema = ledger_schema()
-    return pa.Table.from_pylist([dict(zip(schema.names, row)) for row in rows], schema=schema)
+    unknown = {name for row in rows for name in row} - set(schema.names)
+    if unknown:
+        raise ValueError(f"not ledger columns: {sorted(unknown)}")
+    return pa.Table.from_pylist(list(rows), schema=schema)
 
 
 def _uncommitted_rows(plan: EpochPlan, status: str, ranges: tuple[OffsetRange, ...], planned_at: datetime,
-                      run_id: str | None) -> list[tuple]:
-    """Ledger rows (in :data:`ipcount.rules.ledger.COLUMNS` order) of ``plan``'s ``ranges``
-    with a status before the commit (planned or lost): no counts, no commit time."""
-    return [(plan.epoch, r.topic, r.partition, r.from_offset, r.until_offset, status, planned_at,
-             None, None, None, None, None, plan.watermark_ms, None, None, None, run_id, None, None,
-             plan.kind, plan.request_id, plan.chain_watermark_ms, run_id) for r in ranges]
+                      run_id: str | None) -> list[dict[str, Any]]:
+    """Ledger rows of ``plan``'s ``ranges`` with a status before the commit (planned or
+    lost): no counts, no commit time."""
+    return [{"epoch": plan.epoch, "topic": r.topic, "partition": r.partition, "from_offset": r.from_offset,
+             "until_offset": r.until_offset, "status": status, "planned_at": planned_at,
+             "watermark_before_ms": plan.watermark_ms, "run_id": run_id, "kind": plan.kind,
+             "request_id": plan.request_id, "chain_watermark_ms": plan.chain_watermark_ms, "planned_by": run_id}
+            for r in ranges]
 
 
 # -- reads without a JVM ------------------------------------------------------------------

@@ -256,9 +256,12 @@ def test_thousands_of_epochs_page_quickly(server, pipeline, spark):
     Ledger(cfg.ledger_path).ensure()
     now = datetime.now(timezone.utc)
     for first in range(1, 3001, 100):
-        rows = [(e, cfg.topic, p, e * 10, e * 10 + 10, "planned" if e == 1234 else "committed", now,
-                 None if e == 1234 else now, 10, 9, 0, 1, None, None, e, 1.5, f"scheduled__{e}", 0,
-                 {"plan": 0.1}, "scheduled", None, None) for e in range(first, first + 100) for p in range(3)]
+        rows = [{"epoch": e, "topic": cfg.topic, "partition": p, "from_offset": e * 10, "until_offset": e * 10 + 10,
+                 "status": "planned" if e == 1234 else "committed", "planned_at": now,
+                 "committed_at": None if e == 1234 else now, "records_read": 10, "records_counted": 9,
+                 "records_late": 0, "records_malformed": 1, "sink_version": e, "duration_seconds": 1.5,
+                 "run_id": f"scheduled__{e}", "lag_after": 0, "stage_seconds": {"plan": 0.1}, "kind": "scheduled"}
+                for e in range(first, first + 100) for p in range(3)]
         write_deltalake(cfg.ledger_path, arrow_rows(rows), mode="append")
 
     started = time.monotonic()
