@@ -88,6 +88,8 @@ from ipcount.devtools.embedded_s3 import EmbeddedS3
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig, location_scheme
 from ipcount.rules.errors import EXIT_DATA_LOSS, ConfigError, UnknownTopicError
+from ipcount.jobs import crash
+from ipcount.jobs.crash import STEP_MARKER
 from ipcount.jobs.verify import LATE, MALFORMED, recount_record, table_counts
 from ipcount.rules.ledger import COMMITTED, LOST, Row, is_scheduled
 from ipcount.rules.offsets import split_at_log_start
@@ -108,14 +110,14 @@ PARTITIONS = 3  # a run's topic starts with these; the run adds one half way
 SPARED_SECONDS = 120.0  # how long a round waits for a process it did not kill (then kills it)
 GIVE_UP_SECONDS = 240.0  # a kill aimed at the write-ahead window that never opens comes then
 
-# Where an epoch had got to when its process died, from the last of these lines in its log:
-# nothing yet (starting), reading the ledger (planning), plan recorded but the ledger commit
-# not made (writing: the write-ahead window), ledger commit made (committed).
+# Where an epoch had got to when its process died, from the last step marker in its log
+# (ipcount.jobs.crash.step_line): nothing yet (starting), reading the ledger (planning), plan
+# recorded but the ledger commit not made (writing: the write-ahead window), ledger commit
+# made (committed).
 PHASES = (STARTING, PLANNING, WRITING, DONE) = ("starting", "planning", "writing", "committed")
-_PHASE_LINES = ((re.compile(r"ledger has entries|empty ledger|backfill bf-[0-9a-f]+: "), PLANNING),
-                (re.compile(r"planned epoch \d|resuming unfinished epoch|finishing unfinished backfill epoch|"
-                            r"rebuild: replaying epoch \d"), WRITING),
-                (re.compile(r"epoch \d+ committed: "), DONE))
+_PHASE_LINES = ((re.compile(rf"{STEP_MARKER} {crash.PLANNING}\b"), PLANNING),
+                (re.compile(rf"{STEP_MARKER} after_(plan|sink)\b"), WRITING),
+                (re.compile(rf"{STEP_MARKER} after_ledger\b"), DONE))
 
 
 def phase_of(log_text: str) -> str:

@@ -12,9 +12,19 @@ log = logging.getLogger(__name__)
 
 # An epoch's step boundaries (tests SIGKILL the process there).
 CRASH_POINTS = ("after_plan", "after_sink", "after_ledger", "before_kafka_commit")
+# Each epoch step logs a marker, worded for machines: chaos reads the last one in a killed
+# process's log to tell where its epoch had got to. Reading the ledger to plan is a step too
+# (no crash point: nothing is written yet).
+STEP_MARKER = "ipcount-step"
+PLANNING = "planning"
 # Where a publish can be killed: its records and cursor sent, uncommitted; committed.
 PUBLISH_CRASH_POINTS = ("publish_before_commit", "publish_after_commit")
 Crash = Callable[[str], None]
+
+
+def step_line(point: str, epoch: int | None = None) -> str:
+    """The marker a step logs: ``ipcount-step after_plan epoch=7``."""
+    return f"{STEP_MARKER} {point}" + (f" epoch={epoch}" if epoch is not None else "")
 
 
 def no_crash(point: str) -> None:

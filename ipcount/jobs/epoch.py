@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Callable
 
 from ipcount.jobs import transform
-from ipcount.jobs.crash import Crash, no_crash
+from ipcount.jobs.crash import PLANNING, Crash, no_crash, step_line
 from ipcount.jobs.tally import EpochTally
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import CommitContention, PlanConflict
@@ -78,7 +78,15 @@ class EpochRunner:
         return cls(cfg, spark, ledger, sink, run_id, crash)
 
     def state(self) -> LedgerState:
+        self.step(PLANNING)
         return self.ledger.state(self.cfg.topic)
+
+    def step(self, point: str, epoch: int | None = None) -> None:
+        """A step boundary: its marker in the log (:func:`ipcount.jobs.crash.step_line`), then
+        the crash hook's turn."""
+        log.info("%s", step_line(point, epoch))
+        if point != PLANNING:
+            self.crash(point)
 
     def record_new_plan(self, planner: Callable[[LedgerState], EpochPlan | None],
                         state: LedgerState | None = None, attempts: int = 8) -> EpochPlan | None:
@@ -113,7 +121,7 @@ class EpochRunner:
         cfg = self.cfg
         started = time.monotonic() if started is None else started
         stages: dict[str, float] = {}
-        self.crash("after_plan")
+        self.step("after_plan", plan.epoch)
         # Data that aged out (or a partition that vanished) since planning fails loudly, too.
         _check_still_there(cfg.topic, plan, earliest, latest)
         stages["plan"] = time.monotonic() - started
@@ -137,7 +145,7 @@ class EpochRunner:
         sink_version = None
         if tally is not None:
             sink_version = self._write(plan, tally, watermark_after, stages)
-        self.crash("after_sink")
+        self.step("after_sink", plan.epoch)
 
         t = time.monotonic()
         seconds = time.monotonic() - started
@@ -145,7 +153,7 @@ class EpochRunner:
         self.ledger.commit(plan, metrics, watermark_after, sink_version, round(seconds, 3), self.run_id,
                            lag_after=lag, stage_seconds={k: round(v, 3) for k, v in stages.items()})
         stages["ledger"] = time.monotonic() - t  # (its own time is in the summary, not the ledger row)
-        self.crash("after_ledger")
+        self.step("after_ledger", plan.epoch)
 
         summary = EpochSummary(
             plan, **asdict(totals),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ipcount.devtools.chaos import phase_of
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.jobs import group_commit
@@ -53,6 +54,9 @@ def test_crash_then_rerun_gives_the_tables_of_a_clean_run(point, source, spark, 
                           env={**os.environ, "IPCOUNT_CRASH_AT": point}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == -9, proc.stderr[-3000:]  # killed by SIGKILL, not a clean exit
+    # The step markers chaos reads tell where the epoch was (ipcount.jobs.crash.step_line).
+    assert phase_of(proc.stdout + proc.stderr) == ("writing" if point in ("after_plan", "after_sink")
+                                                   else "committed")
 
     rows = ledger(cfg)
     assert {r["epoch"] for r in rows} == {1}
