@@ -1,10 +1,22 @@
-"""Developer tools, not part of the pipeline: the embedded stack (a Kafka broker from Maven
-jars, Airflow on SQLite), the traffic generator, and the benchmark with its peer (Spark
-Structured Streaming).
+"""Developer tools, not part of the pipeline: the embedded stack (Kafka from Maven jars, an
+S3 store, PostgreSQL, a Spark cluster, Airflow's environment), the traffic generator, chaos,
+and the benchmark with its peer (Spark Structured Streaming).
 
-- :mod:`.embedded_kafka`    a real single-node KRaft broker on 127.0.0.1
-- :mod:`.embedded_airflow`  Airflow's environment on the embedded stack
-- :mod:`.generator`         access-log traffic, seedable
-- :mod:`.benchmark`         ``bin/benchmark``
-- :mod:`.peer`              the Structured Streaming contender
+- :mod:`.embedded_kafka`     a real KRaft broker (or three) on 127.0.0.1
+- :mod:`.dev_tls`            a throwaway CA and certificates for the broker's TLS listeners
+- :mod:`.embedded_s3`        an S3-compatible store (s3proxy) for tables on object storage
+- :mod:`.lossy_proxy`        a proxy in front of it that loses the answers to commits
+- :mod:`.embedded_postgres`  PostgreSQL for Airflow's metadata database
+- :mod:`.embedded_spark`     a Spark standalone cluster from the pinned pyspark
+- :mod:`.embedded_airflow`   Airflow's environment on the embedded stack
+- :mod:`.generator`          access-log traffic, seedable
+- :mod:`.chaos`              ``ipcount chaos``: random SIGKILLs, then a plain-Python recount
+- :mod:`.chaos_state`        a chaos run's state between sittings
+- :mod:`.latency`            ``ipcount latency``: how long records waited to be counted
+- :mod:`.benchmark`          ``bin/benchmark``
+- :mod:`.bench_rounds`       warm against warm: the contenders round after round
+- :mod:`.bench_stats`        medians, spreads and round-by-round ratios
+- :mod:`.bench_profile`      where an epoch's read stage spends its time
+- :mod:`.bench_growth`       how the counts MERGE's cost grows with the table
+- :mod:`.peer`               the Structured Streaming contender
 """

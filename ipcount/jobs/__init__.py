@@ -8,4 +8,6 @@
 - :mod:`.idle`          does the scheduled chain have anything to do? (no JVM)
 - :mod:`.transform`     the Spark parse, classify and tally steps
 - :mod:`.tally`         an epoch's tally split (Arrow) into metrics, counts, dead letters, late rows
+- :mod:`.publish`       committed counts to the sink topic, exactly once (no JVM)
+- :mod:`.crash`         crash points and the step markers each epoch step logs
 """

@@ -2,5 +2,6 @@
 
 - :mod:`.dags`       DAG ids, Params, the spark-submit arguments, the run summary
 - :mod:`.operators`  the operator of the Spark tasks (epoch server or spark-submit)
+- :mod:`.kafka_connection`  the Kafka settings of an Airflow connection, for tasks and the monitor
 - :mod:`.monitor`    the monitoring plugin's pages, run notes and task link
 """

@@ -8,4 +8,5 @@ plugin (``plugins/ipcount_monitor.py``), the DAG-run notes and the epoch task's 
 - :mod:`.app`     the FastAPI app the api-server mounts under ``/ipcount``
 - :mod:`.notes`   the listener that writes each run's epoch summary into its DAG-run note
 - :mod:`.run_rows` the child process that reads a run's ledger rows for its note
+- :mod:`.links`   the epoch task's "Epoch page" extra link
 """
