@@ -1,8 +1,8 @@
 """A chaos run's state between sittings (``ipcount chaos --pause`` / ``--resume``).
 
-A run of 200 kills takes longer than one sitting (about 50 s a kill here), so it can pause and
-go on later on the same topic, warehouse and broker: this file holds what the next sitting
-needs. Randomness is drawn per round (:func:`round_rng`), so no generator state is saved and
+A long run takes longer than one sitting (docs/operations.md has the figures), so it can
+pause and go on later on the same topic, warehouse and broker: this file holds what the next
+sitting needs. Randomness is drawn per round (:func:`round_rng`), so no generator state is saved and
 a resumed run makes the same choices an unpaused one would. What retention rounds deleted is
 here too (how far per partition); the deleted records themselves are kept beside it
 (:data:`DELETED_FILE`), read back before each deletion, for the final recount.

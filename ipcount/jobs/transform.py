@@ -58,8 +58,8 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
 
 
 # Columns are unresolved expressions, free to use on any DataFrame, and building those of the
-# parse, classify and tally takes some 4,000 py4j round trips (0.3 s, a third of a
-# 10,000-record epoch): each Spark session builds them once per set of parameters.
+# parse, classify and tally takes thousands of py4j round trips, a fixed cost of every epoch
+# (docs/performance.md): each Spark session builds them once per set of parameters.
 _BUILT: weakref.WeakKeyDictionary[SparkSession, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
 

@@ -266,7 +266,7 @@ def rs_concurrent_errors() -> tuple[type[BaseException], ...]:
 # A checkpoint every 10 commits, not delta-rs's default 100: each open of a table replays
 # the commits since its last checkpoint, and an epoch opens each of its tables a few times.
 # With 100, an epoch's fixed cost grew through every hundred commits and fell back at the
-# checkpoint (2,000-record epochs: plan and sink stages 0.09 s in epochs 1-10, 0.36 s in 91-100).
+# checkpoint (docs/performance.md).
 CHECKPOINT_EVERY = {"delta.checkpointInterval": "10"}
 
 

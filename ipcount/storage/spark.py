@@ -51,8 +51,8 @@ def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
         # overflowed in a cold JVM, and a StackOverflowError kills the executor. (These
         # replace any extraJavaOptions of spark-defaults.conf: add these to your own.)
         # The parse's generated code has a method over HotSpot's 8,000-byte limit for JIT
-        # compilation; without -XX:-DontCompileHugeMethods it runs interpreted (over a cached
-        # 1M range the parse took 3.75 s against 2.67 s).
+        # compilation; without -XX:-DontCompileHugeMethods it runs interpreted, far slower
+        # (docs/performance.md).
         "spark.driver.extraJavaOptions": f"-Dlog4j2.level=warn {JVM_OPTIONS}",
         "spark.executor.extraJavaOptions": JVM_OPTIONS,
     }
