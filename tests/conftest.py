@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ipcount.devtools.embedded_kafka import free_port  # noqa: F401 - tests import it from here
+from ipcount.devtools.service import free_port  # noqa: F401 - tests import it from here
 from ipcount.rules.config import PipelineConfig
 
 

@@ -2,6 +2,7 @@
 S3 store, PostgreSQL, a Spark cluster, Airflow's environment), the traffic generator, chaos,
 and the benchmark with its peer (Spark Structured Streaming).
 
+- :mod:`.service`            what the services share: pid files, logs, readiness, stopping
 - :mod:`.embedded_kafka`     a real KRaft broker (or three) on 127.0.0.1
 - :mod:`.dev_tls`            a throwaway CA and certificates for the broker's TLS listeners
 - :mod:`.embedded_s3`        an S3-compatible store (s3proxy) for tables on object storage

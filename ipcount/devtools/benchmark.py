@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ipcount.devtools import bench_rounds, bench_stats
-from ipcount.devtools.embedded_kafka import free_port
+from ipcount.devtools.service import free_port
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig
 from ipcount.rules.ledger import EpochSummary, summaries_in
 from ipcount.server import auth, client

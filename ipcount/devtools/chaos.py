@@ -83,7 +83,8 @@ from typing import Iterable, Mapping, NamedTuple
 
 from ipcount.devtools.chaos_state import DELETED_FILE, REBUILD, RETENTION, STATE_FILE, RunState, round_rng
 from ipcount.devtools.embedded_airflow import airflow_env
-from ipcount.devtools.embedded_kafka import EmbeddedKafka, free_port, proc_stat
+from ipcount.devtools.embedded_kafka import EmbeddedKafka
+from ipcount.devtools.service import free_port, proc_stat
 from ipcount.devtools.embedded_s3 import EmbeddedS3
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig, location_scheme

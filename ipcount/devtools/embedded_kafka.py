@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ipcount.devtools.dev_tls import DevTls
+from ipcount.devtools.service import started_at
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.errors import BrokerStartError
 from ipcount.rules.kafka_security import JAAS_MODULES, SCRAM_MECHANISMS, jaas_quoted, property_value
@@ -26,42 +27,6 @@ from ipcount.rules.private_files import read_private_file, write_private_file
 
 log = logging.getLogger(__name__)
 KAFKA_JARS_DIR = STATE_DIR / "jars" / "kafka"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (for local services)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def proc_stat(pid: int | str) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...);
-    None when the process is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    """The last lines of a server's log, for an error message that says why it did not start."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _is_zombie(pid: int) -> bool:
-    """An exited child not yet reaped still answers kill(pid, 0); reap it and say so."""
-    stat = proc_stat(pid)
-    if stat is None or stat[0] != "Z":
-        return False
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    return True
 
 
 @dataclass(frozen=True)
@@ -223,7 +188,7 @@ class EmbeddedKafka:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
             return None
-        if _is_zombie(pid) or b"kafka.Kafka" not in cmdline or \
+        if started_at(pid) is None or b"kafka.Kafka" not in cmdline or \
                 str(self.state_dir / "server.properties").encode() not in cmdline:
             return None
         return pid

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from ipcount.devtools.embedded_kafka import log_tail, proc_stat
+from ipcount.devtools.service import log_tail, proc_stat
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.errors import DatabaseStartError
 from ipcount.rules.private_files import read_private_file, write_private_file

@@ -9,21 +9,20 @@ delta-rs reads like every AWS tool.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipcount.devtools.embedded_kafka import log_tail, proc_stat
+from ipcount.devtools.service import Processes
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.private_files import read_private_file, write_private_file
 
 log = logging.getLogger(__name__)
+NAME = "s3proxy"  # its process (pid file and log under the state directory)
 S3PROXY_JARS_DIR = STATE_DIR / "jars" / "s3proxy"
 
 
@@ -48,12 +47,12 @@ class EmbeddedS3:
         return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
 
     @property
-    def log_file(self) -> Path:
-        return self.state_dir / "s3proxy.log"
+    def processes(self) -> Processes:
+        return Processes(self.state_dir)
 
     @property
-    def _pid_file(self) -> Path:
-        return self.state_dir / "s3proxy.pid"
+    def log_file(self) -> Path:
+        return self.processes.log_file(NAME)
 
     def uri(self, *parts: str) -> str:
         """``s3://<bucket>/<parts...>``."""
@@ -92,12 +91,7 @@ class EmbeddedS3:
         return write_private_file(self.state_dir / "s3proxy.conf", "\n".join(lines) + "\n")
 
     def pid(self) -> int | None:
-        try:
-            pid = int(self._pid_file.read_text())
-        except (OSError, ValueError):
-            return None
-        stat = proc_stat(pid)
-        return pid if stat is not None and stat[0] != "Z" else None
+        return self.processes.pid(NAME)
 
     def is_serving(self) -> bool:
         """Whether it answers HTTP (an unsigned request is refused: that is an answer too)."""
@@ -118,22 +112,10 @@ class EmbeddedS3:
         config = self._write_config()
         log.info("starting s3proxy at %s (bucket %s, objects in %s)", self.endpoint, self.bucket,
                  self.state_dir / "data")
-        with open(self.log_file, "ab") as out:
-            proc = subprocess.Popen(["java", f"-Xmx{self.heap}", "-XX:TieredStopAtLevel=1", "-jar", str(self._jar()),
-                                     "--properties", str(config)], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        self._pid_file.write_text(str(proc.pid))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise ObjectStoreStartError(f"s3proxy exited with {proc.returncode} at start; "
-                                            f"{self.log_file}:\n{log_tail(self.log_file)}")
-            if self.is_serving():
-                return
-            time.sleep(0.1)
-        self.stop()
-        raise ObjectStoreStartError(f"s3proxy did not answer at {self.endpoint} within {timeout:.0f} s; "
-                                    f"{self.log_file}:\n{log_tail(self.log_file)}")
+        proc = self.processes.launch(NAME, ["java", f"-Xmx{self.heap}", "-XX:TieredStopAtLevel=1", "-jar",
+                                            str(self._jar()), "--properties", str(config)])
+        self.processes.wait_ready(self.is_serving, timeout, ObjectStoreStartError, f"s3proxy at {self.endpoint}",
+                                  NAME, proc)
 
     def serve(self) -> int:
         """Run in the foreground (a container's main process): start, then wait until the
@@ -149,15 +131,4 @@ class EmbeddedS3:
         return 0 if stopping else 1
 
     def stop(self, timeout: float = 15.0) -> None:
-        pid = self.pid()
-        if pid is None:
-            return
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout
-        while self.pid() is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if self.pid() is not None:
-            os.killpg(pid, signal.SIGKILL)
+        self.processes.stop(timeout)

@@ -11,15 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipcount.devtools.embedded_kafka import proc_stat
+from ipcount.devtools.service import Processes
 from ipcount.rules.config import STATE_DIR
 
 log = logging.getLogger(__name__)
@@ -58,26 +55,13 @@ class EmbeddedSparkCluster:
     def webui_url(self) -> str:
         return f"http://127.0.0.1:{self.webui_port}"
 
-    def _start(self, name: str, *args: str) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **cluster_env(), "SPARK_WORKER_DIR": str(self.state_dir / "work")}
-        with open(self.state_dir / f"{name}.log", "ab") as out:
-            proc = subprocess.Popen([str(spark_home() / "bin" / "spark-class"), *args], env=env,
-                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        (self.state_dir / f"{name}.pid").write_text(str(proc.pid))
+    @property
+    def processes(self) -> Processes:
+        return Processes(self.state_dir)
 
-    def _pids(self) -> list[int]:
-        pids = []
-        for f in self.state_dir.glob("*.pid"):
-            try:
-                pid = int(f.read_text())
-            except (OSError, ValueError):
-                continue
-            stat = proc_stat(pid)
-            if stat is not None and stat[0] != "Z":
-                pids.append(pid)
-        return pids
+    def _start(self, name: str, *args: str) -> None:
+        env = {**os.environ, **cluster_env(), "SPARK_WORKER_DIR": str(self.state_dir / "work")}
+        self.processes.launch(name, [str(spark_home() / "bin" / "spark-class"), *args], env)
 
     def alive_workers(self) -> int:
         """Workers registered with the master and alive (0 if the master does not answer)."""
@@ -90,7 +74,7 @@ class EmbeddedSparkCluster:
 
     def start(self, timeout: float = 120.0) -> None:
         """Start the master and the workers and wait until every worker has registered."""
-        if self._pids() and self.alive_workers() >= self.workers:
+        if self.processes.pids() and self.alive_workers() >= self.workers:
             log.info("Spark cluster already running at %s", self.master_url)
             return
         log.info("starting a Spark standalone cluster at %s: %d worker(s) of %d core(s), %s", self.master_url,
@@ -101,26 +85,10 @@ class EmbeddedSparkCluster:
             self._start(f"worker-{i}", "org.apache.spark.deploy.worker.Worker", self.master_url,
                         "--host", "127.0.0.1", "--cores", str(self.worker_cores), "--memory", self.worker_memory,
                         "--webui-port", "0")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.alive_workers() >= self.workers:
-                log.info("Spark cluster ready: %s (UI %s)", self.master_url, self.webui_url)
-                return
-            time.sleep(0.5)
-        tail = (self.state_dir / "master.log").read_text(errors="replace").splitlines()[-15:]
-        self.stop()
-        raise ClusterStartError(f"{self.workers} worker(s) did not register with {self.master_url} within "
-                                f"{timeout:.0f} s; {self.state_dir}/master.log:\n" + "\n".join(tail))
+        self.processes.wait_ready(lambda: self.alive_workers() >= self.workers, timeout, ClusterStartError,
+                                  f"the Spark master at {self.master_url} with {self.workers} registered worker(s)",
+                                  "master")
+        log.info("Spark cluster ready: %s (UI %s)", self.master_url, self.webui_url)
 
     def stop(self, timeout: float = 20.0) -> None:
-        pids = self._pids()
-        for pid in pids:
-            try:
-                os.killpg(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + timeout
-        while self._pids() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in self._pids():
-            os.killpg(pid, signal.SIGKILL)
+        self.processes.stop(timeout)

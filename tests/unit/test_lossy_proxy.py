@@ -2,7 +2,7 @@
 expected, anything else is reported as the standard library reports it."""
 from __future__ import annotations
 
-from ipcount.devtools.embedded_kafka import free_port
+from ipcount.devtools.service import free_port
 from ipcount.devtools.lossy_proxy import LossyProxy
 
 

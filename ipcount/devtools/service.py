@@ -1,0 +1,128 @@
+"""What the embedded services share: each of their processes starts in a session of its own
+with a log and a pid file under the service's state directory, readiness is waited for
+with an error that carries the log's tail, and a stop asks (SIGTERM to the process group)
+before it forces (SIGKILL).
+
+A pid file holds the process's start time too: after a reboot (or long after a crash) the
+same pid may belong to some other process, which must never be taken for the service's,
+let alone killed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for local services)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...);
+    None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a server's log, for an error message that says why it did not start."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def started_at(pid: int) -> str | None:
+    """The process's start time (clock ticks after boot), or None if it is gone or a zombie
+    (exited; not reaped here: its exit status is its parent's to read)."""
+    stat = proc_stat(pid)
+    return None if stat is None or stat[0] == "Z" else stat[19]  # field 22 of /proc/PID/stat
+
+
+@dataclass(frozen=True)
+class Processes:
+    """The processes of one service, each by name: ``<name>.pid`` and ``<name>.log`` under
+    ``state_dir``."""
+
+    state_dir: Path
+
+    def log_file(self, name: str) -> Path:
+        return self.state_dir / f"{name}.log"
+
+    def launch(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
+        """Start ``argv`` in a session of its own, its output appended to its log."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file(name), "ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=None if env is None else dict(env), start_new_session=True)
+        (self.state_dir / f"{name}.pid").write_text(f"{proc.pid} {started_at(proc.pid) or ''}\n")
+        return proc
+
+    def pid(self, name: str) -> int | None:
+        """The live process the pid file names, if it is still the one started."""
+        try:
+            pid_text, *started = (self.state_dir / f"{name}.pid").read_text().split()
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            return None
+        now = started_at(pid)
+        return pid if now is not None and (not started or started[0] == now) else None
+
+    def names(self) -> list[str]:
+        return sorted(f.stem for f in self.state_dir.glob("*.pid"))
+
+    def pids(self) -> list[int]:
+        return [pid for pid in map(self.pid, self.names()) if pid is not None]
+
+    def wait_ready(self, ready: Callable[[], bool], timeout: float, error: type[Exception], what: str,
+                   name: str, proc: subprocess.Popen | None = None) -> None:
+        """Until ``ready()``; ``error`` (with the log's tail of process ``name``) if ``proc``
+        exits first or ``timeout`` passes, after stopping what was started."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if proc is not None and proc.poll() is not None:
+                self.stop()
+                raise error(f"{what} exited with code {proc.returncode} at start; {self.log_file(name)}:\n"
+                            f"{log_tail(self.log_file(name))}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise error(f"{what} was not ready within {timeout:.0f} s; {self.log_file(name)}:\n"
+                            f"{log_tail(self.log_file(name))}")
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 20.0, force: bool = True) -> None:
+        """SIGTERM every process group, wait up to ``timeout``, then SIGKILL what is left
+        (unless not ``force``); the pid files of processes gone are removed."""
+        running = {name: pid for name in self.names() if (pid := self.pid(name)) is not None}
+        for pid in running.values():
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        while any(self.pid(n) for n in running) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for name in running:
+            if (pid := self.pid(name)) is not None and force:
+                log.warning("%s (pid %d) still runs %.0f s after SIGTERM: SIGKILL", name, pid, timeout)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for name in self.names():
+            if self.pid(name) is None:
+                (self.state_dir / f"{name}.pid").unlink(missing_ok=True)

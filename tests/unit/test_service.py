@@ -1,0 +1,51 @@
+"""The embedded services' process handling (:mod:`ipcount.devtools.service`), on real
+processes: a pid file names only the process it started, a stop asks before it forces, and
+a start that fails says why with its log."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from ipcount.devtools.service import Processes, started_at
+
+
+class Refused(RuntimeError):
+    pass
+
+
+def test_a_pid_file_names_its_own_process_only(tmp_path):
+    procs = Processes(tmp_path)
+    proc = procs.launch("sleeper", ["sleep", "60"])
+    try:
+        assert procs.pid("sleeper") == proc.pid and procs.names() == ["sleeper"]
+        # After a reboot the same pid may be some other process: this one (pytest) is not ours.
+        (tmp_path / "stranger.pid").write_text(f"{os.getpid()} {int(started_at(os.getpid())) + 1}\n")
+        assert procs.pid("stranger") is None and procs.pids() == [proc.pid]
+        procs.stop(timeout=10)
+        assert proc.wait(timeout=5) is not None and procs.pid("sleeper") is None
+        assert procs.names() == []     # the pid files of processes gone are removed, the stale one too
+    finally:
+        proc.kill()
+
+
+def test_a_stop_kills_what_does_not_stop_when_asked(tmp_path):
+    procs = Processes(tmp_path)
+    proc = procs.launch("stubborn", ["sh", "-c", "trap '' TERM; echo started; while true; do sleep 0.1; done"])
+    procs.wait_ready(lambda: "started" in procs.log_file("stubborn").read_text(), 10, Refused, "stubborn",
+                     "stubborn", proc)
+    started = time.monotonic()
+    procs.stop(timeout=1)
+    assert proc.wait(timeout=5) == -9 and procs.pid("stubborn") is None and 1 <= time.monotonic() - started < 5
+
+
+def test_a_start_that_fails_says_why_with_its_log(tmp_path):
+    procs = Processes(tmp_path)
+    proc = procs.launch("broken", ["sh", "-c", "echo 'port 9 is taken'; exit 3"])
+    with pytest.raises(Refused, match=r"(?s)broken thing exited with code 3 at start; .*broken.log:\nport 9 is taken"):
+        procs.wait_ready(lambda: False, 10, Refused, "broken thing", "broken", proc)
+    slow = procs.launch("slow", ["sleep", "60"])
+    with pytest.raises(Refused, match="slow thing was not ready within 1 s"):
+        procs.wait_ready(lambda: False, 1, Refused, "slow thing", "slow", slow)
+    assert slow.wait(timeout=30) is not None           # stopped, not left behind
