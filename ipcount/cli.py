@@ -15,6 +15,7 @@
                a three-node cluster); create-topic
     s3         start / stop / status of an embedded S3-compatible server (s3proxy), for tables on S3
     spark-cluster  start / stop / status of a local Spark standalone master and workers
+    spark-connect  start / stop / status of a local Spark Connect server for remote epochs
     postgres   start / stop / status of an embedded PostgreSQL server for Airflow's metadata
     consumer-groups  Kafka's kafka-consumer-groups tool, logged in with the pipeline's settings
     config     print the effective configuration
@@ -71,8 +72,10 @@ def _positive_int(text: str) -> int:
 
 
 def load_config(args: argparse.Namespace) -> PipelineConfig:
+    """The settings, from the command's flags where it has them (a command without the
+    settings flags reads the file and IPCOUNT_* variables only)."""
     overrides = {f.name: getattr(args, f.name, None) for f in fields(PipelineConfig)}
-    return PipelineConfig.load(config_file=args.config, **overrides)
+    return PipelineConfig.load(config_file=getattr(args, "config", None), **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -627,6 +630,36 @@ def _spark_cluster(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     return EXIT_OK
 
 
+def _spark_connect_arguments(sub) -> None:
+    p = sub.add_parser("spark-connect", help="manage a local Spark Connect server that epochs can run on",
+                       description="Start, stop or inspect a Spark Connect server on 127.0.0.1 from the pinned "
+                                   "pyspark, with the Kafka and Delta jars and an epoch's Spark settings; it "
+                                   "takes only clients with its token (a private file it makes). Point the "
+                                   "pipeline at it with spark_remote and spark_remote_token_file, which `start` "
+                                   "prints; epochs then run in the calling process with a remote session.")
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("--port", type=_positive_int, default=15002, help="the server's port (default 15002)")
+    p.add_argument("--master", default="local[*]", help="the server's Spark master (default local[*]; a "
+                                                        "standalone cluster: spark://host:7077)")
+    p.add_argument("--state-dir", default=str(STATE_DIR / "spark-connect"), help="its log and token file")
+
+
+def _spark_connect(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
+
+    server = EmbeddedSparkConnect(state_dir=Path(args.state_dir), port=args.port, master=args.master)
+    if args.action == "start":
+        server.start()
+        for name, value in server.settings().items():
+            print(f'export IPCOUNT_{name.upper()}="{value}"')
+    elif args.action == "stop":
+        server.stop()
+    else:
+        print(server.status())
+        return EXIT_OK if server.pid() is not None and server.is_listening() else EXIT_FAILED
+    return EXIT_OK
+
+
 def _postgres_arguments(sub) -> None:
     p = sub.add_parser("postgres", help="manage an embedded PostgreSQL server for Airflow's metadata",
                        description="Start, stop or inspect Debian's PostgreSQL server (bin/setup --postgres "
@@ -738,6 +771,7 @@ COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
     "kafka": (_kafka_arguments, _kafka),
     "s3": (_s3_arguments, _s3),
     "spark-cluster": (_spark_cluster_arguments, _spark_cluster),
+    "spark-connect": (_spark_connect_arguments, _spark_connect),
     "postgres": (_postgres_arguments, _postgres),
     "consumer-groups": (_consumer_groups_arguments, _consumer_groups),
     "airflow": (_airflow_arguments, _airflow),

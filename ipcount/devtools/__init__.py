@@ -9,6 +9,7 @@ and the benchmark with its peer (Spark Structured Streaming).
 - :mod:`.lossy_proxy`        a proxy in front of it that loses the answers to commits
 - :mod:`.embedded_postgres`  PostgreSQL for Airflow's metadata database
 - :mod:`.embedded_spark`     a Spark standalone cluster from the pinned pyspark
+- :mod:`.embedded_connect`   a Spark Connect server that epochs can run on (``spark_remote``)
 - :mod:`.embedded_airflow`   Airflow's environment on the embedded stack
 - :mod:`.generator`          access-log traffic, seedable
 - :mod:`.chaos`              ``ipcount chaos``: random SIGKILLs, then a plain-Python recount

@@ -36,6 +36,7 @@ from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.sink import Sink
+from ipcount.storage.spark import task_slots
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -343,7 +344,8 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
 def read_options(spark: SparkSession, records: int, partitions: int) -> dict[str, str]:
     """The Kafka source's task count for a read of ``records`` from ``partitions``
     partitions (:func:`ipcount.rules.offsets.read_tasks`): ``minPartitions``, or nothing."""
-    tasks = read_tasks(records, partitions, spark.sparkContext.defaultParallelism)
+    slots = task_slots(spark)
+    tasks = read_tasks(records, partitions, slots) if slots else None
     return {} if tasks is None else {"minPartitions": str(tasks)}
 
 

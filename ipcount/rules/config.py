@@ -165,6 +165,17 @@ class PipelineConfig:
         "master of the in-process Spark session (bin/ipcount epoch); the DAGs' spark-submit uses Airflow's "
         "spark_default connection",
         scope=CALLER)
+    spark_remote: str = setting(
+        "",
+        "Spark Connect URL of a Spark Connect server (sc://host:port, ipcount spark-connect start makes one): "
+        "set, the epoch runs in this process with a remote session (planning and every Delta commit here, the "
+        "read and aggregation on the server) and spark_master is not used",
+        scope=CALLER)
+    spark_remote_token_file: str = setting(
+        "",
+        "file holding the Spark Connect server's token (mode 0600), sent with every request (use the host name "
+        "localhost for a server on this machine: pyspark asks for TLS whenever a token goes elsewhere)",
+        scope=CALLER)
     kafka_timeout_seconds: int = setting(30, "timeout of broker requests", minimum=1)
     schedule: str = setting(
         "* * * * *",
@@ -243,6 +254,12 @@ class PipelineConfig:
         if self.epoch_server and not re.match(r"^https?://[^/\s:]+:\d{1,5}/?$", self.epoch_server):
             raise ConfigError(f"epoch_server must be a URL such as http://127.0.0.1:8765 (or empty for "
                               f"spark-submit); found {self.epoch_server!r}")
+        if self.spark_remote and not re.match(r"^sc://[^/\s:;]+(:\d{1,5})?/?(;\S*)?$", self.spark_remote):
+            raise ConfigError(f"spark_remote must be a Spark Connect URL such as sc://localhost:15002 (or empty for a "
+                              f"Spark session in this process); found {self.spark_remote!r}")
+        if self.spark_remote_token_file and not self.spark_remote:
+            raise ConfigError("spark_remote_token_file is set but spark_remote is not: the token is for a Spark "
+                              "Connect server")
         if not self.warehouse:
             raise ConfigError("warehouse is empty; expected a directory or an s3:// URI for the Delta tables")
         for name in ("warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table"):

@@ -83,3 +83,7 @@ class TableSetMismatch(IpcountError, exit_code=EXIT_USAGE):
 
 class EpochServerError(IpcountError, RuntimeError, exit_code=EXIT_USAGE):
     """The epoch server could not be reached, refused the request, or broke off while running it."""
+
+
+class SparkConnectError(IpcountError, RuntimeError, exit_code=EXIT_USAGE):
+    """The Spark Connect server of ``spark_remote`` could not be reached or refused the token."""

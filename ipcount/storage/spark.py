@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from ipcount.rules.config import STATE_DIR, PipelineConfig
-from ipcount.rules.errors import MissingJarsError
+from ipcount.rules.errors import MissingJarsError, SparkConnectError
+from ipcount.rules.private_files import read_private_file
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -61,11 +64,15 @@ def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
 def get_spark(cfg: PipelineConfig, app_name: str = "ipcount-epoch") -> SparkSession:
     """A session with Delta and the Kafka source.
 
-    Under spark-submit (the DAG's path) the JVM is already running with the master, jars
-    and settings that were submitted, so they are used as they are.
+    With ``spark_remote`` set, a Spark Connect session of the server there (which has the
+    jars and settings of :func:`spark_conf`: ``ipcount spark-connect start``). Under
+    spark-submit (the DAG's path) the JVM is already running with the master, jars and
+    settings that were submitted, so they are used as they are.
     """
     from pyspark.sql import SparkSession
 
+    if cfg.spark_remote:
+        return remote_session(cfg)
     builder = SparkSession.builder.appName(app_name)
     if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
         builder = builder.master(cfg.spark_master).config("spark.jars", ",".join(spark_jars()))
@@ -74,3 +81,44 @@ def get_spark(cfg: PipelineConfig, app_name: str = "ipcount-epoch") -> SparkSess
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def connect_url(cfg: PipelineConfig) -> str:
+    """``spark_remote`` with the token of ``spark_remote_token_file`` added (never logged)."""
+    if not cfg.spark_remote_token_file:
+        return cfg.spark_remote
+    token = read_private_file(cfg.spark_remote_token_file, "spark_remote_token_file")
+    base, _, params = cfg.spark_remote.partition("/;")
+    return f"{base.rstrip('/')}/;" + ";".join(p for p in (params, f"token={token}") if p)
+
+
+def remote_session(cfg: PipelineConfig) -> SparkSession:
+    """A Spark Connect session of ``cfg.spark_remote``, answering: a server that is not there
+    or refuses the token is a clear error, not minutes of the client's own retries."""
+    from pyspark.sql import SparkSession
+
+    host, _, port = urlsplit(cfg.spark_remote.replace("sc://", "http://", 1)).netloc.partition(":")
+    try:
+        socket.create_connection((host, int(port or 15002)), timeout=cfg.kafka_timeout_seconds).close()
+    except OSError as e:
+        raise SparkConnectError(f"no Spark Connect server answers at {cfg.spark_remote} ({e.strerror or e}); start "
+                                "one (ipcount spark-connect start) or leave spark_remote empty") from None
+    spark = SparkSession.builder.remote(connect_url(cfg)).getOrCreate()
+    try:
+        spark.version  # (the first request: the token is checked here)
+    except Exception as e:  # noqa: BLE001 - pyspark's gRPC errors have no narrower public base
+        if "UNAUTHENTICATED" not in str(e):
+            raise
+        raise SparkConnectError(f"the Spark Connect server at {cfg.spark_remote} refused this client's token: "
+                                f"{' '.join(str(e).split())[:200]} (spark_remote_token_file names the file "
+                                "holding the server's token)") from None
+    return spark
+
+
+def task_slots(spark: SparkSession) -> int | None:
+    """How many tasks the session's Spark runs at once: a classic session's default
+    parallelism, a Connect server's ``spark.default.parallelism`` (None if it does not say)."""
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        value = spark.conf.get("spark.default.parallelism", None)
+        return int(value) if value else None
+    return spark.sparkContext.defaultParallelism
