@@ -13,7 +13,8 @@ skipped. Trigger it from the form, or:
 1. `check_request` - parse and check the request against the broker; a bad one fails here,
    before anything is written, with a message that says what to fix.
 2. `run_backfill` - spark-submit of `spark_jobs/epoch_job.py backfill` (or the same command in
-   the epoch server, when `epoch_server` names one that answers).
+   the epoch server, when `epoch_server` names one that answers, or in this task's own
+   process on the Spark Connect server of `spark_connect_connection`, when that is set).
 3. `publish_counts` - when `publish` is on, send the main counts rows the backfill changed to
    `publish_topic` (kind `backfill`), exactly once; replay targets are never published.
 4. `publish_summary` - log the epochs, return them to XCom (and, for the main target, put
@@ -28,10 +29,11 @@ import pendulum
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 
+from ipcount.cli import run_in_session
 from ipcount.orchestration.dags import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, backfill_params, check_backfill_request,
-                                        counts_asset, dagrun_timeout, epoch_summary, spark_submit_kwargs, task_defaults)
+                                        counts_asset, dagrun_timeout, epoch_summary, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
-from ipcount.orchestration.operators import EpochSubmitOperator
+from ipcount.orchestration.operators import epoch_operator
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -54,8 +56,8 @@ with DAG(
         """The request, parsed and checked against the broker (fails before any write)."""
         return check_backfill_request(CFG, params)
 
-    run_backfill = EpochSubmitOperator(
-        task_id="run_backfill", **spark_submit_kwargs(CFG, "backfill", REQUEST_BACKFILL_ARGS, run_params=False))
+    run_backfill = epoch_operator(CFG, "run_backfill", "backfill", REQUEST_BACKFILL_ARGS, run_params=False,
+                                  run_in_session=run_in_session)
 
     @task
     def publish_counts() -> dict:

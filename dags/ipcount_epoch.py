@@ -9,8 +9,10 @@ Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
    delta-rs, the log ends asked of the broker: no JVM is started for nothing).
 2. `run_epoch` - spark-submit of `spark_jobs/epoch_job.py` (connection `spark_default`), or
    the same command in the epoch server when `epoch_server` names one that answers (a warm
-   Spark session: no JVM start per run): plan from the ledger (or finish an unfinished epoch
-   with its recorded ranges), read, count, merge into the counts table, commit the ledger.
+   Spark session: no JVM start per run), or, with `spark_connect_connection` set, in this
+   task's own process on that Spark Connect server: plan from the ledger (or finish an
+   unfinished epoch with its recorded ranges), read, count, merge into the counts table,
+   commit the ledger.
    A run made by `airflow backfill create` takes `backfill_interval` instead: it counts the
    records whose Kafka timestamps fall in the run's data interval and that the ledger does
    not own yet (an interval the chain already counted is a no-op, and says so).
@@ -33,13 +35,13 @@ import pendulum
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 
+from ipcount.cli import run_in_session
 from ipcount.jobs import idle
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params, dagrun_timeout,
-                                        epoch_summary, epoch_timetable, run_config, spark_submit_kwargs,
-                                        task_defaults)
+                                        epoch_summary, epoch_timetable, run_config, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
-from ipcount.orchestration.operators import EpochSubmitOperator
+from ipcount.orchestration.operators import epoch_operator
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -72,10 +74,10 @@ with DAG(
         log.info("%s: %s", "running the epoch" if verdict.run else "skipping the epoch", verdict.why)
         return "run_epoch" if verdict.run else None
 
-    run_epoch = EpochSubmitOperator(task_id="run_epoch", **spark_submit_kwargs(CFG, "epoch", ("--skip-offset-commit",
-                                                                                               "--skip-publish")))
-    backfill_interval = EpochSubmitOperator(task_id="backfill_interval",
-                                            **spark_submit_kwargs(CFG, "backfill", INTERVAL_BACKFILL_ARGS))
+    run_epoch = epoch_operator(CFG, "run_epoch", "epoch", ("--skip-offset-commit", "--skip-publish"),
+                               run_in_session=run_in_session)
+    backfill_interval = epoch_operator(CFG, "backfill_interval", "backfill", INTERVAL_BACKFILL_ARGS,
+                                       run_in_session=run_in_session)
 
     @task(trigger_rule="none_failed_min_one_success")
     def commit_offsets(params: dict | None = None) -> bool:

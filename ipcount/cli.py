@@ -109,6 +109,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def run_in_session(args: Sequence[str], spark=None) -> None:
+    """``ipcount ARGS`` in this process on ``spark``: an Airflow task's Spark Connect session,
+    made by its operator from the task's connection. An error when the command fails (its log
+    says why)."""
+    from ipcount.storage.spark import given_session
+
+    with given_session(spark):
+        code = main([str(a) for a in args])
+    if code != EXIT_OK:
+        raise RuntimeError(f"`ipcount {args[0]}` failed with exit code {code} (see the log above)")
+
+
 def _crash_hook():
     from ipcount.jobs.crash import crash_hook
 

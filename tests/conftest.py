@@ -108,6 +108,19 @@ class ServedPipelines:
 
 
 @pytest.fixture(scope="session")
+def connect(broker, tmp_path_factory):
+    """The run's Spark Connect server (``ipcount spark-connect``), for epochs run with a
+    remote session (in CLI processes: a process gets either a classic or a Connect session)."""
+    from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
+
+    server = EmbeddedSparkConnect(state_dir=tmp_path_factory.mktemp("spark-connect"), port=free_port(),
+                                  master="local[2]", cores=2)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def epoch_server(broker, tmp_path_factory):
     """A real epoch server (``ipcount serve``) for the whole run, warmed up on a topic of its
     own. Tests hand it their pipelines with ``cfg = epoch_server.serve(cfg)``."""

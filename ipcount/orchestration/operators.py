@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
+from airflow.providers.apache.spark.operators.spark_pyspark import PySparkOperator
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk.exceptions import AirflowException
 
+from ipcount.orchestration.dags import spark_submit_kwargs
 from ipcount.orchestration.kafka_connection import kafka_args, resolved
 from ipcount.orchestration.monitor.links import EpochPageLink
 from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import ConfigError
 from ipcount.server import auth, client
 
 
@@ -70,3 +74,50 @@ class EpochSubmitOperator(SparkSubmitOperator):
         if result["exit_code"] != 0:
             raise AirflowException(f"`{args[0]}` failed in the epoch server with exit code {result['exit_code']}"
                                    + (f": {result['error']}" if result.get("error") else " (see the log above)"))
+
+
+class EpochConnectOperator(PySparkOperator):
+    """``ipcount <command>`` in this task's own process, on a Spark Connect session of the
+    ``spark_connect`` connection ``conn_id`` (the provider's operator makes the session from
+    it and stops it at the end): planning and every Delta commit happen here, the Kafka read
+    and the aggregation on the server. A task that dies takes its epoch with it: nothing of
+    it runs on elsewhere. ``python_callable`` runs the command
+    (:func:`ipcount.cli.run_in_session`, handed over by the DAG file: the CLI sits above this
+    layer); ``command_args`` are templated."""
+
+    operator_extra_links = (EpochPageLink(),)
+    template_fields = (*PySparkOperator.template_fields, "command_args")
+
+    def __init__(self, *, command_args: list[str], kafka_connection: str = "", bootstrap_servers: str = "",
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.command_args = command_args
+        self.kafka_connection = kafka_connection
+        self.bootstrap_servers = bootstrap_servers
+
+    def execute(self, context):
+        if not self.kafka_connection:
+            self.op_args = [self.command_args]
+            return super().execute(context)
+        cfg = PipelineConfig(bootstrap_servers=self.bootstrap_servers, kafka_connection=self.kafka_connection)
+        with resolved(cfg) as kafka:  # (its secrets in private files until the command is done)
+            self.log.info("Kafka settings from connection %r: %s over %s", self.kafka_connection,
+                          kafka.bootstrap_servers, kafka.kafka_security_protocol)
+            self.op_args = [[*self.command_args, *kafka_args(kafka)]]
+            return super().execute(context)
+
+
+def epoch_operator(cfg: PipelineConfig, task_id: str, command: str, task_args: tuple[str, ...] = (),
+                   run_params: bool = True, run_in_session: Callable | None = None):
+    """The task running ``ipcount <command>``: in the task's own process on the Spark Connect
+    server of ``spark_connect_connection`` when that is set (``run_in_session`` runs it:
+    :func:`ipcount.cli.run_in_session`), else spark-submit or the epoch server
+    (:func:`spark_submit_kwargs`). Chosen by configuration, never by probing."""
+    if not cfg.spark_connect_connection:
+        return EpochSubmitOperator(task_id=task_id, **spark_submit_kwargs(cfg, command, task_args, run_params))
+    if run_in_session is None:
+        raise ConfigError("spark_connect_connection is set, but the DAG file gave no command runner")
+    args = spark_submit_kwargs(cfg, command, task_args, run_params)["application_args"]
+    return EpochConnectOperator(task_id=task_id, python_callable=run_in_session, conn_id=cfg.spark_connect_connection,
+                                command_args=args, kafka_connection=cfg.kafka_connection,
+                                bootstrap_servers=cfg.bootstrap_servers)

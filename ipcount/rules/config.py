@@ -176,6 +176,12 @@ class PipelineConfig:
         "file holding the Spark Connect server's token (mode 0600), sent with every request (use the host name "
         "localhost for a server on this machine: pyspark asks for TLS whenever a token goes elsewhere)",
         scope=CALLER)
+    spark_connect_connection: str = setting(
+        "",
+        "id of an Airflow connection of type spark_connect (host, port, password: the server's token, extra "
+        "use_ssl): set, the DAGs' Spark tasks run their command in the task's own process on that Spark Connect "
+        "server (neither the epoch server nor spark-submit)",
+        scope=CALLER)
     kafka_timeout_seconds: int = setting(30, "timeout of broker requests", minimum=1)
     schedule: str = setting(
         "* * * * *",

@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 from urllib.parse import urlsplit
 
 from ipcount.rules.config import STATE_DIR, PipelineConfig
@@ -37,14 +38,20 @@ def spark_jars(jars_dir: Path = SPARK_JARS_DIR) -> list[str]:
     return jars
 
 
+# Settings each session sets for itself (a Spark Connect session too, whatever its server's).
+SESSION_CONF = {
+    "spark.sql.session.timeZone": "UTC",
+    # Epochs are small batches on few cores: a handful of shuffle partitions, not 200.
+    "spark.sql.shuffle.partitions": "4",
+}
+
+
 def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
     """Spark settings shared by the in-process session and spark-submit (the DAG's path)."""
     return {
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-        "spark.sql.session.timeZone": "UTC",
-        # Epochs are small batches on few cores: a handful of shuffle partitions, not 200.
-        "spark.sql.shuffle.partitions": "4",
+        **SESSION_CONF,
         "spark.databricks.delta.snapshotPartitions": "2",
         "spark.ui.showConsoleProgress": "false",
         # Only path-based Delta tables are used; keep Spark's catalog directory out of the cwd.
@@ -71,6 +78,8 @@ def get_spark(cfg: PipelineConfig, app_name: str = "ipcount-epoch") -> SparkSess
     """
     from pyspark.sql import SparkSession
 
+    if _GIVEN:
+        return _GIVEN[-1]
     if cfg.spark_remote:
         return remote_session(cfg)
     builder = SparkSession.builder.appName(app_name)
@@ -112,7 +121,28 @@ def remote_session(cfg: PipelineConfig) -> SparkSession:
         raise SparkConnectError(f"the Spark Connect server at {cfg.spark_remote} refused this client's token: "
                                 f"{' '.join(str(e).split())[:200]} (spark_remote_token_file names the file "
                                 "holding the server's token)") from None
+    return configured(spark)
+
+
+def configured(spark: SparkSession) -> SparkSession:
+    """``spark`` with :data:`SESSION_CONF` set (a Spark Connect session's own settings)."""
+    for key, value in SESSION_CONF.items():
+        spark.conf.set(key, value)
     return spark
+
+
+_GIVEN: list[SparkSession] = []
+
+
+@contextmanager
+def given_session(spark: SparkSession) -> Iterator[SparkSession]:
+    """Within, :func:`get_spark` returns ``spark``, configured: a session the caller made (an
+    Airflow task's, from its ``spark_connect`` connection)."""
+    _GIVEN.append(configured(spark))
+    try:
+        yield spark
+    finally:
+        _GIVEN.pop()
 
 
 def task_slots(spark: SparkSession) -> int | None:

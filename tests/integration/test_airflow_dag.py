@@ -90,6 +90,26 @@ def test_dag_folder_imports_without_errors(airflow_environ):
     assert (epoch_dag["timetable"], epoch_dag["max_active_runs"]) == ("ContinuousTimetable", 1), epoch_dag
 
 
+def test_dag_test_runs_the_epoch_in_its_task_on_a_spark_connect_server(airflow_environ, cfg, connect):
+    # The task's Spark Connect session comes from the connection (its password: the server's
+    # token). spark_default names a master nothing serves, so a spark-submit could not run.
+    gen = TrafficGenerator(seed=37, events_per_second=50, malformed_share=0.03)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
+                       partition_of=lambda i, r: i % 3)
+    cfg = cfg.replace(spark_connect_connection="ipcount_connect")
+    env = {**airflow_environ, "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark",
+                                                                         "host": "spark://127.0.0.1:1"}),
+           "AIRFLOW_CONN_IPCOUNT_CONNECT": json.dumps({"conn_type": "spark_connect", "host": "localhost",
+                                                       "port": connect.port, "password": connect.token()})}
+    proc = _airflow(env, "dags", "test", "ipcount_epoch", cfg=cfg)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert connect.token() not in proc.stdout + proc.stderr
+    epochs = committed_epochs(cfg.ledger_path)
+    assert len(epochs) == 1 and epochs[0].run_id.startswith("manual__") and epochs[0].records_read == len(produced)
+    expected = expected_tables(produced, epoch_ranges(cfg))
+    assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
+
+
 def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_environ, cfg):
     gen = TrafficGenerator(seed=31, events_per_second=50, malformed_share=0.03)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(400, 1_795_255_200_000),

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
 from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.rules.errors import EXIT_USAGE
 from ipcount.rules.private_files import write_private_file
@@ -20,16 +19,6 @@ from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, late_records, ledger
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
-
-
-@pytest.fixture(scope="module")
-def connect(broker, tmp_path_factory):
-    server = EmbeddedSparkConnect(state_dir=tmp_path_factory.mktemp("spark-connect"), port=free_port(),
-                                  master="local[2]", cores=2)
-    server.start()
-    yield server
-    server.stop()
-    assert server.pid() is None
 
 
 def ipcount(cfg, *args, env=None):
