@@ -34,7 +34,9 @@ the first records are deleted (or at the finish, if none are); from then on rebu
 rounds. The ``answers`` scenario is the chain and a backfill racing while commit answers are
 lost: a run with it keeps its warehouse on an S3 store of its own (s3proxy) behind
 :mod:`ipcount.devtools.lossy_proxy`, which in those rounds lets the store take every third
-commit and closes the connection instead of answering.
+commit and closes the connection instead of answering. The ``connect`` scenario runs the chain
+and a backfill on the run's own Spark Connect server (``spark_remote``), and half the time
+SIGKILLs the server under the chain and starts it again.
 
 Then it lets the chain and every backfill finish without kills (under ``skip`` if anything was
 deleted, so that what was left unfinished over deleted offsets settles; each backfill request
@@ -76,13 +78,15 @@ import threading
 import time
 import uuid
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Mapping, NamedTuple
+from typing import Iterable, Iterator, Mapping, NamedTuple
 
 from ipcount.devtools.chaos_state import DELETED_FILE, REBUILD, RETENTION, STATE_FILE, RunState, round_rng
 from ipcount.devtools.embedded_airflow import airflow_env
+from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
 from ipcount.devtools.embedded_kafka import EmbeddedKafka
 from ipcount.devtools.service import free_port, proc_stat
 from ipcount.devtools.embedded_s3 import EmbeddedS3
@@ -101,7 +105,7 @@ from ipcount.storage.delta import read_rows
 
 log = logging.getLogger(__name__)
 
-SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker", "retention", "rebuild", "answers")
+SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker", "retention", "rebuild", "answers", "connect")
 REPLAY_TARGET = "replay"  # what the rebuild scenario rebuilds the run's tables into
 LOSE_EVERY = 3  # in answers rounds, the store's answer to every third commit it takes is lost
 AIRFLOW = Path(sys.executable).parent / "airflow"
@@ -293,13 +297,28 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
         state = RunState.load(run_dir / STATE_FILE)
         _check_scenarios(cfg, tuple(state.scenarios), broker_to_restart)
         state.kills_wanted = kills or state.kills_wanted
-    with _LossyStore(run_dir) if state.object_store else _NoStore() as store:
-        return _run(_chaos_config(cfg, state, run_dir), state, run_dir, store, broker_to_restart, max_seconds, pause,
-                    resumed=resume is not None)
+    store = _LossyStore(run_dir) if state.object_store else _NoStore()
+    with store, _connect_server(state, run_dir) as connect:
+        return _run(_chaos_config(cfg, state, run_dir), state, run_dir, store, connect, broker_to_restart, max_seconds,
+                    pause, resumed=resume is not None)
+
+
+@contextmanager
+def _connect_server(state: RunState, run_dir: Path) -> Iterator[EmbeddedSparkConnect | None]:
+    """The run's Spark Connect server, if it has connect rounds: up while the sitting lasts."""
+    if "connect" not in state.scenarios:
+        yield None
+        return
+    server = EmbeddedSparkConnect(state_dir=run_dir / "spark-connect", port=free_port(), master="local[2]", cores=2)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _run(chaos_cfg: PipelineConfig, state: RunState, run_dir: Path, store: _NoStore,
-         broker_to_restart: EmbeddedKafka | None,
+         connect: EmbeddedSparkConnect | None, broker_to_restart: EmbeddedKafka | None,
          max_seconds: float, pause: bool, resumed: bool) -> ChaosReport:
     """The rounds of one sitting, then (unless pausing) the finish and the recount."""
     if not resumed:
@@ -339,6 +358,8 @@ def _run(chaos_cfg: PipelineConfig, state: RunState, run_dir: Path, store: _NoSt
                                            procs.start("rebuild", "--into", REPLAY_TARGET, *round_cfg.to_args())])
             elif scenario == "answers":
                 phases = _answers_round(round_cfg, killer, state, store)
+            elif scenario == "connect":
+                phases = _connect_round(round_cfg, killer, connect, state.backfills)
             else:
                 phases = _round(scenario, round_cfg, killer, state.backfills)
             state.rounds += 1
@@ -737,6 +758,28 @@ def _chain_ranges(cfg: PipelineConfig) -> dict[int, tuple[int, int]]:
             newest[r["partition"]] = max(newest.get(r["partition"], (-1, 0, 0)),
                                          (r["epoch"], r["until_offset"], r["from_offset"]))
     return {p: (a, b) for p, (_, b, a) in newest.items()}
+
+
+def _connect_round(cfg: PipelineConfig, killer: _Killer, connect: EmbeddedSparkConnect,
+                   backfills: list[str]) -> list[str]:
+    """The chain and a backfill of random ranges on the run's Spark Connect server (each in its
+    own process with a remote session); half the time the server is SIGKILLed under the chain
+    at a moment of the chain's (and started again), else the processes are killed as in
+    :func:`_round`. A chain whose server died fails or carries on; the next round or the
+    finish picks it up."""
+    remote = cfg.replace(**connect.settings())
+    procs = killer.procs
+    if killer.rng.random() < 0.5:
+        return _round("backfill", remote, killer, backfills)
+    chain = procs.start("epoch", *remote.to_args(), "--epochs", "1000")
+    killer.wait_for(chain, killer.moment())
+    phases = [procs.phase(chain)] if chain.poll() is None else []
+    connect.kill()
+    log.info("chaos: Spark Connect server SIGKILLed under the chain (%s); starting it again",
+             phases[0] if phases else "gone already")
+    connect.start()
+    _wait_or_kill(procs, chain, SPARED_SECONDS)
+    return phases
 
 
 def _broker_round(cfg: PipelineConfig, killer: _Killer, kafka: EmbeddedKafka) -> list[str]:

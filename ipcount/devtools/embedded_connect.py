@@ -99,6 +99,10 @@ class EmbeddedSparkConnect:
     def stop(self, timeout: float = 30.0) -> None:
         self.processes.stop(timeout)
 
+    def kill(self) -> None:
+        """SIGKILL the server (for failure tests): its sessions and running queries die with it."""
+        self.processes.kill(NAME)
+
     def status(self) -> str:
         pid = self.pid()
         if pid is not None and self.is_listening():

@@ -104,6 +104,19 @@ class Processes:
                             f"{log_tail(self.log_file(name))}")
             time.sleep(0.2)
 
+    def kill(self, name: str) -> None:
+        """SIGKILL the process group of ``name``, as a crashed machine would stop it, and wait
+        until it is gone."""
+        pid = self.pid(name)
+        if pid is None:
+            return
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        while self.pid(name) is not None:
+            time.sleep(0.1)
+
     def stop(self, timeout: float = 20.0, force: bool = True) -> None:
         """SIGTERM every process group, wait up to ``timeout``, then SIGKILL what is left
         (unless not ``force``); the pid files of processes gone are removed."""

@@ -46,14 +46,15 @@ def test_random_kills_and_a_broker_restart_leave_no_duplicate_and_no_loss(cfg, b
     assert broker.pid() is not None  # restarted, for the tests after this one
 
 
-def test_rebuilds_and_lost_commit_answers_leave_no_duplicate_and_no_loss(cfg, tmp_path):
+def test_rebuilds_lost_commit_answers_and_connect_kills_leave_no_duplicate_and_no_loss(cfg, tmp_path):
     # The run's tables on its own S3 store behind the lossy proxy; the rebuild is completed
-    # before retention deletes anything, and the replay target is recounted with the rest.
+    # before retention deletes anything, and the replay target is recounted with the rest;
+    # epochs on the run's Spark Connect server, which may be SIGKILLed under the chain.
     report = run_chaos(cfg.replace(publish=True), kills=3, records=90, seed=8, workdir=tmp_path, max_seconds=900,
-                       scenarios=("rebuild", "answers", "retention"), kill_window=(6.0, 20.0),
+                       scenarios=("rebuild", "answers", "retention", "connect"), kill_window=(6.0, 20.0),
                        max_records_per_epoch=100)
     assert report.warehouse.startswith("s3://") and not report.paused, report.line()
-    assert [s for s in ("rebuild", "answers", "retention") if not report.by_scenario[s]] == [], report.line()
+    assert [s for s in ("rebuild", "answers", "retention", "connect") if not report.by_scenario[s]] == [], report.line()
     assert report.answers_lost > 0 and report.rebuilt > 0 and report.deleted > 0, report.line()
     assert report.published > 0 and report.final_changes == 0, report.problems
     assert (report.duplicates, report.losses) == (0, 0) and not report.problems, report.problems
