@@ -320,6 +320,9 @@ def _serve(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     if args.pipelines_dir is not None and not Path(args.pipelines_dir).is_dir():
         log.error("--pipelines-dir %s is not a directory", args.pipelines_dir)
         return EXIT_USAGE
+    if cfg.spark_remote:
+        raise ConfigError("the epoch server runs its own Spark session: leave spark_remote empty for `ipcount "
+                          "serve` (the DAGs' tasks use a Spark Connect server through spark_connect_connection)")
     # The server runs each request through this module's main: the same code as spark-submit.
     return serve(cfg, main, parser_of(build_parser), args.host, args.port, warm=args.warm_up,
                  pipelines_dir=args.pipelines_dir)

@@ -58,19 +58,22 @@ class RunState:
 
     def next_scenario(self) -> str:
         """The scenario of the next round: the order's next, except that when the run rebuilds,
-        retention waits until every other scenario has had a round and half the kills are made,
-        and rebuild has no more rounds once records were deleted (a rebuild replays only offsets
-        Kafka still holds)."""
+        retention waits until every other scenario has had a round and half the kills are made
+        (it takes a turn anyway when nothing else can), and rebuild has no more rounds once the
+        rebuild was completed or records were deleted (a rebuild replays only offsets Kafka
+        still holds, and the completed one is what the recount checks)."""
         n = len(self.order)
         others_done = all(s in self.by_scenario for s in self.order if s != RETENTION)
-        for k in range(n):
-            s = self.order[(self.rounds + k) % n]
-            if s == RETENTION and REBUILD in self.order and not (others_done and 2 * self.kills >= self.kills_wanted):
-                continue
-            if s == REBUILD and self.deleted:
-                continue
-            return s
-        return self.order[self.rounds % n]
+        waits = REBUILD in self.order and not (others_done and 2 * self.kills >= self.kills_wanted)
+        candidates = [self.order[(self.rounds + k) % n] for k in range(n)]
+        able = [s for s in candidates if not (s == REBUILD and (self.deleted or self.rebuilt is not None))]
+        for s in able:
+            if not (s == RETENTION and waits):
+                return s
+        if able:
+            return able[0]
+        raise ConfigError(f"no scenario of {', '.join(self.order)} can take a round: the rebuild is done, and it was "
+                          "the only one; name more scenarios")
 
     def enough(self, pausing: bool) -> bool:
         """Whether the kills wanted are made - and, for a run that is to finish now rather than

@@ -80,6 +80,7 @@ class EmbeddedSparkConnect:
         if self.pid() is not None and self.is_listening():
             log.info("Spark Connect server already running at %s", self.url)
             return
+        self.stop()  # this state directory's server on another port, if any: one at a time
         if self.is_listening():
             raise ConnectStartError(f"port {self.port} is taken by another process; pick another port")
         conf = {**spark_conf(PipelineConfig()), "spark.connect.grpc.binding.address": "127.0.0.1",

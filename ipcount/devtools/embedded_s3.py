@@ -108,6 +108,7 @@ class EmbeddedS3:
         if self.pid() is not None and self.is_serving():
             log.info("s3proxy already serving at %s", self.endpoint)
             return
+        self.stop()  # this state directory's server on another port, if any: one at a time
         self.state_dir.mkdir(parents=True, exist_ok=True)
         config = self._write_config()
         log.info("starting s3proxy at %s (bucket %s, objects in %s)", self.endpoint, self.bucket,

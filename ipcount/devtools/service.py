@@ -73,14 +73,14 @@ class Processes:
         return proc
 
     def pid(self, name: str) -> int | None:
-        """The live process the pid file names, if it is still the one started."""
+        """The live process the pid file names, if it is still the one started (a file without
+        the start time, from an older version or a process gone before it was read, is stale)."""
         try:
-            pid_text, *started = (self.state_dir / f"{name}.pid").read_text().split()
+            pid_text, started = (self.state_dir / f"{name}.pid").read_text().split()
             pid = int(pid_text)
         except (OSError, ValueError):
             return None
-        now = started_at(pid)
-        return pid if now is not None and (not started or started[0] == now) else None
+        return pid if started_at(pid) == started else None
 
     def names(self) -> list[str]:
         return sorted(f.stem for f in self.state_dir.glob("*.pid"))
@@ -104,9 +104,9 @@ class Processes:
                             f"{log_tail(self.log_file(name))}")
             time.sleep(0.2)
 
-    def kill(self, name: str) -> None:
+    def kill(self, name: str, timeout: float = 30.0) -> None:
         """SIGKILL the process group of ``name``, as a crashed machine would stop it, and wait
-        until it is gone."""
+        (up to ``timeout``) until it is gone."""
         pid = self.pid(name)
         if pid is None:
             return
@@ -114,7 +114,8 @@ class Processes:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             return
-        while self.pid(name) is not None:
+        deadline = time.monotonic() + timeout
+        while self.pid(name) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def stop(self, timeout: float = 20.0, force: bool = True) -> None:

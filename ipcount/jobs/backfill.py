@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ipcount.jobs.crash import Crash, no_crash
+from ipcount.jobs.crash import PLANNING, Crash, no_crash
 from ipcount.jobs.epoch import EpochRunner, aged_out
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.coverage import next_chunk
@@ -103,6 +103,7 @@ def run_backfill(cfg: PipelineConfig, spark: SparkSession, request: BackfillRequ
     log.info("backfill %s: %s -> %s", request.request_id, request.describe(), describe(requested))
     runner = replace(EpochRunner.open(target_cfg, spark, run_id, crash), yields_to_chain=True)
 
+    runner.step(PLANNING)
     state = runner.state()
     resumed = []
     for plan in state.pending_backfills:  # a crashed backfill's chunk, whichever request it was

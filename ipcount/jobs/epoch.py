@@ -79,7 +79,6 @@ class EpochRunner:
         return cls(cfg, spark, ledger, sink, run_id, crash)
 
     def state(self) -> LedgerState:
-        self.step(PLANNING)
         return self.ledger.state(self.cfg.topic)
 
     def step(self, point: str, epoch: int | None = None) -> None:
@@ -94,6 +93,7 @@ class EpochRunner:
         """Plan from the ledger and record the plan; if a concurrent planner took some of the
         offsets (or the epoch id) first, plan again from the new state. A planner may answer
         with an epoch the ledger already holds unfinished: that one is returned as it is."""
+        self.step(PLANNING)
         for attempt in range(1, attempts + 1):
             state = state if state is not None else self.state()
             plan = planner(state)
@@ -130,10 +130,14 @@ class EpochRunner:
         t = time.monotonic()
         try:
             tally = _read_and_tally(self.spark, cfg, plan)
-        except Exception:
+        except Exception as read_error:
             # Retention may pass the ranges between that check and Spark's read: the read then
             # fails with a Java trace; say what happened, as the check would have.
-            _check_still_there(cfg.topic, plan, *broker.partition_offsets(cfg))
+            try:
+                offsets = broker.partition_offsets(cfg)
+            except Exception:  # noqa: BLE001 - the broker is away too: the read's own error says more
+                raise read_error from None
+            _check_still_there(cfg.topic, plan, *offsets)
             raise
         metrics = tally.metrics() if tally is not None else {}
         epoch_max = tally.max_event_ms() if tally is not None else None

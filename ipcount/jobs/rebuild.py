@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ipcount.jobs.crash import Crash, no_crash
+from ipcount.jobs.crash import PLANNING, Crash, no_crash
 from ipcount.jobs.epoch import EpochRunner
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import BadRequestError, DataLossError
@@ -84,6 +84,7 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
     tableset_io.claim(dst_cfg, rebuild_of=table_metadata(src_cfg.ledger_path)[0])
     runner = EpochRunner.open(dst_cfg, spark, run_id, crash)
     done = {p.epoch for p, _ in runner.ledger.epochs(cfg.topic, (COMMITTED,))}
+    runner.step(PLANNING)
     pending = set(runner.state().unfinished)
     for plan, _ in epochs:
         if plan.epoch in done:

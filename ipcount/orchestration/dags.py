@@ -175,10 +175,17 @@ def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: 
         "name": f"{cfg.pipeline_id}-{command}",
         "jars": ",".join(spark_jars()),
         "conf": spark_conf(cfg),
-        "application_args": [command, *cfg.to_args(), *(_param_args() if run_params else []),
-                             "--run-id", "{{ run_id }}", *task_args],
+        "application_args": command_args(cfg, command, task_args, run_params),
         "env_vars": dict(DRIVER_ENV),
     }
+
+
+def command_args(cfg: PipelineConfig, command: str, task_args: tuple[str, ...] = (),
+                 run_params: bool = True) -> list[str]:
+    """``ipcount <command>``'s arguments in a DAG task: every setting, the run's Params (when
+    ``run_params``), the run id and the task's own; ``{{ ... }}`` is rendered by Airflow."""
+    return [command, *cfg.to_args(), *(_param_args() if run_params else []), "--run-id", "{{ run_id }}",
+            *task_args]
 
 
 # Each backfill run of the epoch DAG (`airflow backfill create`) counts the records whose

@@ -8,7 +8,7 @@ from airflow.providers.apache.spark.operators.spark_pyspark import PySparkOperat
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk.exceptions import AirflowException
 
-from ipcount.orchestration.dags import spark_submit_kwargs
+from ipcount.orchestration.dags import command_args, spark_submit_kwargs
 from ipcount.orchestration.kafka_connection import kafka_args, resolved
 from ipcount.orchestration.monitor.links import EpochPageLink
 from ipcount.rules.config import PipelineConfig
@@ -117,7 +117,7 @@ def epoch_operator(cfg: PipelineConfig, task_id: str, command: str, task_args: t
         return EpochSubmitOperator(task_id=task_id, **spark_submit_kwargs(cfg, command, task_args, run_params))
     if run_in_session is None:
         raise ConfigError("spark_connect_connection is set, but the DAG file gave no command runner")
-    args = spark_submit_kwargs(cfg, command, task_args, run_params)["application_args"]
+    args = command_args(cfg, command, task_args, run_params)   # (no Spark jars needed on this host)
     return EpochConnectOperator(task_id=task_id, python_callable=run_in_session, conn_id=cfg.spark_connect_connection,
                                 command_args=args, kafka_connection=cfg.kafka_connection,
                                 bootstrap_servers=cfg.bootstrap_servers)

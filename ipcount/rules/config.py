@@ -260,9 +260,11 @@ class PipelineConfig:
         if self.epoch_server and not re.match(r"^https?://[^/\s:]+:\d{1,5}/?$", self.epoch_server):
             raise ConfigError(f"epoch_server must be a URL such as http://127.0.0.1:8765 (or empty for "
                               f"spark-submit); found {self.epoch_server!r}")
-        if self.spark_remote and not re.match(r"^sc://[^/\s:;]+(:\d{1,5})?/?(;\S*)?$", self.spark_remote):
-            raise ConfigError(f"spark_remote must be a Spark Connect URL such as sc://localhost:15002 (or empty for a "
-                              f"Spark session in this process); found {self.spark_remote!r}")
+        if self.spark_remote and not re.match(r"^sc://[^/\s:;]+(:\d{1,5})?/?$", self.spark_remote):
+            # (No ;parameters: a token there would be in every command line; it has its file.)
+            raise ConfigError(f"spark_remote must be a Spark Connect URL such as sc://localhost:15002, with no "
+                              f";parameters (the token goes in spark_remote_token_file), or empty for a Spark "
+                              f"session in this process; found {self.spark_remote!r}")
         if self.spark_remote_token_file and not self.spark_remote:
             raise ConfigError("spark_remote_token_file is set but spark_remote is not: the token is for a Spark "
                               "Connect server")

@@ -97,8 +97,7 @@ def connect_url(cfg: PipelineConfig) -> str:
     if not cfg.spark_remote_token_file:
         return cfg.spark_remote
     token = read_private_file(cfg.spark_remote_token_file, "spark_remote_token_file")
-    base, _, params = cfg.spark_remote.partition("/;")
-    return f"{base.rstrip('/')}/;" + ";".join(p for p in (params, f"token={token}") if p)
+    return f"{cfg.spark_remote.rstrip('/')}/;token={token}"
 
 
 def remote_session(cfg: PipelineConfig) -> SparkSession:

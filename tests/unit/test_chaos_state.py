@@ -72,3 +72,13 @@ def test_without_a_rebuild_retention_takes_its_turns_from_the_start():
     s.mark_deleted(0, 5)
     s.rounds = 1
     assert s.next_scenario() == "chain"
+
+
+def test_once_the_rebuild_is_completed_it_has_no_more_rounds():
+    # Completed before a retention round that then deleted nothing: the recount checks the
+    # epochs kept at completion, so more rebuild rounds would replay epochs it does not expect.
+    s = state(scenarios=["rebuild", "chain"], order=["rebuild", "chain"], rebuilt=[1, 2])
+    for s.rounds in range(3):
+        assert s.next_scenario() == "chain"
+    with pytest.raises(ConfigError, match="no scenario of rebuild can take a round"):
+        state(scenarios=["rebuild"], order=["rebuild"], rebuilt=[1]).next_scenario()

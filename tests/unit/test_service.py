@@ -49,3 +49,10 @@ def test_a_start_that_fails_says_why_with_its_log(tmp_path):
     with pytest.raises(Refused, match="slow thing was not ready within 1 s"):
         procs.wait_ready(lambda: False, 1, Refused, "slow thing", "slow", slow)
     assert slow.wait(timeout=30) is not None           # stopped, not left behind
+
+
+def test_a_pid_file_without_the_start_time_is_stale(tmp_path):
+    # The format of earlier versions (and of a process gone before its start time was read):
+    # the pid alone may be anybody's by now.
+    (tmp_path / "old.pid").write_text(f"{os.getpid()}\n")
+    assert Processes(tmp_path).pid("old") is None
