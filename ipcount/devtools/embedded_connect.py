@@ -13,12 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from ipcount.devtools.embedded_spark import cluster_env, spark_home
-from ipcount.devtools.service import Processes
+from ipcount.devtools.service import Processes, listening
 from ipcount.rules.config import STATE_DIR, PipelineConfig
 from ipcount.rules.private_files import read_private_file, write_private_file
 from ipcount.storage.spark import spark_conf, spark_jars
@@ -71,9 +70,7 @@ class EmbeddedSparkConnect:
         return self.processes.pid(NAME)
 
     def is_listening(self) -> bool:
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
+        return listening(self.port)
 
     def start(self, timeout: float = 180.0) -> None:
         """Start the server and wait until it takes connections."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 import secrets
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ipcount.devtools.dev_tls import DevTls
-from ipcount.devtools.service import started_at
+from ipcount.devtools.service import listening, started_at
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.errors import BrokerStartError
 from ipcount.rules.kafka_security import JAAS_MODULES, SCRAM_MECHANISMS, jaas_quoted, property_value
@@ -194,9 +193,7 @@ class EmbeddedKafka:
         return pid
 
     def is_listening(self) -> bool:
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
+        return listening(self.port)
 
     def start(self, timeout: float = 90.0) -> None:
         """Start the broker (formatting its storage the first time) and wait until it serves."""

@@ -29,6 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening(port: int) -> bool:
+    """Whether something takes connections on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def proc_stat(pid: int | str) -> list[str] | None:
     """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...);
     None when the process is gone."""
