@@ -53,6 +53,19 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+def exited(pid: int) -> bool:
+    """Whether every thread of the process is gone. A SIGKILLed process's main thread turns
+    zombie before its other threads have finished dying, and its files (its listening sockets)
+    close only when the last of them has: a JVM with a large heap takes up to a second more."""
+    stat = proc_stat(pid)
+    if stat is None:
+        return True
+    try:
+        return stat[0] == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
+        return True
+
+
 def started_at(pid: int) -> str | None:
     """The process's start time (clock ticks after boot), or None if it is gone or a zombie
     (exited; not reaped here: its exit status is its parent's to read)."""
@@ -113,7 +126,7 @@ class Processes:
 
     def kill(self, name: str, timeout: float = 30.0) -> None:
         """SIGKILL the process group of ``name``, as a crashed machine would stop it, and wait
-        (up to ``timeout``) until it is gone."""
+        (up to ``timeout``) until it has exited, its ports closed."""
         pid = self.pid(name)
         if pid is None:
             return
@@ -122,8 +135,8 @@ class Processes:
         except ProcessLookupError:
             return
         deadline = time.monotonic() + timeout
-        while self.pid(name) is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while not exited(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 20.0, force: bool = True) -> None:
         """SIGTERM every process group, wait up to ``timeout``, then SIGKILL what is left
@@ -135,10 +148,10 @@ class Processes:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + timeout
-        while any(self.pid(n) for n in running) and time.monotonic() < deadline:
+        while not all(map(exited, running.values())) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for name in running:
-            if (pid := self.pid(name)) is not None and force:
+        for name, pid in running.items():
+            if not exited(pid) and force:
                 log.warning("%s (pid %d) still runs %.0f s after SIGTERM: SIGKILL", name, pid, timeout)
                 try:
                     os.killpg(pid, signal.SIGKILL)

@@ -1,6 +1,6 @@
 """The embedded services' process handling (:mod:`ipcount.devtools.service`), on real
 processes: a pid file names only the process it started, a stop asks before it forces, and
-a start that fails says why with its log."""
+a start that fails says why with its log, a kill returns once the port is closed."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ipcount.devtools.service import Processes, started_at
+from ipcount.devtools.service import Processes, free_port, listening, started_at
 
 
 class Refused(RuntimeError):
@@ -56,3 +56,30 @@ def test_a_pid_file_without_the_start_time_is_stale(tmp_path):
     # the pid alone may be anybody's by now.
     (tmp_path / "old.pid").write_text(f"{os.getpid()}\n")
     assert Processes(tmp_path).pid("old") is None
+
+
+LISTENER = """
+import java.net.*;
+public class Listener {
+    public static void main(String[] args) throws Exception {
+        ServerSocket socket = new ServerSocket(Integer.parseInt(args[0]), 50, InetAddress.getByName("127.0.0.1"));
+        while (true) socket.accept();
+    }
+}
+"""
+
+
+def test_a_killed_jvm_has_closed_its_port_when_kill_returns(tmp_path):
+    # A SIGKILLed JVM's main thread is a zombie well before its other threads are gone and
+    # its sockets closed; a restart on the same port right after the kill used to find the
+    # port taken. A touched heap makes the teardown long enough to see, three times in a row.
+    source = tmp_path / "Listener.java"
+    source.write_text(LISTENER)
+    procs = Processes(tmp_path)
+    for attempt in range(3):
+        port = free_port()
+        proc = procs.launch("jvm", ["java", "-Xms3g", "-Xmx3g", "-XX:+AlwaysPreTouch", str(source), str(port)])
+        procs.wait_ready(lambda: listening(port), 60, Refused, "the listener", "jvm", proc)
+        procs.kill("jvm")
+        assert not listening(port), f"attempt {attempt}: port {port} still open after the kill returned"
+        proc.wait(timeout=5)
