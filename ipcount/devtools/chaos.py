@@ -1,21 +1,20 @@
 """``ipcount chaos``: the exactly-once claim, tried against your own broker.
 
 It makes a topic and a warehouse of its own (never the pipeline's), produces a known data
-set - out of order, late, malformed, committed and aborted transactions - and then runs
-the real commands as separate processes, the way a scheduler, an operator and a crash
-would: the chain (``ipcount epoch``), a hand-run epoch racing it, backfills over random
-offset ranges racing both, the epoch server (``ipcount serve``) with epochs sent to it, and
-the DAGs (``airflow dags test`` of ``ipcount_epoch``, with ``ipcount_backfill`` racing it
-half the time, in an Airflow home of its own). Each round produces a batch of new records
-first, so every round has work to interrupt, then SIGKILLs one of its processes (the whole
-process group, the Spark JVM with it) at a moment of its own, and each other one with
-probability 1/2 - or, in the ``broker`` scenario, SIGKILLs the embedded Kafka broker under a
-running chain and starts it again. Half the moments are a random time after the process
-started; the other half are aimed at the write-ahead window: a random time after the process
-logs an epoch's recorded plan (before its ledger commit, often after its sink commit), the
-crash the design exists for, which a JVM that starts slowly seldom reaches by chance. The
-report says where each kill landed, read from the victim's log. It adds a partition half
-way.
+set - out of order, late, malformed, committed and aborted transactions - and then runs the
+real commands as separate processes, the way a scheduler, an operator and a crash would: the
+chain (``ipcount epoch``), a hand-run epoch racing it, backfills over random offset ranges
+racing both, and the DAGs (``airflow dags test`` of ``ipcount_epoch``, with
+``ipcount_backfill`` racing it half the time, in an Airflow home of its own). Each round
+produces a batch of new records first, so every round has work to interrupt, then SIGKILLs
+one of its processes (the whole process group, the Spark JVM with it) at a moment of its
+own, and each other one with probability 1/2 - or, in the ``broker`` scenario, SIGKILLs the
+embedded Kafka broker under a running chain and starts it again. Half the moments are a
+random time after the process started; the other half are aimed at the write-ahead window: a
+random time after the process logs an epoch's recorded plan (before its ledger commit, often
+after its sink commit), the crash the design exists for, which a JVM that starts slowly
+seldom reaches by chance. The report says where each kill landed, read from the victim's
+log. It adds a partition half way.
 
 The ``retention`` scenario is retention passing ranges not yet counted: the chain and a
 backfill run under ``on_data_loss`` ``skip`` or ``fail`` (the round's draw; an exit 3, data
@@ -38,10 +37,12 @@ commit and closes the connection instead of answering. The ``connect`` scenario 
 and a backfill on the run's own Spark Connect server (``spark_remote``), and half the time
 SIGKILLs the server under the chain and starts it again.
 
-Then it lets the chain and every backfill finish without kills (under ``skip`` if anything was
-deleted, so that what was left unfinished over deleted offsets settles; each backfill request
-cut at the log start, as one reaching below it is refused), and recounts everything in plain
-Python (:mod:`ipcount.rules.records`, not Spark) from Kafka and the kept copies:
+Then it lets the chain and every backfill finish without kills, each a process on the run's
+Spark Connect server (one is started for the finish when the run has no connect rounds),
+under ``skip`` if anything was deleted, so that what was left unfinished over deleted
+offsets settles (each backfill request cut at the log start, as one reaching below it is
+refused), and recounts everything in plain Python (:mod:`ipcount.rules.records`, not Spark)
+from Kafka and the kept copies:
 
 * **duplicates**: counts above the recount, dead-letter or late rows of an offset more
   than once or of an offset that should have none, ledger ranges that overlap;
@@ -74,11 +75,10 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -105,7 +105,7 @@ from ipcount.storage.delta import read_rows
 
 log = logging.getLogger(__name__)
 
-SCENARIOS = ("chain", "race", "backfill", "server", "dag", "broker", "retention", "rebuild", "answers", "connect")
+SCENARIOS = ("chain", "race", "backfill", "dag", "broker", "retention", "rebuild", "answers", "connect")
 REPLAY_TARGET = "replay"  # what the rebuild scenario rebuilds the run's tables into
 LOSE_EVERY = 3  # in answers rounds, the store's answer to every third commit it takes is lost
 AIRFLOW = Path(sys.executable).parent / "airflow"
@@ -295,20 +295,18 @@ def run_chaos(cfg: PipelineConfig, kills: int | None = None, records: int = 3000
     else:
         run_dir = Path(resume)
         state = RunState.load(run_dir / STATE_FILE)
-        _check_scenarios(cfg, tuple(state.scenarios), broker_to_restart)
+        _check_scenarios(cfg, tuple(state.scenarios), broker_to_restart, resumed=run_dir)
         state.kills_wanted = kills or state.kills_wanted
     store = _LossyStore(run_dir) if state.object_store else _NoStore()
-    with store, _connect_server(state, run_dir) as connect:
+    with store, (_connect_server(run_dir) if "connect" in state.scenarios else nullcontext()) as connect:
         return _run(_chaos_config(cfg, state, run_dir), state, run_dir, store, connect, broker_to_restart, max_seconds,
                     pause, resumed=resume is not None)
 
 
 @contextmanager
-def _connect_server(state: RunState, run_dir: Path) -> Iterator[EmbeddedSparkConnect | None]:
-    """The run's Spark Connect server, if it has connect rounds: up while the sitting lasts."""
-    if "connect" not in state.scenarios:
-        yield None
-        return
+def _connect_server(run_dir: Path) -> Iterator[EmbeddedSparkConnect]:
+    """The run's Spark Connect server: up while the sitting lasts if it has connect rounds, else
+    for the finish only."""
     server = EmbeddedSparkConnect(state_dir=run_dir / "spark-connect", port=free_port(), master="local[2]", cores=2)
     server.start()
     try:
@@ -374,7 +372,8 @@ def _run(chaos_cfg: PipelineConfig, state: RunState, run_dir: Path, store: _NoSt
             log.info("chaos round %d (%s): %d kill(s) (%s), %d in all", state.rounds, scenario, len(phases),
                      ", ".join(phases) or "-", state.kills)
         if not pause:
-            _finish(chaos_cfg, procs, state.backfills, deleted=bool(state.deleted))
+            with (nullcontext(connect) if connect is not None else _connect_server(run_dir)) as finisher:
+                _finish(chaos_cfg, procs, finisher, state.backfills, deleted=bool(state.deleted))
             if not state.deleted:
                 _complete_rebuild(chaos_cfg, procs, state, run_dir)
     finally:  # an error or Ctrl-C leaves no JVM of the run behind (they are in sessions of their own)
@@ -401,8 +400,12 @@ def _partitions(cfg: PipelineConfig) -> int:
     return len(latest)
 
 
-def _check_scenarios(cfg: PipelineConfig, scenarios: tuple[str, ...], kafka: EmbeddedKafka | None) -> None:
+def _check_scenarios(cfg: PipelineConfig, scenarios: tuple[str, ...], kafka: EmbeddedKafka | None,
+                     resumed: Path | None = None) -> None:
     unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown and resumed:  # a run paused by an older version, e.g. with `server` (the epoch server, removed)
+        raise ConfigError(f"the paused run at {resumed} takes turns with {', '.join(unknown)}, a scenario this "
+                          f"version no longer has: finish it with the commit that started it")
     if unknown or not scenarios:
         raise ConfigError(f"chaos scenarios: unknown {', '.join(unknown) or '(none given)'}; choose from "
                           f"{', '.join(SCENARIOS)}")
@@ -439,8 +442,7 @@ def _chaos_config(cfg: PipelineConfig, state: RunState, run_dir: Path) -> Pipeli
     warehouse = EmbeddedS3().uri(name, "warehouse") if state.object_store else str(run_dir / "warehouse")
     return cfg.replace(topic=name, warehouse=warehouse, counts_table="", ledger_table="",
                        dead_letter_table="", late_table="", pipeline_id=name, group_id=name,
-                       start_position="earliest", on_data_loss="fail", epoch_server="",
-                       epoch_server_token_file=str(run_dir / "epoch-server.token"),
+                       start_position="earliest", on_data_loss="fail",
                        max_records_per_epoch=state.max_records_per_epoch, publish=state.publish,
                        publish_topic=f"{name}_sink")
 
@@ -563,8 +565,6 @@ class _Killer:
 def _round(scenario: str, cfg: PipelineConfig, killer: _Killer, backfills: list[str]) -> list[str]:
     """Start the scenario's processes and kill some (:meth:`_Killer.kill_some`)."""
     args, procs = cfg.to_args(), killer.procs
-    if scenario == "server":
-        return _server_round(cfg, killer)
     running = [procs.start("epoch", *args, "--epochs", "1000")]
     if scenario == "race":
         running.append(procs.start("epoch", *args, "--epochs", "1"))
@@ -663,15 +663,8 @@ def _complete_rebuild(cfg: PipelineConfig, procs: _Processes, state: RunState, r
     epochs = sorted({r["epoch"] for r in read_rows(cfg.ledger_path, ["epoch", "topic", "status"])
                      if r["topic"] == cfg.topic and r["status"] == COMMITTED})
     log.info("chaos: completing the rebuild into %s (%d committed epochs)", REPLAY_TARGET, len(epochs))
-    proc = procs.start("rebuild", "--into", REPLAY_TARGET, *cfg.to_args())
-    try:
-        code = proc.wait(timeout=1800)
-    except subprocess.TimeoutExpired:
-        procs.kill(proc)
-        code = None
-    if code != 0:
-        raise RuntimeError(f"chaos: completing the rebuild into {REPLAY_TARGET} failed (exit code {code}; see "
-                           f"{procs.log_of[proc.pid]})")
+    _run_to_end(procs, f"completing the rebuild into {REPLAY_TARGET}", "rebuild", "--into", REPLAY_TARGET,
+                *cfg.to_args())
     state.rebuilt = epochs
     state.save(run_dir / STATE_FILE)
 
@@ -852,43 +845,6 @@ def _sessions() -> list[tuple[int, int]]:
     return out
 
 
-def _server_round(cfg: PipelineConfig, killer: _Killer) -> list[str]:
-    """An epoch server with epochs sent to it, SIGKILLed mid-way."""
-    from ipcount.server import client
-
-    try:
-        server, url, token = _start_server(cfg, killer.procs)
-    except Exception as e:  # noqa: BLE001 - a server that never came up is killed like the rest
-        log.warning("chaos: the epoch server did not come up (%s)", str(e).splitlines()[0])
-        return []
-
-    def send() -> None:
-        try:
-            client.submit(url, ["epoch", *cfg.to_args(), "--epochs", "1000"], token, on_log=lambda line: None)
-        except Exception:  # noqa: BLE001 - the kill breaks the connection
-            pass
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
-    phases = killer.kill_some([server])  # (its moment counts from the first request: it is up)
-    sender.join(timeout=30)
-    return phases
-
-
-def _start_server(cfg: PipelineConfig, procs: _Processes) -> tuple[subprocess.Popen, str, str]:
-    """``ipcount serve`` on a free port, ready; the process, its URL and its token."""
-    from ipcount.server import auth, client
-
-    port = free_port()
-    server = procs.start("serve", "--port", str(port), "--no-warm-up", *cfg.to_args())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        client.wait_until_ready(url, server, procs.last_log, timeout=300)
-    except BaseException:
-        procs.kill(server)
-        raise
-    return server, url, auth.read_token(cfg.epoch_server_token_path)
-
-
 def _random_offsets(cfg: PipelineConfig, rng: random.Random) -> str:
     """A backfill request over random ranges of the log (from its start: a request for
     deleted offsets is refused): 'partition:from-until,...'."""
@@ -922,38 +878,35 @@ def _wait_or_kill(procs: _Processes, proc: subprocess.Popen, seconds: float) -> 
         procs.kill(proc)
 
 
-def _finish(cfg: PipelineConfig, procs: _Processes, backfills: list[str], deleted: bool) -> None:
+def _finish(cfg: PipelineConfig, procs: _Processes, connect: EmbeddedSparkConnect, backfills: list[str],
+            deleted: bool) -> None:
     """No more kills: one chain epoch (its unfinished one, so that no backfill chunk waits for
     it: see :class:`ipcount.jobs.epoch.EpochRunner`), every backfill request again (each
-    continues where it stopped), then the chain until nothing is left - in one epoch server, to
-    start one JVM, not one each. ``deleted``: retention rounds deleted records; under ``skip``,
-    so that epochs and chunks left unfinished over them settle, and with the requests cut at the
-    log start."""
-    from ipcount.server import client
-
+    continues where it stopped), then the chain until nothing is left - each a process with a
+    remote session on the ``connect`` server: one JVM for them all, not one each. ``deleted``:
+    retention rounds deleted records; under ``skip``, so that epochs and chunks left unfinished
+    over them settle, and with the requests cut at the log start."""
     if deleted:
         cfg = cfg.replace(on_data_loss="skip")
         backfills = live_requests(backfills, *broker.partition_offsets(cfg))
-    args = cfg.to_args()
-    commands = ([["epoch", *args, "--epochs", "1"]] + [["backfill", "--offsets", spec, *args] for spec in backfills]
-                + [["epoch", *args, "--epochs", "1000"]])
-    server, url, token = _start_server(cfg, procs)
-    finish_log, server_log = procs.logs / "finish.log", procs.last_log
+    args = cfg.replace(**connect.settings()).to_args()
+    for command in ([["epoch", "--epochs", "1"]] + [["backfill", "--offsets", spec] for spec in backfills]
+                    + [["epoch", "--epochs", "1000"]]):
+        _run_to_end(procs, f"finishing `ipcount {' '.join(command)}`", *command, *args)
+
+
+def _run_to_end(procs: _Processes, what: str, *args: str, timeout: float = 1800.0) -> None:
+    """``ipcount ARGS`` without kills, to its end: an error naming its log unless it exits 0
+    within ``timeout`` seconds (then it is killed)."""
+    proc = procs.start(*args)
     try:
-        with open(finish_log, "w") as out:
-            for command in commands:
-                try:
-                    result = client.submit(url, command, token, on_log=lambda line: out.write(line + "\n"),
-                                           limit_seconds=1800)
-                except Exception as e:
-                    raise RuntimeError(f"chaos: finishing `{' '.join(command[:3])}`: {e} (see {server_log})") from e
-                out.write(result.get("stdout") or "")
-                if result["exit_code"] != 0:
-                    raise RuntimeError(f"chaos: finishing `{' '.join(command[:3])}` failed with exit code "
-                                       f"{result['exit_code']}: {result.get('error') or ''} (see {finish_log} "
-                                       f"and {server_log})")
-    finally:
-        procs.kill(server)
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        procs.kill(proc)
+        code = None
+    if code != 0:
+        outcome = f"not done after {timeout:.0f} s" if code is None else f"exit code {code}"
+        raise RuntimeError(f"chaos: {what} failed ({outcome}; see {procs.log_of[proc.pid]})")
 
 
 class _Kept(NamedTuple):

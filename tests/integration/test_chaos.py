@@ -11,6 +11,7 @@ import pytest
 
 from ipcount.devtools.chaos import PHASES, run_chaos
 from ipcount.devtools.chaos_state import DELETED_FILE, STATE_FILE, RunState
+from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
 from ipcount.rules.errors import ConfigError
 
 pytestmark = pytest.mark.airflow  # the dag scenario runs `airflow dags test`
@@ -43,6 +44,9 @@ def test_random_kills_and_a_broker_restart_leave_no_duplicate_and_no_loss(cfg, b
     assert (report.duplicates, report.losses) == (0, 0), report.problems
     assert not report.problems, report.problems
     assert report.counted > 0 and report.published > 0
+    # No connect rounds: the finish ran on a Spark Connect server of its own, stopped after it.
+    finisher = EmbeddedSparkConnect(state_dir=Path(report.run_dir) / "spark-connect")
+    assert finisher.token_file.exists() and finisher.pid() is None
     assert broker.pid() is not None  # restarted, for the tests after this one
 
 

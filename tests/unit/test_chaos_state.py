@@ -82,3 +82,15 @@ def test_once_the_rebuild_is_completed_it_has_no_more_rounds():
         assert s.next_scenario() == "chain"
     with pytest.raises(ConfigError, match="no scenario of rebuild can take a round"):
         state(scenarios=["rebuild"], order=["rebuild"], rebuilt=[1]).next_scenario()
+
+
+def test_a_paused_run_with_a_scenario_this_version_no_longer_has_is_refused_on_resume(tmp_path):
+    # E.g. `server`, the epoch server's scenario, in a run paused before it was removed: the
+    # refusal comes before anything touches the run's broker, topic or tables.
+    from ipcount.devtools.chaos import run_chaos
+    from ipcount.rules.config import PipelineConfig
+
+    state(scenarios=["race", "server"], order=["server", "race"]).save(tmp_path / "state.json")
+    with pytest.raises(ConfigError, match=r"takes turns with server, a scenario this version no longer has: "
+                                          r"finish it with the commit that started it"):
+        run_chaos(PipelineConfig(bootstrap_servers="127.0.0.1:1"), resume=tmp_path)
