@@ -9,7 +9,7 @@ to round:
   most any pipeline with this parse could gain on the peer;
 * ``peer``: Structured Streaming (:mod:`ipcount.devtools.peer`) on a fresh table and checkpoint;
 * ``pipeline``: ``run_epoch`` until caught up, each epoch followed by the consumer-group
-  commit (what the epoch server runs for a request), on a fresh table set;
+  commit (what an ``ipcount epoch`` process runs), on a fresh table set;
 * with ``epochs`` > 1, ``peer_epochs`` and ``pipeline_epochs``: the same range in ``epochs``
   micro-batches (``maxOffsetsPerTrigger``) and epochs (``max_records_per_epoch``), so the
   watermark moves and late records take the late path.

@@ -11,8 +11,9 @@ warm and cold against cold.
   exactly as the DAG submits it: ``spark-submit spark_jobs/epoch_job.py epoch``), repeated.
   Two times each: **wall** (the whole process, JVM start included) and **work** (from a
   ready Spark session to done), and the driver's peak resident memory.
-* **paths**: the DAG's fixed costs: the epoch server's start, a small epoch and an empty one
-  sent to it, and the DAG's JVM-free idle check.
+* **paths**: the DAG's fixed costs on Spark Connect: the Connect server's start, a small
+  epoch and an empty one each as a fresh ``ipcount epoch`` process, the same epochs warm in
+  one process, and the DAG's JVM-free idle check.
 * **kafka_python**: a plain consumer draining the range, the limit without Spark.
 * **history**: a long scheduled chain of whole epochs (one spark-submit), each a minute of
   event time, for what the history an epoch's tables, ledger and logs build up costs it.
@@ -44,8 +45,6 @@ from ipcount.devtools import bench_rounds, bench_stats
 from ipcount.devtools.service import free_port
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig
 from ipcount.rules.ledger import EpochSummary, summaries_in
-from ipcount.server import auth, client
-from ipcount.server.vetting import Pipelines
 from ipcount.storage.spark import DRIVER_ENV
 
 MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth")
@@ -146,63 +145,6 @@ def _last_json(stdout: str) -> dict:
         if line.startswith("{"):
             return json.loads(line)
     raise RuntimeError(f"no JSON summary in the output: {stdout[-2000:]}")
-
-
-class EpochServerProcess:
-    """``spark-submit spark_jobs/epoch_job.py serve`` for the benchmark: started (and warmed
-    up) once, then sent epochs the way the DAG's operator sends them."""
-
-    def __init__(self, cfg: PipelineConfig, logs: Path) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.pipelines = logs / "pipelines"  # the other measurements' table sets, served as pipelines of their own
-        self.pipelines.mkdir(exist_ok=True)
-        command = spark_submit(cfg, str(REPO_ROOT / "spark_jobs" / "epoch_job.py"),
-                               ["serve", *cfg.to_args(), "--port", str(port), "--pipelines-dir", str(self.pipelines)],
-                               "bench-epoch-server")
-        started = time.monotonic()
-        self.log_file = open(logs / "epoch-server.log", "w")
-        # A process group of its own: spark-submit's JVM and the Python driver it starts go together.
-        self.proc = subprocess.Popen(command, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **DRIVER_ENV}, start_new_session=True)
-        state = client.wait_until_ready(self.url, self.proc, logs / "epoch-server.log", timeout=600)
-        self.token = auth.read_token(cfg.epoch_server_token_path)
-        self.start = Measurement("server_start", "epoch server start: JVM, Spark session and the warm-up epoch "
-                                 "(once, not per epoch)", 0, round(time.monotonic() - started, 3),
-                                 round(state["warm_up_seconds"] or 0.0, 3), None)
-
-    def epoch(self, cfg: PipelineConfig, name: str, *extra: str) -> tuple[float, float | None, list[EpochSummary]]:
-        """An ``epoch`` request as the operator sends it: (wall seconds, peak JVM MB, summaries)."""
-        memory = PeakMemory(self.proc.pid)
-        started = time.monotonic()
-        Pipelines.add(self.pipelines, cfg)
-        with open(Path(self.log_file.name).with_name(f"{name}.log"), "w") as log:
-            result = client.submit(self.url, ["epoch", *cfg.to_args(), "--run-id", f"benchmark-{name}",
-                                              "--summary-json", *extra], self.token,
-                                   on_log=lambda line: print(line, file=log))
-        wall = time.monotonic() - started
-        peak = memory.stop()
-        if result["exit_code"] != 0:
-            raise RuntimeError(f"epoch {name} failed in the epoch server (exit {result['exit_code']}); "
-                               f"see {self.log_file.name}")
-        summaries = summaries_in(result["stdout"])
-        if not summaries:
-            raise RuntimeError(f"no epoch summary from the epoch server for {name}: {result['stdout'][-2000:]}")
-        return wall, peak, summaries
-
-    def stop(self) -> None:
-        import signal
-
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=30)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self.log_file.close()
 
 
 def submit_epoch(cfg: PipelineConfig, logs: Path, name: str, *extra: str
@@ -321,28 +263,57 @@ def measure_cold(cfg: PipelineConfig, ending: dict[int, int], records: int, repe
                        for kind, rs in (("work", runs), ("wall", wall_runs))}}
 
 
-def measure_paths(cfg: PipelineConfig, per_epoch: int, partitions: int, seed: int, logs: Path,
+def measure_paths(cfg: PipelineConfig, per_epoch: int, warm_epochs: int, partitions: int, seed: int, logs: Path,
                   workdir: Path) -> dict:
-    """The DAG's fixed costs: the epoch server's start; on a table set of their own, a
-    ``per_epoch``-record epoch sent to it (after a first one) and an empty one; the idle
+    """The DAG's fixed costs on Spark Connect: the server's start; on a table set of their own,
+    each a fresh ``ipcount epoch`` process as a DAG task on Connect runs it (Python's start, the
+    imports, a remote session and the epoch: an upper bound of the task), a ``per_epoch``-record
+    epoch after a first one, and an empty one; on another table set, the same in one process and
+    remote session, ``warm_epochs`` epochs after its first (the warm epoch's cost); the idle
     check."""
+    from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
+
     topic = f"bench_{uuid.uuid4().hex[:8]}_paths"
     paths_cfg = cfg.replace(topic=topic, group_id=f"g_{topic}", pipeline_id=f"p_{topic}",
                             warehouse=str(workdir / "paths"), max_records_per_epoch=per_epoch)
+    warm_cfg = paths_cfg.replace(topic=f"{topic}_warm", group_id=f"g_{topic}_warm", pipeline_id=f"p_{topic}_warm",
+                                 warehouse=str(workdir / "paths_warm"))
     generate(paths_cfg, 2 * per_epoch, partitions, seed)
-    say("  starting the epoch server (spark-submit epoch_job.py serve; warm-up epoch on scratch tables)")
-    server = EpochServerProcess(cfg, logs)
+    warm_records = (warm_epochs + 1) * per_epoch
+    generate(warm_cfg, warm_records, partitions, seed + 3)
+    server = EmbeddedSparkConnect(state_dir=logs / "spark-connect", port=free_port(), master=cfg.spark_master)
+    say(f"  starting the Spark Connect server (log {server.log_file})")
     try:
-        out = {"server_start": server.start.to_dict()}
+        started = time.monotonic()
+        server.start(timeout=600)
+        out: dict = {"connect_start": {"wall_seconds": round(time.monotonic() - started, 3)}}
+        fresh = []
         for n, name in ((1, "first_epoch"), (2, "epoch"), (None, "empty_epoch")):
-            wall, _, summaries = server.epoch(paths_cfg, f"paths-{name}")
+            wall, _, summaries = _epoch_process(paths_cfg.replace(**server.settings()), logs, f"paths-{name}", 1)
             summary = summaries[-1]
             if summary.epoch != n:
                 raise RuntimeError(f"paths: expected epoch {n}, got {summary}")
+            fresh.append(summary)
             out[name] = {"wall_seconds": round(wall, 3), "work_seconds": round(summary.seconds, 3),
                          "stages": {k: round(v, 3) for k, v in summary.stage_seconds.items()}}
+        out["totals"] = read_back(paths_cfg, fresh, 2 * per_epoch)
+        say(f"  {warm_epochs + 2} epochs in one process (ipcount epoch --epochs {warm_epochs + 2})")
+        wall, _, summaries = _epoch_process(warm_cfg.replace(**server.settings()), logs, "paths-warm", warm_epochs + 2)
     finally:
         server.stop()
+    if [s.epoch for s in summaries] != [*range(1, warm_epochs + 2), None]:
+        raise RuntimeError(f"paths: the warm process ran epochs {[s.epoch for s in summaries]}, not 1 to "
+                           f"{warm_epochs + 1} and an empty one")
+    warm = summaries[1:-1]
+    stages = dict.fromkeys(name for s in warm for name in s.stage_seconds)  # (in the epoch's order)
+    out["warm"] = {"epochs": warm_epochs, "wall_seconds": round(wall, 3),
+                   "first_epoch_seconds": round(summaries[0].seconds, 3),
+                   "seconds": [round(s.seconds, 3) for s in warm],
+                   "epoch": bench_stats.spread(s.seconds for s in warm),
+                   "stages": {name: bench_stats.spread(s.stage_seconds.get(name, 0.0) for s in warm)["median"]
+                              for name in stages},
+                   "empty_epoch_seconds": round(summaries[-1].seconds, 3),
+                   "totals": read_back(warm_cfg, summaries, warm_records)}
     command = [sys.executable, BENCH_APPLICATION, "idle_check", "--bootstrap-servers", cfg.bootstrap_servers,
                "--topic", topic, "--ending", "{}", "--workdir", paths_cfg.warehouse]
     wall, _, text = run_process(command, logs / "idle_check.log")
@@ -352,6 +323,32 @@ def measure_paths(cfg: PipelineConfig, per_epoch: int, partitions: int, seed: in
     out["idle_check"] = {"wall_seconds": round(wall, 3), "work_seconds": round(result["seconds"], 3)}
     out["records_per_epoch"] = per_epoch
     return out
+
+
+def _epoch_process(cfg: PipelineConfig, logs: Path, name: str, epochs: int
+                   ) -> tuple[float, float | None, list[EpochSummary]]:
+    """``ipcount epoch --epochs EPOCHS`` as a process of its own: (wall seconds, peak JVM MB,
+    the summary of each epoch attempted)."""
+    wall, peak, out = run_process([sys.executable, "-m", "ipcount.cli", "epoch", *cfg.to_args(),
+                                   "--run-id", f"benchmark-{name}", "--summary-json", "--epochs", str(epochs)],
+                                  logs / f"{name}.log")
+    summaries = summaries_in(out)
+    if not summaries:
+        raise RuntimeError(f"no epoch summary in {logs / (name + '.log')}")
+    return wall, peak, summaries
+
+
+def read_back(cfg: PipelineConfig, summaries: Sequence[EpochSummary], records: int) -> dict[str, int]:
+    """A table set's totals, read back with delta-rs after ``summaries``' epochs: every one of
+    the ``records`` produced read once, and counted, late or dead-lettered."""
+    sizes = table_sizes(cfg)
+    totals = {"records": sum(s.records_read for s in summaries), "counted": bench_rounds.sum_count(cfg.counts_path),
+              "late": sizes["late"]["rows"], "malformed": sizes["dead_letter"]["rows"]}
+    if (totals["records"] != records or totals["counted"] + totals["late"] + totals["malformed"] != records
+            or totals["counted"] != sum(s.records_counted for s in summaries)):
+        raise RuntimeError(f"{cfg.warehouse}: {records} records produced, but its epochs and tables say {totals} "
+                           f"(the epochs counted {sum(s.records_counted for s in summaries)})")
+    return totals
 
 
 def check_totals(report: dict) -> None:
@@ -548,13 +545,18 @@ def render(report: dict) -> str:
         lines.append("")
     paths = report.get("paths")
     if paths:
-        start = paths["server_start"]
-        lines.append(f"paths: epoch server start {start['wall_seconds']:.1f} s (its warm-up epoch "
-                     f"{start['work_seconds']:.1f} s); sent to it, a {paths['records_per_epoch']:,}-record epoch "
-                     f"{paths['epoch']['wall_seconds']:.2f} s (after a first one, "
-                     f"{paths['first_epoch']['wall_seconds']:.2f} s), an empty epoch "
-                     f"{paths['empty_epoch']['wall_seconds']:.2f} s; the DAG's idle check (no JVM) "
-                     f"{paths['idle_check']['wall_seconds']:.2f} s")
+        warm = paths["warm"]
+        stages = " ".join(f"{k} {v:.3f}" for k, v in warm["stages"].items())
+        lines += [f"paths: Spark Connect server start {paths['connect_start']['wall_seconds']:.1f} s; on it, each a "
+                  f"fresh process as the DAG's task runs it, a {paths['records_per_epoch']:,}-record epoch "
+                  f"{paths['epoch']['wall_seconds']:.2f} s (after a first one, "
+                  f"{paths['first_epoch']['wall_seconds']:.2f} s), an empty epoch "
+                  f"{paths['empty_epoch']['wall_seconds']:.2f} s; the DAG's idle check (no JVM) "
+                  f"{paths['idle_check']['wall_seconds']:.2f} s",
+                  f"  warm, one process and remote session: a {paths['records_per_epoch']:,}-record epoch "
+                  f"{_range(warm['epoch'], ' s')} ({warm['epochs']} epochs after its first, "
+                  f"{warm['first_epoch_seconds']:.2f} s), an empty epoch {warm['empty_epoch_seconds']:.2f} s; "
+                  f"stages (median s) {stages}"]
     prof = report.get("profile")
     if prof:
         per = 1e6 / prof["records"]
@@ -604,6 +606,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="warm: small epochs in the series through each (default 100, at least 2; growth "
                         "from 9)")
     p.add_argument("--epoch-records", type=int, default=2000, help="records per small epoch (default 2000)")
+    p.add_argument("--paths-epochs", type=int, default=10,
+                   help="paths: warm epochs of --epoch-records in one process after its first (default 10, at least 5)")
     p.add_argument("--cold-repeats", type=int, default=3,
                    help="cold: runs of each contender; profile: runs per figure (default 3)")
     p.add_argument("--history-epochs", type=int, default=1000,
@@ -620,8 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     for flag, value, least in (("--records", args.records, 1), ("--rounds", args.rounds, 2),
                                ("--epochs", args.epochs, 1), ("--small-epochs", args.small_epochs, 2),
-                               ("--cold-repeats", args.cold_repeats, 1), ("--growth-epochs", args.growth_epochs, 2),
-                               ("--history-epochs", args.history_epochs, 2),
+                               ("--paths-epochs", args.paths_epochs, 5), ("--cold-repeats", args.cold_repeats, 1),
+                               ("--growth-epochs", args.growth_epochs, 2), ("--history-epochs", args.history_epochs, 2),
                                ("--growth-ips", args.growth_ips, 1)):
         if value < least:
             p.error(f"{flag} must be at least {least}")
@@ -678,8 +682,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"measuring cold: each contender a fresh process, {args.cold_repeats} time(s)")
             report["cold"] = measure_cold(cfg, ending, args.records, args.cold_repeats, logs, workdir)
         if "paths" in only:
-            say("measuring paths: the epoch server and the DAG's idle check")
-            report["paths"] = measure_paths(cfg, args.epoch_records, args.partitions, args.seed, logs, workdir)
+            say("measuring paths: the Spark Connect server, epochs on it and the DAG's idle check")
+            report["paths"] = measure_paths(cfg, args.epoch_records, args.paths_epochs, args.partitions, args.seed,
+                                            logs, workdir)
         if "kafka_python" in only:
             say(f"measuring kafka_python, {args.cold_repeats} time(s)")
             seconds = [measure_job(cfg, "kafka_python", args.records, logs, workdir / "kafka_python", ending,

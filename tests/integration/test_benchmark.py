@@ -14,7 +14,8 @@ from ipcount.devtools.benchmark import COLD
 def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", "--records", "3000", "--rounds", "2",
-                           "--epochs", "2", "--small-epochs", "2", "--epoch-records", "150", "--cold-repeats", "1",
+                           "--epochs", "2", "--small-epochs", "2", "--epoch-records", "150", "--paths-epochs", "5",
+                           "--cold-repeats", "1",
                            "--growth-epochs", "12", "--growth-ips", "20", "--history-epochs", "3",
                            "--history-records", "120",
                            "--bootstrap-servers", broker.bootstrap_servers, "--json", str(out),
@@ -63,9 +64,22 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     assert {"pipeline / peer (work)", "pipeline / peer (wall)"} <= set(report["cold"]["ratios"])
 
     paths = report["paths"]
-    assert paths["server_start"]["wall_seconds"] > 0 and paths["epoch"]["wall_seconds"] > 0
+    assert paths["connect_start"]["wall_seconds"] > 0 and paths["epoch"]["wall_seconds"] > 0
     assert paths["empty_epoch"]["stages"] == {"kafka_commit": paths["empty_epoch"]["stages"]["kafka_commit"]}
     assert paths["idle_check"]["wall_seconds"] > 0 and report["kafka_python"]["seconds"]["n"] == 1
+    # Read back from each table set (else it raises): every record produced read once, and
+    # counted, late or dead-lettered.
+    totals = paths["totals"]
+    assert totals["records"] == 300 == totals["counted"] + totals["late"] + totals["malformed"]
+    assert totals["counted"] > 0
+    warm_paths = paths["warm"]  # 5 epochs in one process after its first, then an empty one
+    assert warm_paths["epochs"] == 5 == warm_paths["epoch"]["n"] == len(warm_paths["seconds"])
+    assert all(s > 0 for s in warm_paths["seconds"]) and warm_paths["epoch"]["median"] > 0
+    assert warm_paths["first_epoch_seconds"] > 0 and warm_paths["wall_seconds"] > sum(warm_paths["seconds"])
+    assert {"plan", "read", "merge", "ledger", "kafka_commit"} <= set(warm_paths["stages"])
+    totals = warm_paths["totals"]
+    assert totals["records"] == 6 * 150 == totals["counted"] + totals["late"] + totals["malformed"]
+    assert totals["counted"] > 0
     profile = report["profile"]
     assert profile["records"] == 3000
     assert list(profile["path"]) == ["scan", "parse", "parse_new_plan_time", "classify", "tally", "read_stage"]
@@ -82,7 +96,8 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     grown = report["growth"]  # its total read back from the table equals what was merged (else it raises)
     assert grown["epochs"] == 12 and len(grown["seconds"]) == 12 and grown["rows_per_epoch"] == 7 * 20
     assert grown["requests"] > 12 * 7 * 20 and 0 < grown["table_rows"] <= 12 * 7 * 20 and grown["files"] >= 1
-    for text in ("warm: one Spark session", "pipeline / peer", "cold: each contender", "paths: epoch server start",
+    for text in ("warm: one Spark session", "pipeline / peer", "cold: each contender",
+                 "paths: Spark Connect server start", "warm, one process and remote session: a 150-record epoch",
                  "kafka_python: a plain consumer", "profile: 3,000 records", "history: 3 epochs of 120",
                  "growth: 12 epochs"):
         assert text in proc.stdout, text
@@ -93,7 +108,8 @@ def test_benchmark_refuses_bad_arguments():
                           (["--only", "pipeline,nope"], "--only takes names from"),
                           (["--rounds", "1"], "--rounds must be at least 2"),
                           (["--small-epochs", "1"], "--small-epochs must be at least 2"),
+                          (["--paths-epochs", "4"], "--paths-epochs must be at least 5"),
                           (["--history-records", "2"], "--history-records must be at least --partitions")):
-        proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", *args], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", *args], capture_output=True,
+                              text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -56,9 +56,11 @@ def test_the_report_prints_warm_cold_paths_and_the_drain():
               "cold": {"repeats": 1, "contenders": {"pipeline": {"work": spread([30.0]), "wall": spread([41.0]),
                                                                  "peak_driver_mb": 900.0, "counted": 990}},
                        "ratios": {"pipeline / peer (work)": spread([0.8])}},
-              "paths": {"records_per_epoch": 2000, "server_start": {"wall_seconds": 50.0, "work_seconds": 30.0},
+              "paths": {"records_per_epoch": 2000, "connect_start": {"wall_seconds": 20.0},
                         "first_epoch": {"wall_seconds": 9.0}, "epoch": {"wall_seconds": 4.0},
-                        "empty_epoch": {"wall_seconds": 0.1}, "idle_check": {"wall_seconds": 1.2}},
+                        "empty_epoch": {"wall_seconds": 0.1}, "idle_check": {"wall_seconds": 1.2},
+                        "warm": {"epochs": 5, "first_epoch_seconds": 2.5, "epoch": spread([0.5, 0.4, 0.6, 0.5, 0.7]),
+                                 "stages": {"read": 0.3, "merge": 0.1}, "empty_epoch_seconds": 0.05}},
               "kafka_python": {"seconds": spread([3.0, 4.0, 5.0])}}
     text = render(report)
     warm_line, cold_line = (line.split() for line in text.splitlines() if line.startswith("pipeline "))
@@ -67,7 +69,10 @@ def test_the_report_prints_warm_cold_paths_and_the_drain():
     assert "pipeline / peer                    1.25 [1.25-1.25]" in text
     assert "peak heap 812.5 MB" in text and "small epochs of 2,000 records, pipeline: 9 epochs" in text
     assert "pipeline / peer (work)             0.80 [0.80-0.80]" in text
+    assert "paths: Spark Connect server start 20.0 s" in text
     assert "a 2,000-record epoch 4.00 s" in text and "idle check (no JVM) 1.20 s" in text
+    assert ("warm, one process and remote session: a 2,000-record epoch 0.50 s [0.40-0.70] (5 epochs after its "
+            "first, 2.50 s), an empty epoch 0.05 s; stages (median s) read 0.300 merge 0.100") in text
     assert "kafka_python: a plain consumer draining the range: 4.00 s [3.00-5.00]" in text
 
 
