@@ -22,8 +22,7 @@ ENV SPARK_HOME=/usr/local/lib/python3.11/site-packages/pyspark \
 # Every service runs as this user, not root. The directories the compose volumes mount are
 # made (and owned) here, so fresh named volumes take this owner.
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin ipcount \
- && mkdir -p /data/s3 /opt/airflow /run/ipcount /run/kafka-tls \
- && chown ipcount:ipcount /data/s3 /opt/airflow /run/ipcount \
- && chmod 700 /run/ipcount \
+ && mkdir -p /data/s3 /opt/airflow /run/kafka-tls \
+ && chown ipcount:ipcount /data/s3 /opt/airflow \
  && chown 1000:1000 /run/kafka-tls && chmod 700 /run/kafka-tls  # the Kafka image's appuser
 USER 10001

@@ -12,9 +12,9 @@ skipped. Trigger it from the form, or:
 
 1. `check_request` - parse and check the request against the broker; a bad one fails here,
    before anything is written, with a message that says what to fix.
-2. `run_backfill` - spark-submit of `spark_jobs/epoch_job.py backfill` (or the same command in
-   the epoch server, when `epoch_server` names one that answers, or in this task's own
-   process on the Spark Connect server of `spark_connect_connection`, when that is set).
+2. `run_backfill` - in this task's own process on the Spark Connect server of
+   `spark_connect_connection` when that is set, else spark-submit of
+   `spark_jobs/epoch_job.py backfill`.
 3. `publish_counts` - when `publish` is on, send the main counts rows the backfill changed to
    `publish_topic` (kind `backfill`), exactly once; replay targets are never published.
 4. `publish_summary` - log the epochs, return them to XCom (and, for the main target, put

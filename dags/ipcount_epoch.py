@@ -7,10 +7,9 @@ Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
 
 1. `choose_path` - skip the run when the chain is at the log end (the ledger read with
    delta-rs, the log ends asked of the broker: no JVM is started for nothing).
-2. `run_epoch` - spark-submit of `spark_jobs/epoch_job.py` (connection `spark_default`), or
-   the same command in the epoch server when `epoch_server` names one that answers (a warm
-   Spark session: no JVM start per run), or, with `spark_connect_connection` set, in this
-   task's own process on that Spark Connect server: plan from the ledger (or finish an
+2. `run_epoch` - with `spark_connect_connection` set, in this task's own process on that
+   Spark Connect server (a warm Spark session: no JVM start per run), else spark-submit of
+   `spark_jobs/epoch_job.py` (connection `spark_default`): plan from the ledger (or finish an
    unfinished epoch with its recorded ranges), read, count, merge into the counts table,
    commit the ledger.
    A run made by `airflow backfill create` takes `backfill_interval` instead: it counts the

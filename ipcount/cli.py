@@ -4,18 +4,17 @@
     backfill   count an offset or time range the ledger does not own yet, in bounded epochs
     verify     recount what a table's ledger says is counted, straight from Kafka, and compare
     rebuild    replay a ledger's committed epochs into a fresh replay table set
-    serve      keep one warm Spark session and run the DAGs' epochs in it (the epoch server)
     watch      print a line per epoch as epochs commit (reads the ledger, no JVM)
     latency    how long records waited to be counted: produce time -> counts commit, p50/p95
     publish    publish committed counts to the sink topic, exactly once (no JVM)
     generate   produce access-log traffic to the source topic
-    chaos      kill epochs, backfills and the epoch server at random on a topic of its own, then
-               recount: duplicates and losses must be 0
+    chaos      kill epochs, backfills, DAG runs, the broker and a Spark Connect server at random
+               on a topic of its own, then recount: duplicates and losses must be 0
     kafka      start / stop / status of the embedded broker (--secure: SASL and TLS too; --nodes 3:
                a three-node cluster); create-topic
     s3         start / stop / status of an embedded S3-compatible server (s3proxy), for tables on S3
     spark-cluster  start / stop / status of a local Spark standalone master and workers
-    spark-connect  start / stop / status of a local Spark Connect server for remote epochs
+    spark-connect  start / stop / status / serve of a local Spark Connect server for remote epochs
     postgres   start / stop / status of an embedded PostgreSQL server for Airflow's metadata
     consumer-groups  Kafka's kafka-consumer-groups tool, logged in with the pipeline's settings
     config     print the effective configuration
@@ -286,47 +285,7 @@ def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     return EXIT_OK
 
 
-# -- serve, watch --------------------------------------------------------------------------
-
-def _serve_arguments(sub) -> None:
-    p = sub.add_parser("serve", help="run the epoch server: one warm Spark session for the DAGs' epochs",
-                       description="Start a Spark session, warm it up with a scratch epoch (at most 60 of the "
-                                   "topic's earliest records into tables in a local temporary directory, "
-                                   "deleted after), then run epoch, "
-                                   "backfill and rebuild requests (POST /run) one at a time in that session, "
-                                   "through the same code as spark-submit. Point the DAGs at it with the "
-                                   "epoch_server setting; when it does not answer they spark-submit as usual. "
-                                   "Every request must carry the token in epoch_server_token_file (made, mode "
-                                   "0600, if missing). A request names a pipeline this server serves (its own "
-                                   "settings, or a file in --pipelines-dir) and may set only the per-run "
-                                   "settings; tables, brokers and pipeline id are the server's.")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8765, help="port to listen on (default 8765; 0: any free port)")
-    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
-                   help="skip the scratch epoch (the first request then pays the cold JVM)")
-    p.add_argument("--pipelines-dir", metavar="DIR",
-                   help="also serve the pipelines of the settings files here, one per pipeline: "
-                        "<pipeline_id>.toml or .json (read at each request)")
-    _add_config_flags(p)
-
-
-def _serve(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.server.server import serve
-    from ipcount.server.vetting import parser_of
-
-    if not 0 <= args.port <= 65535:
-        log.error("--port must be between 0 and 65535, not %d", args.port)
-        return EXIT_USAGE
-    if args.pipelines_dir is not None and not Path(args.pipelines_dir).is_dir():
-        log.error("--pipelines-dir %s is not a directory", args.pipelines_dir)
-        return EXIT_USAGE
-    if cfg.spark_remote:
-        raise ConfigError("the epoch server runs its own Spark session: leave spark_remote empty for `ipcount "
-                          "serve` (the DAGs' tasks use a Spark Connect server through spark_connect_connection)")
-    # The server runs each request through this module's main: the same code as spark-submit.
-    return serve(cfg, main, parser_of(build_parser), args.host, args.port, warm=args.warm_up,
-                 pipelines_dir=args.pipelines_dir)
-
+# -- publish, watch ------------------------------------------------------------------------
 
 def _publish_arguments(sub) -> None:
     p = sub.add_parser("publish", help="publish committed counts to the sink topic, exactly once",
@@ -435,7 +394,7 @@ def _chaos_arguments(sub) -> None:
                        description="On a topic and warehouse of its own (the pipeline's tables are never "
                                    "touched), produce a known data set (out of order, late, malformed, "
                                    "committed and aborted transactions), run epochs, racing hand-run "
-                                   "epochs, backfills, the epoch server and the DAGs (airflow dags test, "
+                                   "epochs, backfills and the DAGs (airflow dags test, "
                                    "in an Airflow home of its own) as separate processes, SIGKILL one of "
                                    "them at a random moment each round or SIGKILL and restart the embedded "
                                    "broker under the chain, delete records under the chain and a backfill "
@@ -653,7 +612,8 @@ def _spark_connect_arguments(sub) -> None:
                                    "takes only clients with its token (a private file it makes). Point the "
                                    "pipeline at it with spark_remote and spark_remote_token_file, which `start` "
                                    "prints; epochs then run in the calling process with a remote session.")
-    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("action", choices=("start", "stop", "status", "serve"),
+                   help="serve: start and stay in the foreground until SIGTERM (a container's main process)")
     p.add_argument("--port", type=_positive_int, default=15002, help="the server's port (default 15002)")
     p.add_argument("--master", default="local[*]", help="the server's Spark master (default local[*]; a "
                                                         "standalone cluster: spark://host:7077)")
@@ -664,6 +624,8 @@ def _spark_connect(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
 
     server = EmbeddedSparkConnect(state_dir=Path(args.state_dir), port=args.port, master=args.master)
+    if args.action == "serve":
+        return server.serve()
     if args.action == "start":
         server.start()
         for name, value in server.settings().items():
@@ -779,7 +741,6 @@ COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
     "backfill": (_backfill_arguments, _backfill),
     "verify": (_verify_arguments, _verify),
     "rebuild": (_rebuild_arguments, _rebuild),
-    "serve": (_serve_arguments, _serve),
     "watch": (_watch_arguments, _watch),
     "latency": (_latency_arguments, _latency),
     "generate": (_generate_arguments, _generate),

@@ -1,4 +1,4 @@
-"""The pipeline as a Spark application: ``spark-submit spark_jobs/epoch_job.py [epoch|backfill|rebuild|serve] --help``.
+"""The pipeline as a Spark application: ``spark-submit spark_jobs/epoch_job.py [epoch|backfill|rebuild] --help``.
 
 This is what the DAGs submit. It is the same code as ``bin/ipcount epoch`` (or ``backfill``);
 only the way Spark starts differs (spark-submit hands it the master, jars and settings).
@@ -10,7 +10,7 @@ import sys
 
 from ipcount.cli import main
 
-COMMANDS = ("epoch", "backfill", "rebuild", "serve")
+COMMANDS = ("epoch", "backfill", "rebuild")
 
 if __name__ == "__main__":
     args = sys.argv[1:]

@@ -1,6 +1,7 @@
 """Shared fixtures: one real Kafka broker and one Spark session for the whole run."""
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
@@ -87,26 +88,6 @@ def s3_cfg(cfg, object_store, monkeypatch) -> PipelineConfig:
     return cfg.replace(warehouse=object_store.uri(cfg.topic, "warehouse"))
 
 
-class ServedPipelines:
-    """The run's epoch server: its URL, the directory of the pipelines it serves, its token file."""
-
-    def __init__(self, url: str, directory: Path, token_file: Path) -> None:
-        self.url, self.directory, self.token_file = url, directory, token_file
-
-    @property
-    def token(self) -> str:
-        from ipcount.server.auth import read_token
-        return read_token(self.token_file)
-
-    def serve(self, cfg: PipelineConfig) -> PipelineConfig:
-        """``cfg`` (a test's own pipeline) served by this server, and pointed at it."""
-        from ipcount.server.vetting import Pipelines
-
-        cfg = cfg.replace(epoch_server=self.url, epoch_server_token_file=str(self.token_file))
-        Pipelines.add(self.directory, cfg)
-        return cfg
-
-
 @pytest.fixture(scope="session")
 def connect(broker, tmp_path_factory):
     """The run's Spark Connect server (``ipcount spark-connect``), for epochs run with a
@@ -120,33 +101,8 @@ def connect(broker, tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def epoch_server(broker, tmp_path_factory):
-    """A real epoch server (``ipcount serve``) for the whole run, warmed up on a topic of its
-    own. Tests hand it their pipelines with ``cfg = epoch_server.serve(cfg)``."""
-    import os
-    import subprocess
-    import sys
-
-    from ipcount.devtools.generator import TrafficGenerator, produce
-    from ipcount.server import client
-    from ipcount.storage.broker import create_topic
-
-    home = tmp_path_factory.mktemp("epoch_server")
-    (home / "pipelines").mkdir()
-    warm = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, topic="epoch_server_warm_up",
-                          spark_master="local[2]", epoch_server_token_file=str(home / "token"))
-    create_topic(warm, 3)
-    produce(warm.bootstrap_servers, warm.topic, TrafficGenerator(seed=5).records(90, 1_795_255_200_000),
-            partition_of=lambda i, r: i % 3)
-    port = free_port()
-    log_path = home / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ipcount.cli", "serve", "--port", str(port), *warm.to_args(),
-                                 "--pipelines-dir", str(home / "pipelines")],
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
-    client.wait_until_ready(url, proc, log_path)
-    yield ServedPipelines(url, home / "pipelines", home / "token")
-    proc.terminate()
-    proc.wait(timeout=60)
+def connect_connection(server, conn_id: str = "ipcount_connect") -> dict[str, str]:
+    """The Airflow ``spark_connect`` connection ``conn_id`` to the Connect ``server`` (its token
+    the password), as the environment variable that defines it."""
+    return {f"AIRFLOW_CONN_{conn_id.upper()}": json.dumps({"conn_type": "spark_connect", "host": "localhost",
+                                                             "port": server.port, "password": server.token()})}

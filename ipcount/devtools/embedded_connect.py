@@ -3,10 +3,11 @@ and ``spark-submit``), with the Kafka and Delta jars and the settings of an epoc
 session (:func:`ipcount.storage.spark.spark_conf`): what ``spark_remote`` points epochs at.
 
 It listens on 127.0.0.1 only and takes only clients that send its token (a private file,
-made on the first start; the server reads it from its environment, so it is on no command
-line). Whoever holds the token may run anything as the server's user: keep the file as
-private as a key. The server has no TLS of its own; clients on this machine use the host
-name ``localhost``, for which pyspark sends the token without TLS.
+made on the first start unless written there before, as docker-compose.yml does from .env;
+the server reads it from its environment, so it is on no command line). Whoever holds the
+token may run anything as the server's user: keep the file as private as a key. The server
+has no TLS of its own; clients on this machine use the host name ``localhost``, for which
+pyspark sends the token without TLS.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class EmbeddedSparkConnect:
         return {"spark_remote": self.url, "spark_remote_token_file": str(self.token_file)}
 
     def token(self) -> str:
-        """The server's token, made once (mode 0600)."""
+        """The server's token: the token file's, made once (mode 0600) if there is none."""
         if not self.token_file.exists():
             self.state_dir.mkdir(parents=True, exist_ok=True)
             write_private_file(self.token_file, secrets.token_urlsafe(32) + "\n")
@@ -93,6 +94,11 @@ class EmbeddedSparkConnect:
         self.processes.wait_ready(self.is_listening, timeout, ConnectStartError, f"the Spark Connect server at "
                                   f"{self.url}", NAME, proc)
         log.info("Spark Connect server ready at %s (token in %s)", self.url, self.token_file)
+
+    def serve(self) -> int:
+        """Run in the foreground, a container's main process, until SIGTERM or SIGINT
+        (:meth:`Processes.serve`); the exit code."""
+        return self.processes.serve(NAME, self.start, self.stop)
 
     def stop(self, timeout: float = 30.0) -> None:
         self.processes.stop(timeout)

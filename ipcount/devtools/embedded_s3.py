@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import signal
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -119,17 +117,9 @@ class EmbeddedS3:
                                   NAME, proc)
 
     def serve(self) -> int:
-        """Run in the foreground (a container's main process): start, then wait until the
-        server exits, or until SIGTERM or SIGINT, which stop it. Its exit code."""
-        self.start()
-        pid = self.pid()
-        stopping = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stopping.append(True))
-        while not stopping and pid is not None and self.pid() == pid:
-            time.sleep(0.5)
-        self.stop()
-        return 0 if stopping else 1
+        """Run in the foreground, a container's main process, until SIGTERM or SIGINT
+        (:meth:`Processes.serve`); the exit code."""
+        return self.processes.serve(NAME, self.start, self.stop)
 
     def stop(self, timeout: float = 15.0) -> None:
         self.processes.stop(timeout)

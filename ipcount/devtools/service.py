@@ -1,7 +1,8 @@
 """What the embedded services share: each of their processes starts in a session of its own
 with a log and a pid file under the service's state directory, readiness is waited for
 with an error that carries the log's tail, and a stop asks (SIGTERM to the process group)
-before it forces (SIGKILL).
+before it forces (SIGKILL). A service can also run in the foreground, as a container's main
+process, until it is signalled or dies.
 
 A pid file holds the process's start time too: after a reboot (or long after a crash) the
 same pid may belong to some other process, which must never be taken for the service's,
@@ -123,6 +124,30 @@ class Processes:
                 raise error(f"{what} was not ready within {timeout:.0f} s; {self.log_file(name)}:\n"
                             f"{log_tail(self.log_file(name))}")
             time.sleep(0.2)
+
+    def serve(self, name: str, start: Callable[[], None], stop: Callable[[], None], poll: float = 0.5) -> int:
+        """Run a service in the foreground (a container's main process): ``start()``, then wait
+        until its process ``name`` exits, or until SIGTERM or SIGINT, which ``stop()`` it. A
+        signal during the start stops the service once it is up rather than leave it running
+        without its parent. The exit code: 0 when stopped by a signal, 1 when the process died
+        (its log's tail logged: a container's log has only this process's output)."""
+        signalled: list[int] = []
+        previous = {sig: signal.signal(sig, lambda signum, _: signalled.append(signum))
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            start()
+            pid = self.pid(name)
+            while not signalled and pid is not None and self.pid(name) == pid:
+                time.sleep(poll)
+        finally:
+            stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if signalled:
+            log.info("%s stopped on %s", name, signal.Signals(signalled[0]).name)
+            return 0
+        log.error("%s exited; %s:\n%s", name, self.log_file(name), log_tail(self.log_file(name)))
+        return 1
 
     def kill(self, name: str, timeout: float = 30.0) -> None:
         """SIGKILL the process group of ``name``, as a crashed machine would stop it, and wait

@@ -165,9 +165,6 @@ def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: 
     The master comes from the ``spark_default`` connection; ``{{ ... }}`` is rendered by
     Airflow. ``run_params``: pass the epoch DAG's per-run Params on as flags."""
     return {
-        "epoch_server": cfg.epoch_server,
-        "epoch_server_token_file": str(cfg.epoch_server_token_path),
-        "server_timeout_seconds": cfg.command_timeout_seconds,
         "kafka_connection": cfg.kafka_connection,
         "bootstrap_servers": cfg.bootstrap_servers,
         "application": EPOCH_APPLICATION,

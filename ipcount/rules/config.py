@@ -29,12 +29,9 @@ EVENT_TIME_SOURCES = ("payload", "kafka")
 IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
 
-# Who may set a setting. PIPELINE: it defines the pipeline (a request to the epoch server must
-# name the served pipeline's own value). RUN: one run may set it differently (the epoch DAG's
-# Params, the epoch server's per-run flags). CALLER: where and how the caller runs a command,
-# not what it does (the epoch server ignores a request's). SECRET_FILE: a file with the Kafka
-# login's secrets (a task writes its own per run; the epoch server always uses its own).
-PIPELINE, RUN, CALLER, SECRET_FILE = "pipeline", "run", "caller", "secret_file"
+# Who may set a setting. PIPELINE: the pipeline's settings. RUN: one run may set it differently
+# (the epoch DAG's Params).
+PIPELINE, RUN = "pipeline", "run"
 START_OFFSETS_PATTERN = r"^\s*(\d+\s*:\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*)*)?$"
 
 
@@ -163,44 +160,39 @@ class PipelineConfig:
     spark_master: str = setting(
         "local[*]",
         "master of the in-process Spark session (bin/ipcount epoch); the DAGs' spark-submit uses Airflow's "
-        "spark_default connection",
-        scope=CALLER)
+        "spark_default connection")
     spark_remote: str = setting(
         "",
         "Spark Connect URL of a Spark Connect server (sc://host:port, ipcount spark-connect start makes one): "
         "set, the epoch runs in this process with a remote session (planning and every Delta commit here, the "
-        "read and aggregation on the server) and spark_master is not used",
-        scope=CALLER)
+        "read and aggregation on the server) and spark_master is not used")
     spark_remote_token_file: str = setting(
         "",
         "file holding the Spark Connect server's token (mode 0600), sent with every request (use the host name "
-        "localhost for a server on this machine: pyspark asks for TLS whenever a token goes elsewhere)",
-        scope=CALLER)
+        "localhost for a server on this machine: pyspark asks for TLS whenever a token goes elsewhere)")
     spark_connect_connection: str = setting(
         "",
         "id of an Airflow connection of type spark_connect (host, port, password: the server's token, extra "
         "use_ssl): set, the DAGs' Spark tasks run their command in the task's own process on that Spark Connect "
-        "server (neither the epoch server nor spark-submit)",
-        scope=CALLER)
+        "server (not spark-submit)")
     kafka_timeout_seconds: int = setting(30, "timeout of broker requests", minimum=1)
     schedule: str = setting(
         "* * * * *",
         "the epoch DAG's schedule, read when Airflow parses the DAG: a cron expression or preset, as data "
         "intervals [previous tick, tick) (a run made by airflow backfill create counts the records whose Kafka "
         "timestamps fall in its interval), or @continuous: each run starts as the last one ends (the lowest "
-        "latency)",
-        scope=CALLER)
+        "latency)")
     command_timeout_seconds: int = setting(
         3_600,
         "the longest one Spark command of a DAG run (epoch, backfill, rebuild) may take: the tasks' "
-        "execution_timeout, the operator's wait on the epoch server, and the server's limit on the command (its "
-        "Spark jobs are then cancelled)",
-        minimum=1, scope=CALLER)
+        "execution_timeout (a task past it fails and is retried; its epoch stays planned and the retry finishes "
+        "it)",
+        minimum=1)
     dagrun_timeout_seconds: int = setting(
         7_200,
         "a DAG run still running after this fails (Airflow's dagrun_timeout), so one stuck run cannot hold the "
         "DAG's one active run for good",
-        minimum=1, scope=CALLER)
+        minimum=1)
     kafka_security_protocol: str = setting(
         "PLAINTEXT",
         "how the pipeline talks to Kafka: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL (SASL login over TLS)",
@@ -210,14 +202,12 @@ class PipelineConfig:
     kafka_sasl_password_file: str = setting(
         "",
         "for SASL_*: a file holding the password (mode 0600; the password is never a setting, so it is in no "
-        "command line, environment, ledger or log)",
-        scope=SECRET_FILE)
+        "command line, environment, ledger or log)")
     kafka_ssl_cafile: str = setting("", "for SSL and SASL_SSL: PEM file of the CA(s) to trust (default: the system's)")
     kafka_ssl_client_pem: str = setting(
         "",
         "for SSL and SASL_SSL with client certificates: one PEM file holding the unencrypted private key and the "
-        "certificate chain (mode 0600)",
-        scope=SECRET_FILE)
+        "certificate chain (mode 0600)")
     kafka_ssl_check_hostname: bool = setting(
         True,
         "for SSL and SASL_SSL: check that the broker's certificate names the host connected to (turn off only "
@@ -238,17 +228,6 @@ class PipelineConfig:
         "ip_count_sink",
         "the Kafka topic the counts are published to, made if missing; an existing one must have "
         "cleanup.policy=compact only (keyed by window and IP; read it with isolation.level=read_committed)")
-    epoch_server: str = setting(
-        "",
-        "URL of a running epoch server (ipcount serve), e.g. http://127.0.0.1:8765, that the DAGs' Spark tasks "
-        "send their command to; empty, or no answer within 3 s: a spark-submit per run (bin/run starts one and "
-        "sets this)",
-        scope=CALLER)
-    epoch_server_token_file: str = setting(
-        "",
-        "file holding the epoch server's shared token (mode 0600; ipcount serve creates it if missing); every "
-        "request must carry it (default .local/epoch-server.token)",
-        scope=CALLER)
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -257,9 +236,6 @@ class PipelineConfig:
         if not self.schedule.strip():
             raise ConfigError("schedule is empty; expected a cron expression such as '* * * * *' or a "
                               "preset such as '@hourly'")
-        if self.epoch_server and not re.match(r"^https?://[^/\s:]+:\d{1,5}/?$", self.epoch_server):
-            raise ConfigError(f"epoch_server must be a URL such as http://127.0.0.1:8765 (or empty for "
-                              f"spark-submit); found {self.epoch_server!r}")
         if self.spark_remote and not re.match(r"^sc://[^/\s:;]+(:\d{1,5})?/?$", self.spark_remote):
             # (No ;parameters: a token there would be in every command line; it has its file.)
             raise ConfigError(f"spark_remote must be a Spark Connect URL such as sc://localhost:15002, with no "
@@ -404,10 +380,6 @@ class PipelineConfig:
         return explicit or join_location(self.warehouse, name)
 
     @property
-    def epoch_server_token_path(self) -> Path:
-        return Path(self.epoch_server_token_file or STATE_DIR / "epoch-server.token")
-
-    @property
     def counts_path(self) -> str:
         return self._table(self.counts_table, "counts")
 
@@ -454,8 +426,6 @@ SETTINGS_HELP = {s.name: s.help for s in SETTINGS}
 CHOICES = {s.name: s.choices for s in SETTINGS if s.choices}
 MINIMUMS = {s.name: s.minimum for s in SETTINGS if s.minimum is not None}
 PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
-CALLER_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == CALLER)
-SECRET_FILE_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == SECRET_FILE)
 
 
 # Where delta-rs can keep tables besides a local directory (its credentials and endpoint

@@ -1,6 +1,6 @@
 """The pipeline's errors: one base class that carries the exit code of the command that
-fails with it, so the CLI (and the epoch server, which runs the CLI) maps every error the
-same way, and a caller that must react to one condition catches that one class.
+fails with it, so the CLI maps every error the same way, and a caller that must react to one
+condition catches that one class.
 
 Exit codes: 0 done, 1 failed, 2 bad input (settings, request, flags), 3 data loss,
 4 broker unreachable or topic missing.
@@ -79,10 +79,6 @@ class PublisherFenced(IpcountError, RuntimeError):
 
 class TableSetMismatch(IpcountError, exit_code=EXIT_USAGE):
     """A run's settings, or one of its tables, do not belong to the table set it would write."""
-
-
-class EpochServerError(IpcountError, RuntimeError, exit_code=EXIT_USAGE):
-    """The epoch server could not be reached, refused the request, or broke off while running it."""
 
 
 class SparkConnectError(IpcountError, RuntimeError, exit_code=EXIT_USAGE):

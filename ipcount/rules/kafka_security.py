@@ -3,8 +3,8 @@
 The same settings (``kafka_*`` in :class:`PipelineConfig`) become the options of Spark's
 Kafka source, the keyword arguments of every kafka-python client and the properties file
 of the Java command-line tools. The password is never a setting - only the file that holds
-it - so it is in no command line (spark-submit's, the epoch server's requests), no
-``IPCOUNT_*`` variable, ledger row, run note or log line; it is read where a client is made.
+it - so it is in no command line, ``IPCOUNT_*`` variable, ledger row, run note or log
+line; it is read where a client is made.
 """
 from __future__ import annotations
 

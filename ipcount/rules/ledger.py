@@ -237,8 +237,8 @@ def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
 @dataclass(frozen=True)
 class EpochSummary:
     """What one epoch did, in the one shape every reporter uses: the CLI's line and JSON,
-    the epoch server's output, the DAG's XCom and Asset event, the benchmark. ``plan`` is
-    None for a run that found nothing new to read (no epoch)."""
+    the DAG's XCom and Asset event, the benchmark. ``plan`` is None for a run that found
+    nothing new to read (no epoch)."""
 
     plan: EpochPlan | None
     records_read: int = 0

@@ -12,8 +12,8 @@ that snapshot, by any runner in any process, makes it fail and plan again.
 
 One engine writes the ledger, delta-rs, as it writes every table of the pipeline
 (:mod:`ipcount.storage.delta`): delta-spark's log store makes a commit put-if-absent only
-within one JVM, and the ledger's writers are many processes (the chain, backfills, the
-epoch server, spark-submit fallbacks).
+within one JVM, and the ledger's writers are many processes (the chain, backfills, DAG
+tasks on spark-submit or Spark Connect).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 
 from ipcount.devtools.generator import TrafficGenerator, produce
 from tests.airflow_services import airflow, airflow_database, airflow_services, metadata_rows, service_env
-from tests.conftest import free_port, run_until_idle
+from tests.conftest import connect_connection, free_port, run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, lanes, ledger, owned_offsets
 
@@ -43,12 +43,13 @@ def database(request):
         yield request.param, settings
 
 
-def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path, epoch_server, database):
+def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path, connect, database):
     kind, settings = database
-    cfg = epoch_server.serve(cfg.replace(schedule="@daily"))  # the runs' Spark jobs go to the server
+    # The runs' Spark commands run in their tasks on the Spark Connect server.
+    cfg = cfg.replace(schedule="@daily", spark_connect_connection="ipcount_connect")
     home = tmp_path / "airflow"
     home.mkdir()
-    env = service_env(home, cfg, free_port(), database=settings)
+    env = {**service_env(home, cfg, free_port(), database=settings), **connect_connection(connect)}
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     day = lambda n: int((today - timedelta(days=n)).timestamp() * 1000)  # noqa: E731
     gen = TrafficGenerator(seed=71, events_per_second=50, malformed_share=0.03)

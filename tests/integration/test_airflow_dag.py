@@ -18,9 +18,12 @@ from ipcount.orchestration.monitor.links import run_page_path
 from ipcount.storage import broker as broker_io
 from ipcount.storage.ledger import committed_epochs
 from tests.airflow_services import airflow_database, metadata_rows
-from tests.conftest import BROKER_PASSWORD, free_port
+from tests.conftest import BROKER_PASSWORD, connect_connection, free_port
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
+
+# spark_default at a master nothing serves: a task that spark-submitted could not run.
+NO_SPARK_MASTER = {"AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "spark://127.0.0.1:1"})}
 
 pytestmark = pytest.mark.airflow
 
@@ -94,15 +97,13 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_environ, cfg):
     gen = TrafficGenerator(seed=31, events_per_second=50, malformed_share=0.03)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(400, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
-    # An epoch server is configured but nothing answers there: the task spark-submits.
+    # No Spark Connect connection: the task spark-submits (the provider's hook logs the command).
     # Publishing is on: the epoch's counts reach the sink topic too.
-    cfg = cfg.replace(epoch_server=f"http://127.0.0.1:{free_port()}", publish=True,
-                      publish_topic=f"sink_{cfg.topic}")
+    cfg = cfg.replace(publish=True, publish_topic=f"sink_{cfg.topic}")
 
     proc = _airflow(airflow_environ, "dags", "test", "ipcount_epoch", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert f"no epoch server answers at {cfg.epoch_server}: running the command with spark-submit" \
-        in proc.stdout + proc.stderr
+    assert "Spark-Submit cmd:" in proc.stdout + proc.stderr
 
     epochs = committed_epochs(cfg.ledger_path)
     assert len(epochs) == 1 and epochs[0].run_id.startswith("manual__")
@@ -156,30 +157,31 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_environ, cfg):
     assert [e.epoch for e in committed_epochs(cfg.ledger_path)] == [1]
 
 
-def test_run_params_and_a_kafka_connection_reach_the_epoch_server(airflow_environ, cfg, broker, epoch_server):
-    """The run's Params reach the epoch server as the same flags spark-submit gets. The
-    pipeline's Kafka settings come from an Airflow connection of type kafka (SASL_SSL, SCRAM):
-    every task logs in with it (the idle check, the epoch, whose server logs in with its own
-    copy of the password, and the group commit); the DAG's own brokers setting is unusable."""
+def test_run_params_and_a_kafka_connection_reach_the_task_on_spark_connect(airflow_environ, cfg, broker, connect):
+    """The run's Params reach the task on Spark Connect as the same flags spark-submit gets.
+    The pipeline's Kafka settings come from an Airflow connection of type kafka (SASL_SSL,
+    SCRAM): every task logs in with it (the idle check; the epoch, whose Kafka read runs on
+    the Connect server with the password file the task wrote; the group commit); the DAG's
+    own brokers setting is unusable, and spark_default names a master nothing serves."""
     secure = cfg.replace(**broker.client_settings("SASL_SSL"))
     gen = TrafficGenerator(seed=32, events_per_second=50)
     produced = produce(secure.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3, client_options=broker_io.client_options(secure))
     conf = json.dumps({"max_records_per_epoch": 90, "commit_offsets": True, "start_position": "specific",
                        "start_offsets": "1:40"})
-    served = epoch_server.serve(secure)  # the server's own copy of the settings: a password file
     connection = {"conn_type": "kafka", "extra": {
         "bootstrap.servers": secure.bootstrap_servers, "security.protocol": "SASL_SSL",
         "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "ipcount", "sasl.password": BROKER_PASSWORD,
         "ssl.ca.location": secure.kafka_ssl_cafile}}
-    dag_cfg = cfg.replace(epoch_server=served.epoch_server, epoch_server_token_file=served.epoch_server_token_file,
-                          kafka_connection="ipcount_kafka", bootstrap_servers="127.0.0.1:1", commit_offsets=False)
-    env = {**_env(airflow_environ, dag_cfg), "AIRFLOW_CONN_IPCOUNT_KAFKA": json.dumps(connection)}
+    dag_cfg = cfg.replace(spark_connect_connection="ipcount_connect", kafka_connection="ipcount_kafka",
+                          bootstrap_servers="127.0.0.1:1", commit_offsets=False)
+    env = {**_env(airflow_environ, dag_cfg), **connect_connection(connect), **NO_SPARK_MASTER,
+           "AIRFLOW_CONN_IPCOUNT_KAFKA": json.dumps(connection)}
     proc = subprocess.run([str(Path(sys.executable).parent / "airflow"), "dags", "test", "ipcount_epoch", "-c", conf],
                           env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
-    assert f"running `epoch` in the epoch server at {epoch_server.url}" in out
+    assert "Spark-Submit cmd:" not in out
     assert "Kafka settings from connection 'ipcount_kafka'" in out and BROKER_PASSWORD not in out
     (ranges,) = epoch_ranges(cfg)
     assert ranges[1][0] == 40 and sum(u - f for f, u in ranges.values()) == 90
@@ -200,10 +202,12 @@ def _ledger_rows(cfg):
     return ledger(cfg) if Path(cfg.ledger_path).exists() else []
 
 
-def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_environ, cfg, epoch_server):
+def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_environ, cfg, connect):
     from tests.tables import lanes
 
-    cfg = epoch_server.serve(cfg)  # the backfill runs in the epoch server
+    # The backfill runs in its task on the Spark Connect server (no master for spark-submit).
+    cfg = cfg.replace(spark_connect_connection="ipcount_connect")
+    airflow_environ = {**airflow_environ, **connect_connection(connect), **NO_SPARK_MASTER}
 
     gen = TrafficGenerator(seed=33, events_per_second=50, malformed_share=0.03)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
@@ -211,7 +215,7 @@ def test_backfill_dag_counts_a_range_once_and_refuses_bad_requests(airflow_envir
     conf = json.dumps({"offsets": "0:0-60,1:10-50", "max_records_per_epoch": 40})
     proc = _airflow(airflow_environ, "dags", "test", "ipcount_backfill", "-c", conf, cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert "running `backfill` in the epoch server" in proc.stdout + proc.stderr
+    assert "Spark-Submit cmd:" not in proc.stdout + proc.stderr
     rows = _ledger_rows(cfg)
     assert {r["kind"] for r in rows} == {"backfill"} and all(r["run_id"].startswith("manual__") for r in rows)
     assert len({r["epoch"] for r in rows}) == 3                   # 100 offsets at 40 per epoch
@@ -249,10 +253,7 @@ def test_dag_test_runs_the_epoch_in_its_task_on_a_spark_connect_server(airflow_e
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
     cfg = cfg.replace(spark_connect_connection="ipcount_connect")
-    env = {**airflow_environ, "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark",
-                                                                         "host": "spark://127.0.0.1:1"}),
-           "AIRFLOW_CONN_IPCOUNT_CONNECT": json.dumps({"conn_type": "spark_connect", "host": "localhost",
-                                                       "port": connect.port, "password": connect.token()})}
+    env = {**airflow_environ, **NO_SPARK_MASTER, **connect_connection(connect)}
     proc = _airflow(env, "dags", "test", "ipcount_epoch", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert connect.token() not in proc.stdout + proc.stderr

@@ -6,12 +6,14 @@ task would run them, and the tests' own Spark session is not used."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-
-import pytest
+import time
+import uuid
 
 from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount.devtools.service import listening
 from ipcount.rules.errors import EXIT_USAGE
 from ipcount.rules.private_files import write_private_file
 from tests.conftest import free_port
@@ -50,3 +52,46 @@ def test_a_server_that_is_not_there_or_refuses_the_token_is_a_clear_error(cfg, c
     assert f"the Spark Connect server at {connect.url} refused this client's token" in refused.stderr
     assert "not-the-token" not in refused.stderr + refused.stdout
     assert "Traceback" not in refused.stderr
+
+
+def test_the_compose_spark_connect_service_runs_an_epoch_and_stops_on_sigterm(cfg, tmp_path):
+    """docker-compose.yml's spark-connect service, its command run here (its port, state
+    directory and master moved onto this machine) with the token it gets from .env: an epoch
+    with that token counts there, and a SIGTERM, as docker stops a container, stops the server."""
+    import yaml
+
+    from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
+    from ipcount.rules.config import REPO_ROOT
+
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+    port, state, token = free_port(), tmp_path / "spark-connect", f"compose{uuid.uuid4().hex}"
+    command = compose["services"]["spark-connect"]["command"][-1].replace("$$", "$")
+    for here, there in (("--port 15002", f"--port {port}"), ("/tmp/spark-connect", str(state)),
+                        ("--master spark://spark-master:7077", "--master 'local[2]'")):
+        assert here in command, here                   # else it would run on the compose port or paths
+        command = command.replace(here, there)
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])  # `python`: this venv's
+    with open(tmp_path / "serve.log", "w") as log:
+        server = subprocess.Popen(["bash", "-c", command], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "CONNECT_TOKEN": token, "PATH": path}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not listening(port):
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert (state / "token").read_text() == token    # the file the command wrote, kept
+        gen = TrafficGenerator(seed=73, events_per_second=50, late_share=0.05, malformed_share=0.03)
+        produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, BASE_MS), partition_of=lambda i, r: i % 3)
+        client_token = write_private_file(tmp_path / "client-token", token + "\n")
+        done = ipcount(cfg.replace(spark_remote=f"sc://localhost:{port}", spark_remote_token_file=str(client_token)),
+                       "epoch")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert {r["status"] for r in ledger(cfg)} == {"committed"} and len(epoch_ranges(cfg)) == 1
+        want = expected_tables(produced, epoch_ranges(cfg))
+        assert counts(cfg) == want.counts and sum(want.counts.values()) > 250
+        server.send_signal(signal.SIGTERM)                # as docker stops a container
+        assert server.wait(timeout=90) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert not listening(port) and EmbeddedSparkConnect(state_dir=state, port=port).pid() is None
+    finally:
+        server.kill()
+        EmbeddedSparkConnect(state_dir=state, port=port).stop()   # the server, if the test failed first

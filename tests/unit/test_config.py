@@ -24,7 +24,7 @@ def test_precedence_file_then_env_then_overrides(tmp_path):
 
 
 def test_the_environment_a_config_hands_to_airflow_loads_back_as_the_same_config():
-    cfg = PipelineConfig(topic="t1", window_seconds=60, commit_offsets=False, start_offsets="0:5", epoch_server="")
+    cfg = PipelineConfig(topic="t1", window_seconds=60, commit_offsets=False, start_offsets="0:5", spark_remote="")
     assert PipelineConfig.load(environ=cfg.to_env()) == cfg
 
 

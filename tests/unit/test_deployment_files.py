@@ -22,7 +22,7 @@ def test_compose_airflow_points_at_this_repos_dags_and_spark_master():
     env = services["airflow-scheduler"]["environment"]
     assert env["AIRFLOW__CORE__DAGS_FOLDER"] == "/opt/ipcount/dags"
     assert "spark://spark-master" in env["AIRFLOW_CONN_SPARK_DEFAULT"]
-    # the drivers (Airflow's tasks, the epoch server) write the tables; executors never do
+    # the drivers (Airflow's tasks) write the tables; executors never do
     assert "volumes" not in services["spark-worker"]
     assert services["spark-worker"]["deploy"]["replicas"] == 2            # as `ipcount spark-cluster` starts
     assert services["kafka"]["image"].endswith(":4.1.1")  # the broker version bin/setup fetches
@@ -44,11 +44,11 @@ def test_compose_keeps_the_tables_in_its_object_store():
     assert services[host]["environment"]["S3_SECRET"] == env["AWS_SECRET_ACCESS_KEY"]
     from ipcount.devtools.embedded_s3 import EmbeddedS3
     assert env["AWS_ACCESS_KEY_ID"] == EmbeddedS3.access_key_id
-    for name in ("epoch-server", "airflow-init", "airflow-scheduler", "airflow-apiserver"):
+    for name in ("airflow-init", "airflow-scheduler", "airflow-apiserver"):
         assert services[name]["environment"]["AWS_ENDPOINT_URL"] == env["AWS_ENDPOINT_URL"]
         assert not any("warehouse" in v for v in services[name].get("volumes", [])), name
-    for name in ("epoch-server", "airflow-init"):  # Airflow's other services start after airflow-init
-        assert services[name]["depends_on"][host] == {"condition": "service_healthy"}
+    # Airflow's other services start after airflow-init
+    assert services["airflow-init"]["depends_on"][host] == {"condition": "service_healthy"}
     assert services["postgres"]["image"].startswith("postgres:")
 
 
@@ -60,25 +60,25 @@ def test_image_fetches_jars_from_the_same_poms_as_setup():
         assert pom in dockerfile and f"jars/{pom}.xml" in setup
 
 
-def test_compose_epoch_server_is_what_the_airflow_tasks_point_at():
+def test_compose_spark_connect_is_what_the_airflow_tasks_point_at():
     services = _compose()["services"]
-    server = services["epoch-server"]
-    assert server["command"][:4] == ["python", "-m", "ipcount.cli", "serve"]
-    port = server["command"][server["command"].index("--port") + 1]
-    url = services["airflow-scheduler"]["environment"]["IPCOUNT_EPOCH_SERVER"]
-    assert url == f"http://{server['hostname']}:{port}"
-    assert PipelineConfig.from_mapping({"epoch_server": url}).epoch_server == url
-
-
-def test_compose_airflow_tasks_can_read_the_token_the_epoch_server_makes():
-    compose = _compose()
-    services = compose["services"]
-    token_file = compose["x-ipcount-env"]["IPCOUNT_EPOCH_SERVER_TOKEN_FILE"]
-    token_dir = token_file.rsplit("/", 1)[0]
-    for name in ("epoch-server", "airflow-scheduler", "airflow-apiserver"):
-        mounts = {v.split(":")[1]: v.split(":")[0] for v in services[name]["volumes"]}
-        assert mounts.get(token_dir) == "secrets", name
-        assert services[name]["environment"]["IPCOUNT_EPOCH_SERVER_TOKEN_FILE"] == token_file
+    server = services["spark-connect"]
+    # In the scheduler's network: its tasks reach the server on localhost, where pyspark sends
+    # the token without TLS.
+    assert server["network_mode"] == "service:airflow-scheduler"
+    command = server["command"][-1]
+    serve = command.split("exec ", 1)[1].split()
+    assert serve[:6] == ["python", "-m", "ipcount.cli", "spark-connect", "serve", "--port"]
+    flags = dict(zip(serve[5::2], serve[6::2]))
+    # the token from .env, in the private file the server reads (it keeps a token file it finds)
+    assert "umask 077" in command and f'> {flags["--state-dir"]}/token' in command
+    env = services["airflow-scheduler"]["environment"]
+    assert env["AIRFLOW_CONN_IPCOUNT_CONNECT"] == \
+        f"spark-connect://:{server['environment']['CONNECT_TOKEN']}@localhost:{flags['--port']}"
+    for name in ("airflow-scheduler", "airflow-dag-processor", "airflow-apiserver"):  # all parse the DAGs alike
+        assert services[name]["environment"]["IPCOUNT_SPARK_CONNECT_CONNECTION"] == "ipcount_connect", name
+    settings = {k[len("IPCOUNT_"):].lower(): v for k, v in env.items() if k.startswith("IPCOUNT_")}
+    assert PipelineConfig.from_mapping(settings).spark_connect_connection == "ipcount_connect"  # valid, no stale one
 
 
 def test_compose_holds_no_secret_and_publishes_ports_on_loopback_only():
@@ -89,9 +89,10 @@ def test_compose_holds_no_secret_and_publishes_ports_on_loopback_only():
         env.update(service.get("environment") or {})
     # Every secret is a reference to .env that fails when unset, never a value.
     for name in ("POSTGRES_PASSWORD", "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD",
-                 "KAFKA_EXTERNAL_PASSWORD", "S3_SECRET", "AWS_SECRET_ACCESS_KEY"):
+                 "KAFKA_EXTERNAL_PASSWORD", "S3_SECRET", "AWS_SECRET_ACCESS_KEY", "CONNECT_TOKEN"):
         assert env[name].startswith("${IPCOUNT_") and ":?" in env[name], name
     assert ":${IPCOUNT_POSTGRES_PASSWORD:?" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    assert ":${IPCOUNT_CONNECT_TOKEN:?" in env["AIRFLOW_CONN_IPCOUNT_CONNECT"]
     for leaked in ("change-me", '\\"admin\\": \\"admin', "airflow:airflow@", "PASSWORD: airflow"):
         assert leaked not in text, leaked
     for name, service in compose["services"].items():
@@ -113,7 +114,7 @@ def test_compose_env_makes_private_random_secrets_once(tmp_path):
     values = dict(re.findall(r"^(IPCOUNT_[A-Z0-9_]+)=(\S+)$", first, re.M))
     compose = (REPO_ROOT / "docker-compose.yml").read_text()
     assert set(values) == set(re.findall(r"\$\{(IPCOUNT_[A-Z0-9_]+):\?", compose))  # exactly what compose needs
-    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == len(values) == 5
+    assert all(len(v) >= 32 for v in values.values()) and len(set(values.values())) == len(values) == 6
     assert "0 secret(s) added" in run().stdout and env_file.read_text() == first  # never overwrites
     # A file from an older release gets what it lacks, and keeps the rest.
     env_file.write_text("".join(line + "\n" for line in first.splitlines() if "KAFKA_EXTERNAL" not in line))

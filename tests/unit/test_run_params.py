@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.orchestration.dags import BACKFILL_PARAMS, check_backfill_request, run_config
-from ipcount.rules.config import PipelineConfig
+from ipcount.orchestration.dags import BACKFILL_PARAMS, RUN_PARAMS, check_backfill_request, run_config
+from ipcount.rules.config import PER_RUN_SETTINGS, PipelineConfig
 from ipcount.rules.errors import BadRequestError, ConfigError
 
 
@@ -13,6 +13,10 @@ def test_a_run_param_overrides_the_pipeline_config_for_that_run():
     assert run_config(cfg, {"max_records_per_epoch": 90, "commit_offsets": False}) == \
         cfg.replace(max_records_per_epoch=90, commit_offsets=False)
     assert run_config(cfg, None) is cfg
+
+
+def test_the_dags_params_are_exactly_the_per_run_settings():
+    assert tuple(RUN_PARAMS) == PER_RUN_SETTINGS
 
 
 def test_a_misspelt_run_param_is_refused_not_ignored():

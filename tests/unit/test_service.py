@@ -1,14 +1,18 @@
 """The embedded services' process handling (:mod:`ipcount.devtools.service`), on real
 processes: a pid file names only the process it started, a stop asks before it forces, and
-a start that fails says why with its log, a kill returns once the port is closed."""
+a start that fails says why with its log, a kill returns once the port is closed, a service
+in the foreground stops on a signal and fails when its process dies."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from ipcount.devtools.service import Processes, free_port, listening, started_at
+from ipcount.devtools.service import Processes, exited, free_port, listening, started_at
 
 
 class Refused(RuntimeError):
@@ -83,3 +87,42 @@ def test_a_killed_jvm_has_closed_its_port_when_kill_returns(tmp_path):
         procs.kill("jvm")
         assert not listening(port), f"attempt {attempt}: port {port} still open after the kill returned"
         proc.wait(timeout=5)
+
+
+# A service in the foreground, as `ipcount s3 serve` / `spark-connect serve` run it: its
+# process prints "up" when ready.
+SERVE = """
+import sys
+from pathlib import Path
+from ipcount.devtools.service import Processes
+
+procs = Processes(Path(sys.argv[1]))
+
+def start():
+    proc = procs.launch("sleeper", ["sh", "-c", "echo up; exec sleep 60"])
+    procs.wait_ready(lambda: "up" in procs.log_file("sleeper").read_text(), 10, RuntimeError, "it", "sleeper", proc)
+
+sys.exit(procs.serve("sleeper", start, lambda: procs.stop(timeout=5)))
+"""
+
+
+def test_a_service_in_the_foreground_stops_on_a_signal_and_fails_when_its_process_dies(tmp_path):
+    procs = Processes(tmp_path)
+
+    def serve() -> tuple[subprocess.Popen, int]:
+        server = subprocess.Popen([sys.executable, "-c", SERVE, str(tmp_path)], stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while (pid := procs.pid("sleeper")) is None:
+            assert server.poll() is None and time.monotonic() < deadline, server.communicate()[1]
+            time.sleep(0.05)
+        return server, pid
+
+    for signum in (signal.SIGTERM, signal.SIGINT):   # docker stop; Ctrl-C in a terminal
+        server, sleeper = serve()
+        server.send_signal(signum)
+        assert server.wait(timeout=30) == 0, server.communicate()[1]
+        assert exited(sleeper) and procs.names() == []                  # stopped, not left behind
+    server, sleeper = serve()
+    os.kill(sleeper, signal.SIGKILL)
+    _, err = server.communicate(timeout=30)
+    assert server.returncode == 1 and f"sleeper exited; {procs.log_file('sleeper')}:\nup" in err, err
