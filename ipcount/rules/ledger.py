@@ -188,6 +188,9 @@ class LedgerState:
     committed: Mapping[int, int] = field(default_factory=dict)  # scheduled chain: partition -> next offset
     watermark_ms: int | None = None           # left by the chain's last committed epoch
     pending: EpochPlan | None = None          # scheduled epoch planned but not committed: re-run it
+    # Every scheduled epoch planned but not committed: ``pending`` alone, except in a rebuild's
+    # target, which replays in the source's commit order and may be stopped after each plan.
+    pending_chain: tuple[EpochPlan, ...] = ()
     pending_backfills: tuple[EpochPlan, ...] = ()  # backfill epochs planned but not committed
     coverage: Coverage = field(default_factory=lambda: Coverage(""))  # offsets any row owns
     request_watermarks: Mapping[str, int | None] = field(default_factory=dict)  # backfill lanes
@@ -195,7 +198,7 @@ class LedgerState:
     @property
     def unfinished(self) -> list[int]:
         """Every planned epoch, scheduled or backfill."""
-        return sorted([p.epoch for p in self.pending_backfills] + ([self.pending.epoch] if self.pending else []))
+        return sorted(p.epoch for p in (*self.pending_backfills, *self.pending_chain))
 
 
 def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
@@ -216,9 +219,10 @@ def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
 
     planned = rows_by_epoch(r for r in mine if r["status"] == PLANNED)
     plans = [plan_from_rows(rs) for _, rs in sorted(planned.items())]
-    # At most one unfinished scheduled epoch is ever planned (planners finish it first); a
-    # ledger from a version that could leave two has the lower one finished first, then the
-    # next: their ranges never overlap, and each has its recorded watermark.
+    # The chain's planners finish its unfinished epoch before planning another; a rebuild's
+    # target (or a ledger from a version that could leave two) may hold more: runners finish
+    # the lower first, then the next: their ranges never overlap, and each has its recorded
+    # watermark.
     chain_plans = [p for p in plans if p.kind == SCHEDULED]
     # Every row of the topic, planned, committed or lost and of any kind, owns its offsets.
     coverage = Coverage.of(topic, (OffsetRange(topic, r["partition"], r["from_offset"], r["until_offset"])
@@ -229,7 +233,7 @@ def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
     positions = chain_positions(mine, statuses=(COMMITTED, LOST))
     return LedgerState(last_epoch=max((r["epoch"] for r in rows), default=0), committed=positions,
                        watermark_ms=latest["watermark_after_ms"] if latest is not None else None,
-                       pending=chain_plans[0] if chain_plans else None,
+                       pending=chain_plans[0] if chain_plans else None, pending_chain=tuple(chain_plans),
                        pending_backfills=tuple(p for p in plans if p.kind == BACKFILL),
                        coverage=coverage, request_watermarks=request_watermarks)
 

@@ -283,6 +283,44 @@ def test_rebuild_writes_only_into_a_fresh_target_or_its_own_earlier_rebuild(cfg,
     assert snapshot(cfg.for_target("rebuilt"), ignore) == snapshot(cfg, ignore)
 
 
+def test_a_rebuild_resumed_twice_while_the_source_grew_finishes_every_planned_epoch(cfg, spark):
+    """A rebuild replays epochs in the order of their counts commits, and an epoch that wrote
+    no counts goes first. One that the source gained between two stopped rebuilds is planned
+    out of epoch order, so the target holds two planned scheduled epochs; the next rebuild
+    used to see only the lower one as unfinished and fail to record the other again
+    (PlanConflict: its epoch id exists; found by the long chaos run)."""
+    from ipcount.storage.ledger import Ledger
+
+    class Stopped(Exception):
+        pass
+
+    def stop_after_first_plan(point: str) -> None:
+        if point == "after_plan":
+            raise Stopped(point)
+
+    cfg = cfg.replace(max_records_per_epoch=40)
+    produce_dataset(cfg, 120, seed=95)
+    run_until_idle(cfg, spark)
+    with pytest.raises(Stopped):                 # the target's first epoch planned, not committed
+        rebuild(cfg, spark, into="rebuilt", crash=stop_after_first_plan)
+    # The source gains an epoch of malformed records only: no counts, so it replays first.
+    produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=96, malformed_share=1.0).records(6, BASE_MS),
+            partition_of=lambda i, r: i % 3)
+    run_until_idle(cfg, spark)
+    (first, version), *_ = Ledger(cfg.ledger_path).epochs(cfg.topic)
+    assert version is None and first.epoch == max(p.epoch for p, _ in Ledger(cfg.ledger_path).epochs(cfg.topic))
+    with pytest.raises(Stopped):                 # ... and is planned in the target too
+        rebuild(cfg, spark, into="rebuilt", crash=stop_after_first_plan)
+    planned = {r["epoch"] for r in ledger_rows(cfg.for_target("rebuilt")) if r["status"] == "planned"}
+    assert planned == {1, first.epoch}
+
+    resumed = rebuild(cfg, spark, into="rebuilt")
+    assert sorted(resumed.replayed) == sorted({r["epoch"] for r in ledger_rows(cfg)})
+    ignore = frozenset({"lag_after", "sink_version"})
+    assert snapshot(cfg.for_target("rebuilt"), ignore) == snapshot(cfg, ignore)
+    assert verify(cfg, "rebuilt").ok
+
+
 def test_the_ledger_refuses_overlapping_plans_even_recorded_at_the_same_moment(cfg, spark):
     import threading
 

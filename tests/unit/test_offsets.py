@@ -138,3 +138,20 @@ def test_a_backfill_lanes_watermark_never_goes_back():
              "chain_watermark_ms": None, "planned_at": at}
             for e, f, u, w in ((1, 0, 10, 5_000), (2, 10, 20, 9_000), (3, 20, 30, 7_000), (4, 30, 30, None))]
     assert state_of("t", rows).request_watermarks == {"r1": 9_000}
+
+
+def test_every_planned_chain_epoch_is_unfinished_not_only_the_lowest():
+    """A rebuild's target can hold two planned scheduled epochs (it replays in the source's
+    commit order); the one chain runners re-run first is the lower, but both are unfinished."""
+    from datetime import datetime, timezone
+
+    from ipcount.rules.ledger import state_of
+
+    at = datetime(2026, 11, 21, tzinfo=timezone.utc)
+    rows = [{"epoch": e, "topic": "t", "partition": 0, "from_offset": f, "until_offset": u, "status": s,
+             "kind": "scheduled", "request_id": None, "watermark_before_ms": None, "watermark_after_ms": None,
+             "chain_watermark_ms": None, "planned_at": at}
+            for e, f, u, s in ((1, 0, 10, "committed"), (2, 10, 20, "planned"), (3, 20, 30, "committed"),
+                               (4, 30, 40, "planned"))]
+    state = state_of("t", rows)
+    assert state.pending.epoch == 2 and state.unfinished == [2, 4]
