@@ -64,7 +64,9 @@ def profile(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], re
                                planned_at + n + 1), 1) for n in range(repeats)), 3)
     # Late against a watermark in the middle of the data, so both outcomes occur.
     middle = parsed.agg(F.percentile_approx("event_ms", 0.5)).first()[0]
-    classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, middle)
+    classified = transform.classify(transform.parse(raw, cfg.max_value_bytes, cfg.event_time,
+                                                    cfg.max_event_time_ahead_ms, planned_at, middle),
+                                    cfg.window_ms, cfg.allowed_lateness_ms, with_watermark=True)
     path["classify"] = _timed(classified, repeats)
     prefix = R.dead_letter_prefix_bytes(cfg.max_value_bytes)
     path["tally"] = _timed(transform.tally(classified, prefix), repeats)

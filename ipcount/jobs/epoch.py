@@ -340,8 +340,9 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
            .option("failOnDataLoss", "true")
            .options(**spark_kafka_options(cfg, sasl_password(cfg)))
            .load())
-    parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, plan.planned_at_ms)
-    classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
+    parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, plan.planned_at_ms,
+                             plan.watermark_ms)
+    classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms is not None)
     return EpochTally(transform.tally(classified, dead_letter_prefix_bytes(cfg.max_value_bytes)).toArrow())
 
 

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import TimestampType
+from pyspark.sql.types import LongType, StructField, StructType, TimestampType
 
 from ipcount.rules import records as R
+from ipcount.storage.spark import is_remote
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -26,7 +27,7 @@ def _variant_kind(variant: Column, path: str) -> Column:
 
 
 def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max_ahead_ms: int | None = None,
-          planned_at_ms: int | None = None) -> DataFrame:
+          planned_at_ms: int | None = None, watermark_ms: int | None = None) -> DataFrame:
     """Kafka rows -> rows with ``ip`` (canonical), ``event_ms`` and ``reason`` (NULL when well
     formed).
 
@@ -35,7 +36,8 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
     ``max_ahead_ms``, event times further than that past the record's Kafka timestamp or
     ``planned_at_ms`` are malformed (:func:`ipcount.rules.records.is_ahead`). Keeps topic,
     partition, offset, timestamp, key and value so that malformed records can be written to
-    the dead-letter table as they arrived.
+    the dead-letter table as they arrived. With ``watermark_ms``, the rows carry it too
+    (``_watermark_ms``, for :func:`classify`): the epoch's constants are joined once.
 
     Built in stages, each costly value (trimmed text, parsed JSON, regex matches, event
     time, reason) a column of its own: Spark does not share a subexpression between the
@@ -44,14 +46,18 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
     its consumer where it is used once.
     """
     with_planned_at = planned_at_ms is not None and planned_at_ms >= 0
-    before, after = _columns(raw.sparkSession, ("parse", max_value_bytes, event_time, max_ahead_ms, with_planned_at),
+    carry = watermark_ms is not None
+    before, after = _columns(raw.sparkSession,
+                             ("parse", max_value_bytes, event_time, max_ahead_ms, with_planned_at, carry),
                              lambda: _parse_stages(max_value_bytes, event_time == "kafka", max_ahead_ms,
-                                                   with_planned_at))
+                                                   with_planned_at, carry))
     df = raw
     for stage in before:
         df = df.select(*stage)
-    if with_planned_at:
-        df = with_constant(df, "_planned_at_ms", planned_at_ms)
+    constants = {name: value for name, value in (("_planned_at_ms", planned_at_ms if with_planned_at else None),
+                                                 ("_watermark_ms", watermark_ms)) if value is not None}
+    if constants:
+        df = with_constants(df, constants)
     for stage in after:
         df = df.select(*stage)
     return df
@@ -75,9 +81,10 @@ Stage = list  # the arguments of one select: Columns and column names
 
 
 def _parse_stages(max_value_bytes: int, from_kafka: bool, max_ahead_ms: int | None,
-                  with_planned_at: bool) -> tuple[list[Stage], list[Stage]]:
-    """The parse's selects (:func:`parse`), those before the planning time is joined
-    (``_planned_at_ms``, when ``with_planned_at``) and those after."""
+                  with_planned_at: bool, carry_watermark: bool) -> tuple[list[Stage], list[Stage]]:
+    """The parse's selects (:func:`parse`), those before the epoch's constants are joined
+    (``_planned_at_ms``, when ``with_planned_at``; ``_watermark_ms``, kept to the end when
+    ``carry_watermark``) and those after."""
     kafka = [F.col(c) for c in ("topic", "partition", "offset", "timestamp", "key", "value")]
     value, text, doc, is_json = F.col("value"), F.col("_text"), F.col("_doc"), F.col("_is_json")
 
@@ -141,13 +148,15 @@ def _parse_stages(max_value_bytes: int, from_kafka: bool, max_ahead_ms: int | No
     well_formed = F.col("reason").isNull()
     # The canonical IPv6 text in stages (tail, groups, framed groups), each a column of its
     # own for the reason given above; IPv4 addresses are canonical as they are.
+    kept = ["_watermark_ms"] if carry_watermark else []
     after = [["*", event_ms.alias("_event_ms")],
-             [*kafka, ip, "_event_ms", reason.alias("reason")],
-             [*kafka, "reason", "_event_ms", F.when(well_formed & ~ip.contains(":"), ip).alias("_ipv4"),
+             [*kafka, *kept, ip, "_event_ms", reason.alias("reason")],
+             [*kafka, *kept, "reason", "_event_ms", F.when(well_formed & ~ip.contains(":"), ip).alias("_ipv4"),
               F.when(well_formed & ip.contains(":"), _without_ipv4_tail(F.lower(ip))).alias("_ipv6")],
-             [*kafka, "reason", "_event_ms", "_ipv4", _ipv6_groups(F.col("_ipv6")).alias("_groups")],
+             [*kafka, *kept, "reason", "_event_ms", "_ipv4", _ipv6_groups(F.col("_ipv6")).alias("_groups")],
              ["*", F.concat(F.lit(":"), F.array_join("_groups", ":"), F.lit(":")).alias("_framed")],
-             [*kafka, "reason", F.coalesce("_ipv4", _canonical_ipv6(F.col("_groups"), F.col("_framed"))).alias("ip"),
+             [*kafka, *kept, "reason",
+              F.coalesce("_ipv4", _canonical_ipv6(F.col("_groups"), F.col("_framed"))).alias("ip"),
               F.when(F.col("reason").isNull(), F.col("_event_ms")).alias("event_ms")]]
     return [trimmed, *flat, split, fields, timed], after
 
@@ -237,29 +246,34 @@ def iso_to_ms(ts: Column) -> Column:
     return F.when(ts.rlike(R.ISO_PATTERN), F.unix_millis(ts.try_cast(TimestampType())))
 
 
-def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int,
-             watermark_ms: int | None) -> DataFrame:
-    """Add ``window_start_ms`` and ``late`` (see :func:`ipcount.rules.records.is_late`)."""
+def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int, with_watermark: bool) -> DataFrame:
+    """Add ``window_start_ms`` and ``late`` (see :func:`ipcount.rules.records.is_late`);
+    ``with_watermark``: against the watermark the rows carry (:func:`parse`'s
+    ``watermark_ms``), else nothing is late (an epoch before any watermark)."""
     def build() -> tuple[Column, Column]:
         start = F.col("event_ms") - F.pmod(F.col("event_ms"), F.lit(window_ms))
-        late = F.lit(False) if watermark_ms is None else (
-            start + F.lit(window_ms + allowed_lateness_ms) <= F.col("_watermark_ms"))
+        late = (start + F.lit(window_ms + allowed_lateness_ms) <= F.col("_watermark_ms")) if with_watermark \
+            else F.lit(False)
         return start, F.when(F.col("reason").isNull(), late)
-    start, late = _columns(parsed.sparkSession, ("classify", window_ms, allowed_lateness_ms, watermark_ms is None),
-                           build)
-    if watermark_ms is None:
-        return parsed.withColumns({"window_start_ms": start, "late": late})
-    return (with_constant(parsed, "_watermark_ms", watermark_ms).withColumns({"window_start_ms": start, "late": late})
-            .drop("_watermark_ms"))
+    start, late = _columns(parsed.sparkSession, ("classify", window_ms, allowed_lateness_ms, with_watermark), build)
+    classified = parsed.withColumns({"window_start_ms": start, "late": late})
+    return classified.drop("_watermark_ms") if with_watermark else classified
 
 
-def with_constant(df: DataFrame, name: str, value: int) -> DataFrame:
-    """``df`` with a column ``name`` holding ``value`` in every row, joined from a one-row
+def with_constants(df: DataFrame, values: dict[str, int]) -> DataFrame:
+    """``df`` with a column per name holding its value in every row, joined from one one-row
     broadcast: Spark writes a literal long into the code it generates, so each epoch's own
     planning time and watermark made new classes to compile and warm up in the JIT, about
-    0.7 s of a 250,000-record epoch. A joined value leaves the code the same every epoch."""
-    # VALUES: a local relation, which the broadcast collects without a Spark job.
-    one = df.sparkSession.sql(f"SELECT * FROM VALUES (CAST({int(value)} AS BIGINT)) AS constant(`{name}`)")
+    0.7 s of a 250,000-record epoch. Joined values leave the code the same every epoch."""
+    spark = df.sparkSession
+    if is_remote(spark):
+        # A local relation made by the client: no round trip until the query runs.
+        one = spark.createDataFrame([tuple(int(v) for v in values.values())],
+                                    StructType([StructField(name, LongType(), False) for name in values]))
+    else:
+        # VALUES: a local relation (createDataFrame of a list would be a Python RDD here).
+        columns = ", ".join(f"CAST({int(v)} AS BIGINT)" for v in values.values())
+        one = spark.sql(f"SELECT * FROM VALUES ({columns}) AS constants({', '.join(f'`{n}`' for n in values)})")
     return df.crossJoin(F.broadcast(one))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -123,9 +124,16 @@ def remote_session(cfg: PipelineConfig) -> SparkSession:
     return configured(spark)
 
 
+# A Connect session's own settings besides SESSION_CONF. Adaptive execution re-plans the
+# epoch's query after each broadcast, and each re-plan asks Kafka for the range's offsets
+# again: on a small epoch that is a good part of its time (docs/performance.md).
+CONNECT_SESSION_CONF = {"spark.sql.adaptive.enabled": "false"}
+
+
 def configured(spark: SparkSession) -> SparkSession:
-    """``spark`` with :data:`SESSION_CONF` set (a Spark Connect session's own settings)."""
-    for key, value in SESSION_CONF.items():
+    """``spark`` with :data:`SESSION_CONF` and :data:`CONNECT_SESSION_CONF` set (a Spark
+    Connect session's own settings)."""
+    for key, value in {**SESSION_CONF, **CONNECT_SESSION_CONF}.items():
         spark.conf.set(key, value)
     return spark
 
@@ -144,10 +152,21 @@ def given_session(spark: SparkSession) -> Iterator[SparkSession]:
         _GIVEN.pop()
 
 
+def is_remote(spark: SparkSession) -> bool:
+    """Whether ``spark`` is a Spark Connect session (each request a round trip to its server)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+# A Connect session's task slots, asked once: its server's settings are fixed at its start.
+_SLOTS: weakref.WeakKeyDictionary[SparkSession, int | None] = weakref.WeakKeyDictionary()
+
+
 def task_slots(spark: SparkSession) -> int | None:
     """How many tasks the session's Spark runs at once: a classic session's default
     parallelism, a Connect server's ``spark.default.parallelism`` (None if it does not say)."""
-    if type(spark).__module__.startswith("pyspark.sql.connect"):
+    if not is_remote(spark):
+        return spark.sparkContext.defaultParallelism
+    if spark not in _SLOTS:
         value = spark.conf.get("spark.default.parallelism", None)
-        return int(value) if value else None
-    return spark.sparkContext.defaultParallelism
+        _SLOTS[spark] = int(value) if value else None
+    return _SLOTS[spark]
