@@ -66,7 +66,7 @@ def profile(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], re
     middle = parsed.agg(F.percentile_approx("event_ms", 0.5)).first()[0]
     classified = transform.classify(transform.parse(raw, cfg.max_value_bytes, cfg.event_time,
                                                     cfg.max_event_time_ahead_ms, planned_at, middle),
-                                    cfg.window_ms, cfg.allowed_lateness_ms, with_watermark=True)
+                                    cfg.window_ms, cfg.allowed_lateness_ms, middle)
     path["classify"] = _timed(classified, repeats)
     prefix = R.dead_letter_prefix_bytes(cfg.max_value_bytes)
     path["tally"] = _timed(transform.tally(classified, prefix), repeats)

@@ -442,7 +442,7 @@ def _chaos_config(cfg: PipelineConfig, state: RunState, run_dir: Path) -> Pipeli
     warehouse = EmbeddedS3().uri(name, "warehouse") if state.object_store else str(run_dir / "warehouse")
     return cfg.replace(topic=name, warehouse=warehouse, counts_table="", ledger_table="",
                        dead_letter_table="", late_table="", pipeline_id=name, group_id=name,
-                       start_position="earliest", on_data_loss="fail",
+                       start_position="earliest", on_data_loss="fail", spark_connect_connection="",
                        max_records_per_epoch=state.max_records_per_epoch, publish=state.publish,
                        publish_topic=f"{name}_sink")
 

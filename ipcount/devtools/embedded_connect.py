@@ -20,6 +20,7 @@ from pathlib import Path
 from ipcount.devtools.embedded_spark import cluster_env, spark_home
 from ipcount.devtools.service import Processes, listening
 from ipcount.rules.config import STATE_DIR, PipelineConfig
+from ipcount.rules.errors import ServiceStartError
 from ipcount.rules.private_files import read_private_file, write_private_file
 from ipcount.storage.spark import spark_conf, spark_jars
 
@@ -28,7 +29,7 @@ NAME = "connect-server"  # its process (pid file and log under the state directo
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
 
-class ConnectStartError(RuntimeError):
+class ConnectStartError(ServiceStartError):
     """The Spark Connect server did not start (the message says why, with its log's tail)."""
 
 

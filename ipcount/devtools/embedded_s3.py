@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ipcount.devtools.service import Processes
 from ipcount.rules.config import STATE_DIR
+from ipcount.rules.errors import ServiceStartError
 from ipcount.rules.private_files import read_private_file, write_private_file
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ NAME = "s3proxy"  # its process (pid file and log under the state directory)
 S3PROXY_JARS_DIR = STATE_DIR / "jars" / "s3proxy"
 
 
-class ObjectStoreStartError(RuntimeError):
+class ObjectStoreStartError(ServiceStartError):
     """The S3-compatible server did not start (the message says why, with its log's tail)."""
 
 

@@ -342,7 +342,7 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
            .load())
     parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, plan.planned_at_ms,
                              plan.watermark_ms)
-    classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms is not None)
+    classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
     return EpochTally(transform.tally(classified, dead_letter_prefix_bytes(cfg.max_value_bytes)).toArrow())
 
 

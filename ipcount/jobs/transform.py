@@ -246,10 +246,11 @@ def iso_to_ms(ts: Column) -> Column:
     return F.when(ts.rlike(R.ISO_PATTERN), F.unix_millis(ts.try_cast(TimestampType())))
 
 
-def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int, with_watermark: bool) -> DataFrame:
-    """Add ``window_start_ms`` and ``late`` (see :func:`ipcount.rules.records.is_late`);
-    ``with_watermark``: against the watermark the rows carry (:func:`parse`'s
-    ``watermark_ms``), else nothing is late (an epoch before any watermark)."""
+def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int, watermark_ms: int | None) -> DataFrame:
+    """Add ``window_start_ms`` and ``late`` (see :func:`ipcount.rules.records.is_late`):
+    against ``watermark_ms``, which ``parsed`` carries (:func:`parse` was given the same),
+    or with None nothing is late (an epoch before any watermark)."""
+    with_watermark = watermark_ms is not None
     def build() -> tuple[Column, Column]:
         start = F.col("event_ms") - F.pmod(F.col("event_ms"), F.lit(window_ms))
         late = (start + F.lit(window_ms + allowed_lateness_ms) <= F.col("_watermark_ms")) if with_watermark \
@@ -267,7 +268,7 @@ def with_constants(df: DataFrame, values: dict[str, int]) -> DataFrame:
     0.7 s of a 250,000-record epoch. Joined values leave the code the same every epoch."""
     spark = df.sparkSession
     if is_remote(spark):
-        # A local relation made by the client: no round trip until the query runs.
+        # A local relation made by the client: one config request, not two SQL commands.
         one = spark.createDataFrame([tuple(int(v) for v in values.values())],
                                     StructType([StructField(name, LongType(), False) for name in values]))
     else:

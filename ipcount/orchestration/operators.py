@@ -76,7 +76,8 @@ def epoch_operator(cfg: PipelineConfig, task_id: str, command: str, task_args: t
                    run_params: bool = True, run_in_session: Callable | None = None):
     """The task running ``ipcount <command>``: in the task's own process on the Spark Connect
     server of ``spark_connect_connection`` when that is set (``run_in_session`` runs it:
-    :func:`ipcount.cli.run_in_session`), else spark-submit (:func:`spark_submit_kwargs`). Chosen by configuration, never by probing."""
+    :func:`ipcount.cli.run_in_session`), else spark-submit (:func:`spark_submit_kwargs`).
+    Chosen by configuration, never by probing."""
     if not cfg.spark_connect_connection:
         return EpochSubmitOperator(task_id=task_id, **spark_submit_kwargs(cfg, command, task_args, run_params))
     if run_in_session is None:

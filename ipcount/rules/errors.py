@@ -58,6 +58,11 @@ class DatabaseStartError(IpcountError, RuntimeError):
     """The embedded PostgreSQL server is not installed or did not start (the message says why)."""
 
 
+class ServiceStartError(IpcountError, RuntimeError):
+    """An embedded server (Spark Connect, s3proxy) did not start: its port is taken, or it
+    exited or was not ready in time (the message says which, with its log's tail)."""
+
+
 class PlanConflict(IpcountError, RuntimeError):
     """Another planner recorded offsets (or the epoch id) this plan wanted: plan again."""
 

@@ -11,7 +11,7 @@ def test_each_error_carries_the_exit_code_the_docs_promise():
                      "DataLossError": 3, "BrokerUnavailableError": 4, "UnknownTopicError": 4,
                      "BrokerStartError": 4, "PlanConflict": 1, "CommitContention": 1, "EpochFenced": 1,
                      "PublisherFenced": 1, "TableSetMismatch": 2,
-                     "DatabaseStartError": 1, "SparkConnectError": 2}
+                     "DatabaseStartError": 1, "SparkConnectError": 2, "ServiceStartError": 1}
     assert issubclass(errors.ConfigError, ValueError) and issubclass(errors.DataLossError, RuntimeError)
 
 
@@ -20,3 +20,16 @@ def test_the_cli_exits_with_the_errors_code_and_says_why(caplog):
     code = main(["backfill", "--offsets", "0:5-1", "--bootstrap-servers", "127.0.0.1:1"])
     assert code == errors.EXIT_USAGE
     assert "offsets entry '0:5-1': until (1) must be greater than from (5)" in caplog.text
+
+
+def test_a_server_that_cannot_start_is_a_message_not_a_traceback(tmp_path, caplog):
+    # A taken port is found before any JVM starts.
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["spark-connect", "start", "--port", str(port), "--state-dir", str(tmp_path)])
+    assert code == errors.EXIT_FAILED
+    assert f"port {port} is taken by another process" in caplog.text and "Traceback" not in caplog.text
