@@ -187,13 +187,18 @@ class LedgerState:
     last_epoch: int = 0                       # highest epoch id of any kind, planned or committed
     committed: Mapping[int, int] = field(default_factory=dict)  # scheduled chain: partition -> next offset
     watermark_ms: int | None = None           # left by the chain's last committed epoch
-    pending: EpochPlan | None = None          # scheduled epoch planned but not committed: re-run it
-    # Every scheduled epoch planned but not committed: ``pending`` alone, except in a rebuild's
-    # target, which replays in the source's commit order and may be stopped after each plan.
+    # Every scheduled epoch planned but not committed, lowest first: one at most, except in a
+    # rebuild's target, which replays in the source's commit order and may be stopped after
+    # each plan.
     pending_chain: tuple[EpochPlan, ...] = ()
     pending_backfills: tuple[EpochPlan, ...] = ()  # backfill epochs planned but not committed
     coverage: Coverage = field(default_factory=lambda: Coverage(""))  # offsets any row owns
     request_watermarks: Mapping[str, int | None] = field(default_factory=dict)  # backfill lanes
+
+    @property
+    def pending(self) -> EpochPlan | None:
+        """The scheduled epoch planned but not committed that a runner re-runs first."""
+        return self.pending_chain[0] if self.pending_chain else None
 
     @property
     def unfinished(self) -> list[int]:
@@ -233,7 +238,7 @@ def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
     positions = chain_positions(mine, statuses=(COMMITTED, LOST))
     return LedgerState(last_epoch=max((r["epoch"] for r in rows), default=0), committed=positions,
                        watermark_ms=latest["watermark_after_ms"] if latest is not None else None,
-                       pending=chain_plans[0] if chain_plans else None, pending_chain=tuple(chain_plans),
+                       pending_chain=tuple(chain_plans),
                        pending_backfills=tuple(p for p in plans if p.kind == BACKFILL),
                        coverage=coverage, request_watermarks=request_watermarks)
 
