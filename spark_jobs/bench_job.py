@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from ipcount.devtools.benchmark import job_main
+from ipcount_lab.benchmark import job_main
 
 if __name__ == "__main__":
     sys.exit(job_main())

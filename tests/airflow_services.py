@@ -14,7 +14,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from ipcount.devtools.embedded_airflow import (ADMIN_USER, admin_password, airflow_env, keep_passwords_private,
+from ipcount_lab.embedded_airflow import (ADMIN_USER, admin_password, airflow_env, keep_passwords_private,
                                                passwords_file)
 from ipcount.rules.config import PipelineConfig
 
@@ -85,7 +85,7 @@ def airflow_database(kind: str):
     if kind == "sqlite":
         yield {}
         return
-    from ipcount.devtools.embedded_postgres import EmbeddedPostgres
+    from ipcount_lab.embedded_postgres import EmbeddedPostgres
     from tests.conftest import free_port
 
     server = EmbeddedPostgres(state_dir=Path(tempfile.mkdtemp(prefix="ipcount-airflow-db-")), port=free_port())

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ipcount.devtools.service import free_port  # noqa: F401 - tests import it from here
 from ipcount.rules.config import PipelineConfig
+from ipcount_lab.service import free_port  # noqa: F401 - tests import it from here
 
 
 def run_until_idle(cfg: PipelineConfig, spark, limit: int = 20) -> list:
@@ -34,7 +34,7 @@ BROKER_PASSWORD = 'p"w\\d;x y=z,\u00e9'
 def broker(tmp_path_factory):
     """The run's broker: PLAINTEXT for most tests, and SASL_SSL, SASL_PLAINTEXT and mutual-TLS
     SSL listeners for the Kafka security tests."""
-    from ipcount.devtools.embedded_kafka import EmbeddedKafka, SecureListeners
+    from ipcount_lab.embedded_kafka import EmbeddedKafka, SecureListeners
 
     kafka = EmbeddedKafka(state_dir=tmp_path_factory.mktemp("kafka"), port=free_port(), controller_port=free_port(),
                           secure=SecureListeners(free_port(), free_port(), free_port()))
@@ -71,7 +71,7 @@ def cfg(broker, tmp_path) -> PipelineConfig:
 @pytest.fixture(scope="session")
 def object_store(tmp_path_factory):
     """The run's S3-compatible server (s3proxy), with a bucket for the tests' warehouses."""
-    from ipcount.devtools.embedded_s3 import EmbeddedS3
+    from ipcount_lab.embedded_s3 import EmbeddedS3
 
     store = EmbeddedS3(state_dir=tmp_path_factory.mktemp("s3"), port=free_port())
     store.start()
@@ -90,9 +90,9 @@ def s3_cfg(cfg, object_store, monkeypatch) -> PipelineConfig:
 
 @pytest.fixture(scope="session")
 def connect(broker, tmp_path_factory):
-    """The run's Spark Connect server (``ipcount spark-connect``), for epochs run with a
+    """The run's Spark Connect server (``bin/lab spark-connect``), for epochs run with a
     remote session (in CLI processes: a process gets either a classic or a Connect session)."""
-    from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
+    from ipcount_lab.embedded_connect import EmbeddedSparkConnect
 
     server = EmbeddedSparkConnect(state_dir=tmp_path_factory.mktemp("spark-connect"), port=free_port(),
                                   master="local[2]", cores=2)

@@ -5,9 +5,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from ipcount.devtools.generator import Produced
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.records import Event, parse_value
+from ipcount_lab.generator import Produced
 
 
 @dataclass

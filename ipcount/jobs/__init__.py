@@ -9,5 +9,6 @@
 - :mod:`.transform`     the Spark parse, classify and tally steps
 - :mod:`.tally`         an epoch's tally split (Arrow) into metrics, counts, dead letters, late rows
 - :mod:`.publish`       committed counts to the sink topic, exactly once (no JVM)
+- :mod:`.latency`       how long records waited to be counted, measured after the fact (no JVM)
 - :mod:`.crash`         crash points and the step markers each epoch step logs
 """

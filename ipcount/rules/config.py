@@ -163,7 +163,7 @@ class PipelineConfig:
         "spark_default connection")
     spark_remote: str = setting(
         "",
-        "Spark Connect URL of a Spark Connect server (sc://host:port, ipcount spark-connect start makes one): "
+        "Spark Connect URL of a Spark Connect server (sc://host:port; `ipcount connect-server` runs one, `bin/lab spark-connect start` one in the lab): "
         "set, the epoch runs in this process with a remote session (planning and every Delta commit here, the "
         "read and aggregation on the server) and spark_master is not used")
     spark_remote_token_file: str = setting(

@@ -6,6 +6,7 @@ decides what an epoch is (that is :mod:`ipcount.rules`).
 - :mod:`.ledger`  the offset ledger: write-ahead and commit MERGEs, reads
 - :mod:`.sink`    the counts, dead-letter and late-record tables, written idempotently per epoch
 - :mod:`.spark`   the Spark session and the settings spark-submit needs for the same
+- :mod:`.connect_server`  the Spark Connect server epochs run on, with those settings
 - :mod:`.publisher`  the sink topic's transactional producer (one transaction per counts version)
 - :mod:`.tableset`   the table set's manifest on Delta
 """

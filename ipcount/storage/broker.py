@@ -100,7 +100,7 @@ def _unreachable(cfg: PipelineConfig, failure: BaseException | None) -> str:
                 f"kafka_sasl_password_file and kafka_sasl_mechanism, and that the port's listener is "
                 f"{cfg.kafka_security_protocol} (kafka_security_protocol)")
     return (f"no Kafka broker answered at {cfg.bootstrap_servers} (setting bootstrap_servers / "
-            "IPCOUNT_BOOTSTRAP_SERVERS); is it running? The embedded one starts with `bin/ipcount kafka start`"
+            "IPCOUNT_BOOTSTRAP_SERVERS); is it running? The embedded one starts with `bin/lab kafka start`"
             + (f" (last error: {failure})" if failure is not None else ""))
 
 
@@ -166,7 +166,7 @@ def partitions_of(client: KafkaAdminClient, topic: str) -> list[int]:
     if not described or described[0].get("error_code", 0) != 0 or not described[0].get("partitions"):
         raise UnknownTopicError(
             f"topic {topic!r} does not exist on the broker (setting topic / IPCOUNT_TOPIC); "
-            f"create it, e.g. `bin/ipcount kafka create-topic --topic {topic}`")
+            f"create it, e.g. `bin/ipcount create-topic --topic {topic}`")
     return sorted(p["partition_index"] for p in described[0]["partitions"])
 
 

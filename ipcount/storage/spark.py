@@ -28,6 +28,13 @@ DRIVER_ENV = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.exe
 JVM_OPTIONS = "-Xss4m -XX:-DontCompileHugeMethods"
 
 
+def spark_home() -> Path:
+    """The pinned pyspark's directory: its ``bin/spark-submit``, ``spark-class`` and jars."""
+    import pyspark
+
+    return Path(pyspark.__file__).parent
+
+
 def spark_jars(jars_dir: Path = SPARK_JARS_DIR) -> list[str]:
     """The Kafka connector and Delta jars, which pyspark's own jars do not include."""
     jars = sorted(str(p) for p in jars_dir.glob("*.jar"))
@@ -73,7 +80,7 @@ def get_spark(cfg: PipelineConfig, app_name: str = "ipcount-epoch") -> SparkSess
     """A session with Delta and the Kafka source.
 
     With ``spark_remote`` set, a Spark Connect session of the server there (which has the
-    jars and settings of :func:`spark_conf`: ``ipcount spark-connect start``). Under
+    jars and settings of :func:`spark_conf`: ``bin/lab spark-connect start``). Under
     spark-submit (the DAG's path) the JVM is already running with the master, jars and
     settings that were submitted, so they are used as they are.
     """
@@ -111,7 +118,7 @@ def remote_session(cfg: PipelineConfig) -> SparkSession:
         socket.create_connection((host, int(port or 15002)), timeout=cfg.kafka_timeout_seconds).close()
     except OSError as e:
         raise SparkConnectError(f"no Spark Connect server answers at {cfg.spark_remote} ({e.strerror or e}); start "
-                                "one (ipcount spark-connect start) or leave spark_remote empty") from None
+                                "one (bin/lab spark-connect start) or leave spark_remote empty") from None
     spark = SparkSession.builder.remote(connect_url(cfg)).getOrCreate()
     try:
         spark.version  # (the first request: the token is checked here)

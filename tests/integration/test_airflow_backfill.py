@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from ipcount.devtools.generator import TrafficGenerator, produce
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.airflow_services import airflow, airflow_database, airflow_services, metadata_rows, service_env
 from tests.conftest import connect_connection, free_port, run_until_idle
 from tests.ground_truth import expected_tables

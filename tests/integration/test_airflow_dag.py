@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
-from ipcount.devtools.embedded_airflow import airflow_env
-from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.orchestration.monitor.links import run_page_path
 from ipcount.storage import broker as broker_io
 from ipcount.storage.ledger import committed_epochs
+from ipcount_lab.embedded_airflow import airflow_env
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.airflow_services import airflow_database, metadata_rows
 from tests.conftest import BROKER_PASSWORD, connect_connection, free_port
 from tests.ground_truth import expected_tables
@@ -284,15 +284,15 @@ def test_backfill_form_checks_say_what_to_fix(cfg):
 
 
 def test_the_postgres_command_serves_airflow_commands(tmp_path_factory):
-    """`bin/ipcount postgres start`, then `bin/ipcount airflow --database postgres ...` on it."""
+    """`bin/lab postgres start`, then `bin/lab airflow --database postgres ...` on it."""
     import shutil
     import tempfile
 
-    from ipcount.devtools.embedded_postgres import EmbeddedPostgres
+    from ipcount_lab.embedded_postgres import EmbeddedPostgres
 
     state = Path(tempfile.mkdtemp(prefix="ipcount-pg-cli-"))  # under /tmp: reachable by the OS user postgres
     where = ["--port", str(free_port()), "--state-dir", str(state)]
-    cli = lambda *args: subprocess.run([sys.executable, "-m", "ipcount.cli", *args], capture_output=True,  # noqa: E731
+    cli = lambda *args: subprocess.run([sys.executable, "-m", "ipcount_lab.cli", *args], capture_output=True,  # noqa: E731
                                        text=True, timeout=300)
     try:
         assert cli("postgres", "status", *where).returncode != 0

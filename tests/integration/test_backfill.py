@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs.backfill import run_backfill
 from ipcount.jobs.epoch import run_epoch
 from ipcount.jobs.rebuild import rebuild
@@ -24,6 +23,7 @@ from ipcount.rules.errors import BadRequestError, DataLossError, TableSetMismatc
 from ipcount.rules.offsets import OffsetRange
 from ipcount.rules.requests import BackfillRequest, parse_offsets
 from ipcount.storage import broker as broker_io
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.conftest import run_until_idle
 from tests.ground_truth import Expected, expected_tables
 from tests.tables import counts, counts_merges, dead_letters, finality, lanes, late_records

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from kafka import TopicPartition
 
-from ipcount.devtools.generator import Record, TrafficGenerator, produce
 from ipcount.jobs.backfill import run_backfill
 from ipcount.jobs.epoch import EpochRunner, aged_out, next_chain_epoch, run_epoch
 from ipcount.rules import errors
@@ -20,6 +19,7 @@ from ipcount.storage import broker as broker_io
 from ipcount.storage.delta import arrow_schema, rs_append_once
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.sink import COUNTS_COLUMNS, Sink
+from ipcount_lab.generator import Record, TrafficGenerator, produce
 from tests.conftest import run_until_idle
 from tests.ground_truth import expected_tables
 from tests.integration.test_backfill import lane_truth

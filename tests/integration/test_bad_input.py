@@ -7,10 +7,10 @@ import sys
 import pytest
 from kafka import KafkaAdminClient, TopicPartition
 
-from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.rules.errors import DataLossError
 from ipcount.storage import broker as broker_io
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.conftest import free_port
 from tests.tables import ledger, snapshot
 
@@ -162,7 +162,7 @@ def test_recreated_topic_fails_loudly_and_writes_nothing(cfg, spark, partitions,
 
 
 def test_every_kind_of_bad_record_lands_in_the_dead_letter_table(cfg, spark):
-    from ipcount.devtools.generator import MALFORMED_SAMPLES, Record
+    from ipcount_lab.generator import MALFORMED_SAMPLES, Record
     from tests.tables import counts, dead_letters
 
     cfg = cfg.replace(max_value_bytes=200)

@@ -7,13 +7,13 @@ import json
 import subprocess
 import sys
 
-from ipcount.devtools.bench_rounds import CONTENDERS, EPOCH_CONTENDERS
-from ipcount.devtools.benchmark import COLD
+from ipcount_lab.bench_rounds import CONTENDERS, EPOCH_CONTENDERS
+from ipcount_lab.benchmark import COLD
 
 
 def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", "--records", "3000", "--rounds", "2",
+    proc = subprocess.run([sys.executable, "-m", "ipcount_lab.benchmark", "--records", "3000", "--rounds", "2",
                            "--epochs", "2", "--small-epochs", "2", "--epoch-records", "150", "--paths-epochs", "5",
                            "--cold-repeats", "1",
                            "--growth-epochs", "12", "--growth-ips", "20", "--history-epochs", "3",
@@ -110,6 +110,6 @@ def test_benchmark_refuses_bad_arguments():
                           (["--small-epochs", "1"], "--small-epochs must be at least 2"),
                           (["--paths-epochs", "4"], "--paths-epochs must be at least 5"),
                           (["--history-records", "2"], "--history-records must be at least --partitions")):
-        proc = subprocess.run([sys.executable, "-m", "ipcount.devtools.benchmark", *args], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "ipcount_lab.benchmark", *args], capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

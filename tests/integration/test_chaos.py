@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ipcount.devtools.chaos import PHASES, run_chaos
-from ipcount.devtools.chaos_state import DELETED_FILE, STATE_FILE, RunState
-from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
 from ipcount.rules.errors import ConfigError
+from ipcount_lab.chaos import PHASES, run_chaos
+from ipcount_lab.chaos_state import DELETED_FILE, STATE_FILE, RunState
+from ipcount_lab.embedded_connect import EmbeddedSparkConnect
 
 pytestmark = pytest.mark.airflow  # the dag scenario runs `airflow dags test`
 

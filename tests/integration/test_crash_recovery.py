@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from ipcount.devtools.chaos import phase_of
-from ipcount.devtools.generator import TrafficGenerator, produce
-from ipcount.jobs import epoch as epoch_mod
 from ipcount.jobs import group_commit
 from ipcount.jobs.crash import CRASH_POINTS
 from ipcount.rules.config import PipelineConfig
 from ipcount.storage import broker as broker_io
 from ipcount.storage.ledger import committed_epochs
+from ipcount_lab.chaos import phase_of
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.conftest import run_until_idle
 from tests.tables import ledger, snapshot
 

@@ -5,11 +5,11 @@ from collections import Counter
 
 from deltalake import DeltaTable
 
-from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.jobs import group_commit
 from ipcount.storage import broker as broker_io
 from ipcount.storage.sink import Sink
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.conftest import run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, counts_merges, dead_letters, epoch_ranges, finality, late_records, snapshot
@@ -73,7 +73,7 @@ def test_epochs_count_exactly_what_was_produced(cfg, spark):
     assert len(merges) == len(summaries) and [m["full_pass"] for m in merges[:2]] == [True, True]
     assert not any(m["full_pass"] for m in merges[2:])
     # `ipcount latency` reads the same epochs back: every record, from its produce time on
-    from ipcount.devtools.latency import measure
+    from ipcount.jobs.latency import measure
 
     waited = measure(cfg)
     assert (waited.epochs, waited.records) == (len(summaries), len(produced))
@@ -213,7 +213,7 @@ def test_tables_from_an_older_schema_and_from_spark_gain_the_new_columns(cfg, sp
 
 def test_one_record_from_a_bad_clock_does_not_stop_the_counting(cfg, spark):
     """A year-2099 record used to move the watermark to 2099: every later record was late."""
-    from ipcount.devtools.generator import Record
+    from ipcount_lab.generator import Record
 
     gen = TrafficGenerator(seed=61, events_per_second=50, late_share=0, malformed_share=0)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, BASE_MS), partition_of=lambda i, r: i % 3)

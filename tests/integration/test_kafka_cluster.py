@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from ipcount.devtools.embedded_kafka import EmbeddedKafkaCluster
 from ipcount.jobs.epoch import run_epoch
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.storage.broker import admin_client, create_topic, group_offsets
 from ipcount.storage.ledger import committed_positions
+from ipcount_lab.embedded_kafka import EmbeddedKafkaCluster
 from tests.conftest import run_until_idle
 from tests.integration.test_backfill import BASE_MS, assert_tables_match, ends_of, produce_dataset
 from tests.tables import owned_offsets
@@ -39,14 +39,14 @@ def _free_port_block(size: int) -> int:
 
 
 def kafka_command(cluster: EmbeddedKafkaCluster, action: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ipcount.cli", "kafka", action, "--nodes", "3", "--port",
+    return subprocess.run([sys.executable, "-m", "ipcount_lab.cli", "kafka", action, "--nodes", "3", "--port",
                            str(cluster.ports[0]), "--state-dir", str(cluster.state_dir)],
                           capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def kafka_cluster(tmp_path_factory):
-    """Started and stopped with the command users have: ``bin/ipcount kafka --nodes 3``."""
+    """Started and stopped with the command users have: ``bin/lab kafka --nodes 3``."""
     cluster = EmbeddedKafkaCluster.from_port(_free_port_block(6), tmp_path_factory.mktemp("kafka_cluster"))
     try:
         started = kafka_command(cluster, "start")

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from ipcount.devtools.dev_tls import DevTls
-from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.jobs.backfill import run_backfill
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
@@ -27,6 +25,8 @@ from ipcount.rules.config import REPO_ROOT
 from ipcount.rules.errors import BrokerUnavailableError
 from ipcount.rules.requests import BackfillRequest, parse_offsets
 from ipcount.storage import broker as broker_io
+from ipcount_lab.dev_tls import DevTls
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.conftest import BROKER_PASSWORD
 from tests.ground_truth import Expected, expected_tables
 from tests.tables import counts, lanes

@@ -5,9 +5,9 @@ from collections import Counter
 
 from kafka import KafkaAdminClient, KafkaProducer
 
-from ipcount.devtools.generator import Produced, TrafficGenerator, produce
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.storage import broker as broker_io
+from ipcount_lab.generator import Produced, TrafficGenerator, produce
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
 
@@ -78,7 +78,7 @@ def test_event_time_from_the_kafka_record_timestamp(cfg, spark):
     without a time of their own are counted."""
     import json
 
-    from ipcount.devtools.generator import Record
+    from ipcount_lab.generator import Record
     from tests.tables import finality, late_records
 
     cfg = cfg.replace(event_time="kafka")

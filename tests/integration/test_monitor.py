@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from ipcount.devtools.embedded_airflow import admin_password, passwords_file
-from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.rules.config import STATE_DIR, PipelineConfig
 from ipcount.storage import broker as broker_io
+from ipcount_lab.embedded_airflow import admin_password, passwords_file
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.airflow_auth import PATH as AUTH_MANAGER
 from tests.airflow_services import access_token, airflow, airflow_services, service_env
 from tests.conftest import BROKER_PASSWORD, free_port, run_until_idle

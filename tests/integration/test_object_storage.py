@@ -14,14 +14,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ipcount.devtools.generator import TrafficGenerator, produce
-from ipcount.devtools.lossy_proxy import pass_on, reply
 from ipcount.jobs import idle
 from ipcount.jobs.rebuild import rebuild
 from ipcount.jobs.verify import verify
 from ipcount.orchestration.monitor.data import PipelineTables, replay_targets
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage.delta import DeltaReader
+from ipcount_lab.generator import TrafficGenerator, produce
+from ipcount_lab.lossy_proxy import pass_on, reply
 from tests.conftest import free_port, run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, finality, late_records, ledger
@@ -137,7 +137,7 @@ def serve_ignoring_conditions(port: int, upstream: int) -> None:
 
 def test_racing_commits_land_once_and_a_store_without_conditional_writes_loses_them(object_store, monkeypatch,
                                                                                        tmp_path):
-    from ipcount.devtools.embedded_s3 import EmbeddedS3
+    from ipcount_lab.embedded_s3 import EmbeddedS3
 
     for name, value in object_store.environment().items():
         monkeypatch.setenv(name, value)
@@ -180,7 +180,7 @@ def test_the_s3_command_starts_a_store_the_pipeline_can_use(tmp_path):
     where = ["--port", str(port), "--state-dir", str(tmp_path / "s3")]
 
     def s3(action: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ipcount.cli", "s3", action, *where], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "ipcount_lab.cli", "s3", action, *where], capture_output=True,
                               text=True, timeout=120)
     started = s3("start")
     try:
@@ -255,10 +255,10 @@ def test_commits_whose_answers_were_lost_are_counted_exactly_once(cfg, spark, mo
     instead), so the client tries again and is told the commit exists, or gives up. Each
     writer - table creation, the manifest, plans, sink commits, ledger commits - must find
     its own commit there and go on, never take it for another's or make it twice."""
-    from ipcount.devtools.embedded_s3 import EmbeddedS3
-    from ipcount.devtools.lossy_proxy import start_proxy
     from ipcount.jobs.backfill import run_backfill
     from ipcount.rules.requests import BackfillRequest, parse_offsets
+    from ipcount_lab.embedded_s3 import EmbeddedS3
+    from ipcount_lab.lossy_proxy import start_proxy
     from tests.tables import lanes
 
     store = EmbeddedS3(state_dir=tmp_path / "lossy", port=free_port(), authorization=False)

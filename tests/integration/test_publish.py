@@ -192,10 +192,10 @@ def test_an_epoch_killed_while_publishing_is_published_once_from_the_merge_s_cha
     """The real path: `ipcount epoch` with publishing on (the counts MERGE writes the change
     data feed), killed with the records sent but not committed; the next epoch run publishes
     the version once, and more epochs go on from there."""
-    from ipcount.devtools.generator import TrafficGenerator, produce
     from ipcount.jobs.epoch import run_epoch
     from ipcount.orchestration.monitor.data import BrokerProbe
     from ipcount.storage.delta import read_rows
+    from ipcount_lab.generator import TrafficGenerator, produce
     from tests.tables import counts
 
     cfg = cfg.replace(publish=True, publish_topic=f"sink_{cfg.topic}", max_records_per_epoch=150)

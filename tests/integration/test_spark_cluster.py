@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from ipcount.devtools.embedded_spark import EmbeddedSparkCluster, cluster_env
+from ipcount_lab.embedded_spark import EmbeddedSparkCluster, cluster_env
 from tests.conftest import free_port
 from tests.integration.test_backfill import assert_tables_match, ends_of, produce_dataset
 from tests.tables import lanes, ledger
@@ -20,17 +20,17 @@ from tests.tables import lanes, ledger
 
 @pytest.fixture(scope="module")
 def spark_cluster(tmp_path_factory):
-    """Started and stopped with the command users have: ``bin/ipcount spark-cluster``."""
+    """Started and stopped with the command users have: ``bin/lab spark-cluster``."""
     cluster = EmbeddedSparkCluster(state_dir=tmp_path_factory.mktemp("spark_cluster"), port=free_port(),
                                    webui_port=free_port())
     where = ["--port", str(cluster.port), "--webui-port", str(cluster.webui_port), "--state-dir",
              str(cluster.state_dir)]
-    started = subprocess.run([sys.executable, "-m", "ipcount.cli", "spark-cluster", "start", *where],
+    started = subprocess.run([sys.executable, "-m", "ipcount_lab.cli", "spark-cluster", "start", *where],
                              capture_output=True, text=True, timeout=300)
     assert started.returncode == 0, started.stderr[-3000:]
     assert f'IPCOUNT_SPARK_MASTER="{cluster.master_url}"' in started.stdout
     yield cluster
-    subprocess.run([sys.executable, "-m", "ipcount.cli", "spark-cluster", "stop", *where], timeout=120)
+    subprocess.run([sys.executable, "-m", "ipcount_lab.cli", "spark-cluster", "stop", *where], timeout=120)
     assert cluster.alive_workers() == 0
 
 

@@ -12,10 +12,10 @@ import sys
 import time
 import uuid
 
-from ipcount.devtools.generator import TrafficGenerator, produce
-from ipcount.devtools.service import listening
 from ipcount.rules.errors import EXIT_USAGE
 from ipcount.rules.private_files import write_private_file
+from ipcount_lab.generator import TrafficGenerator, produce
+from ipcount_lab.service import listening
 from tests.conftest import free_port
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, late_records, ledger
@@ -60,8 +60,8 @@ def test_the_compose_spark_connect_service_runs_an_epoch_and_stops_on_sigterm(cf
     with that token counts there, and a SIGTERM, as docker stops a container, stops the server."""
     import yaml
 
-    from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
     from ipcount.rules.config import REPO_ROOT
+    from ipcount_lab.embedded_connect import EmbeddedSparkConnect
 
     compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
     port, state, token = free_port(), tmp_path / "spark-connect", f"compose{uuid.uuid4().hex}"

@@ -6,10 +6,10 @@ from collections import Counter
 
 import pytest
 
-from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.rules.errors import StartPositionError
 from ipcount.storage import broker as broker_io
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.ground_truth import expected_tables
 from tests.tables import counts, epoch_ranges
 

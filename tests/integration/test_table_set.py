@@ -8,12 +8,12 @@ import threading
 
 import pytest
 
-from ipcount.devtools.generator import TrafficGenerator, produce
 from ipcount.jobs.epoch import EpochRunner, run_epoch
 from ipcount.jobs.verify import verify
 from ipcount.rules.errors import TableSetMismatch
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import read_rows, table_metadata
+from ipcount_lab.generator import TrafficGenerator, produce
 from tests.conftest import run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, late_records, snapshot

@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 import pytest
 from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
 
-from ipcount.devtools.generator import MALFORMED_SAMPLES, TrafficGenerator
 from ipcount.jobs import transform
+from ipcount_lab.generator import MALFORMED_SAMPLES, TrafficGenerator
 from tests.unit.test_records import FLAT_JSON
 from ipcount.rules.records import REASONS, Event, parse_value
 

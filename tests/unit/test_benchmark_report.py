@@ -2,8 +2,8 @@
 taken round by round, the cold round kept apart."""
 from __future__ import annotations
 
-from ipcount.devtools.bench_stats import contender_summary, growth, history_summary, paired_ratio, spread, steady
-from ipcount.devtools.benchmark import render
+from ipcount_lab.bench_stats import contender_summary, growth, history_summary, paired_ratio, spread, steady
+from ipcount_lab.benchmark import render
 
 
 def run(contender, rnd, seconds, **extra):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.devtools.chaos import phase_of
+from ipcount_lab.chaos import phase_of
 
 START = "WARNING: Using incubator modules: jdk.incubator.vector\n"
 PLANNING = "2026-11-23 03:56:41,665 INFO ipcount.jobs.epoch: ipcount-step planning\n"

@@ -3,7 +3,7 @@ deletion mark an offset is counted or lost, at or above it counted, once; where 
 rounds delete to; the backfill requests the finish runs again; final rows a live epoch changed."""
 from __future__ import annotations
 
-from ipcount.devtools.chaos import check_ledger, deletion_point, live_changes_to_final_rows, live_requests
+from ipcount_lab.chaos import check_ledger, deletion_point, live_changes_to_final_rows, live_requests
 
 
 def row(epoch, partition, start, until, status="committed"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.devtools.chaos import _Processes, _run_to_end
 from ipcount.rules.config import PipelineConfig
+from ipcount_lab.chaos import _Processes, _run_to_end
 
 
 def test_a_command_run_to_its_end_must_exit_0_and_a_failure_names_its_log(tmp_path):

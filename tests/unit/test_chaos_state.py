@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.devtools.chaos_state import RunState, round_rng
 from ipcount.rules.errors import ConfigError
+from ipcount_lab.chaos_state import RunState, round_rng
 
 
 def state(**extra) -> RunState:
@@ -87,8 +87,8 @@ def test_once_the_rebuild_is_completed_it_has_no_more_rounds():
 def test_a_paused_run_with_a_scenario_this_version_no_longer_has_is_refused_on_resume(tmp_path):
     # E.g. `server`, the epoch server's scenario, in a run paused before it was removed: the
     # refusal comes before anything touches the run's broker, topic or tables.
-    from ipcount.devtools.chaos import run_chaos
     from ipcount.rules.config import PipelineConfig
+    from ipcount_lab.chaos import run_chaos
 
     state(scenarios=["race", "server"], order=["server", "race"]).save(tmp_path / "state.json")
     with pytest.raises(ConfigError, match=r"takes turns with server, a scenario this version no longer has: "

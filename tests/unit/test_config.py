@@ -125,6 +125,8 @@ def test_cli_rejects_bad_values_with_exit_code_2(capsys):
 @pytest.mark.parametrize("args", [["generate", "--rate", "0"], ["generate", "--rate", "nan"],
                                   ["generate", "--count", "0"], ["chaos", "--kills", "0"]])
 def test_cli_refuses_values_that_would_divide_by_zero_or_do_nothing(args, capsys):
+    from ipcount_lab.cli import main as lab
+
     with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(args)
+        lab(args)
     assert e.value.code == 2 and f"argument {args[1]}" in capsys.readouterr().err

@@ -24,7 +24,7 @@ def test_compose_airflow_points_at_this_repos_dags_and_spark_master():
     assert "spark://spark-master" in env["AIRFLOW_CONN_SPARK_DEFAULT"]
     # the drivers (Airflow's tasks) write the tables; executors never do
     assert "volumes" not in services["spark-worker"]
-    assert services["spark-worker"]["deploy"]["replicas"] == 2            # as `ipcount spark-cluster` starts
+    assert services["spark-worker"]["deploy"]["replicas"] == 2            # as `bin/lab spark-cluster` starts
     assert services["kafka"]["image"].endswith(":4.1.1")  # the broker version bin/setup fetches
 
 
@@ -34,15 +34,15 @@ def test_compose_keeps_the_tables_in_its_object_store():
     bucket = env["IPCOUNT_WAREHOUSE"].removeprefix("s3://").split("/")[0]
     host, port = env["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
     store = services[host]["command"][-1]
-    # the project's own server (ipcount/devtools/embedded_s3.py, its default key id), for the
+    # the project's own server (ipcount_lab/embedded_s3.py, its default key id), for the
     # bucket and on the port the pipeline's settings name, its secret the pipeline's
     serve = store.split("exec ", 1)[1].split()
-    assert serve[:6] == ["python", "-m", "ipcount.cli", "s3", "serve", "--host"]
+    assert serve[:6] == ["python", "-m", "ipcount_lab.cli", "s3", "serve", "--host"]
     flags = dict(zip(serve[5::2], serve[6::2]))
     assert (flags["--port"], flags["--bucket"]) == (port, bucket)
     assert f'> {flags["--state-dir"]}/secret' in store and "umask 077" in store
     assert services[host]["environment"]["S3_SECRET"] == env["AWS_SECRET_ACCESS_KEY"]
-    from ipcount.devtools.embedded_s3 import EmbeddedS3
+    from ipcount_lab.embedded_s3 import EmbeddedS3
     assert env["AWS_ACCESS_KEY_ID"] == EmbeddedS3.access_key_id
     for name in ("airflow-init", "airflow-scheduler", "airflow-apiserver"):
         assert services[name]["environment"]["AWS_ENDPOINT_URL"] == env["AWS_ENDPOINT_URL"]
@@ -52,12 +52,53 @@ def test_compose_keeps_the_tables_in_its_object_store():
     assert services["postgres"]["image"].startswith("postgres:")
 
 
+def _stages() -> dict[str, str]:
+    """The Dockerfile's stages by name, each its lines up to the next FROM."""
+    stages, name = {}, None
+    for line in (REPO_ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("FROM "):
+            name = line.split(" AS ")[1].strip()
+            stages[name] = ""
+        if name:
+            stages[name] += line + "\n"
+    return stages
+
+
 def test_image_fetches_jars_from_the_same_poms_as_setup():
-    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    stages = _stages()
     setup = (REPO_ROOT / "bin" / "setup").read_text()
-    for pom in ("kafka-broker", "spark-extras", "s3proxy"):
+    for stage, pom in (("product", "kafka-broker"), ("product", "spark-extras"), ("lab", "s3proxy")):
         assert (REPO_ROOT / "jars" / f"{pom}.xml").is_file()
-        assert pom in dockerfile and f"jars/{pom}.xml" in setup
+        assert pom in stages[stage] and f"jars/{pom}.xml" in setup
+    assert "s3proxy" not in stages["product"]
+
+
+def test_the_product_image_holds_no_lab_and_compose_runs_each_service_on_its_image():
+    stages = _stages()
+    copied = [line.split()[1] for line in stages["product"].splitlines() if line.startswith("COPY ")]
+    # what the product's code runs from the repository (REPO_ROOT / ...), and nothing of the lab
+    for needed in ("ipcount", "dags", "plugins", "spark_jobs/epoch_job.py", "bin/kafka-consumer-groups"):
+        assert needed in copied, needed
+    assert not any(path in (".", "ipcount_lab", "tests", "bin/lab") or path.startswith(("ipcount_lab", "tests"))
+                   for path in copied), copied
+    assert stages["lab"].startswith("FROM product AS lab") and "COPY ipcount_lab" in stages["lab"]
+    for name, service in _compose()["services"].items():
+        if "build" not in service:
+            continue                                         # an upstream image (Kafka, PostgreSQL)
+        command = " ".join(service.get("command", []))
+        target = "lab" if "ipcount_lab" in command else "product"
+        assert service["build"] == {"context": ".", "target": target}, name
+        assert service["image"] == ("ipcount-lab:local" if target == "lab" else "ipcount:local"), name
+
+
+def test_the_product_command_line_loads_no_lab_module():
+    import subprocess
+    import sys
+
+    probe = ("import sys, ipcount.cli as cli; cli.build_parser(); "
+             "print(sorted(m for m in sys.modules if m.startswith('ipcount_lab')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_compose_spark_connect_is_what_the_airflow_tasks_point_at():
@@ -68,10 +109,10 @@ def test_compose_spark_connect_is_what_the_airflow_tasks_point_at():
     assert server["network_mode"] == "service:airflow-scheduler"
     command = server["command"][-1]
     serve = command.split("exec ", 1)[1].split()
-    assert serve[:6] == ["python", "-m", "ipcount.cli", "spark-connect", "serve", "--port"]
-    flags = dict(zip(serve[5::2], serve[6::2]))
-    # the token from .env, in the private file the server reads (it keeps a token file it finds)
-    assert "umask 077" in command and f'> {flags["--state-dir"]}/token' in command
+    assert serve[:5] == ["python", "-m", "ipcount.cli", "connect-server", "--port"]
+    flags = dict(zip(serve[4::2], serve[5::2]))
+    # the token from .env, in the private file the server reads
+    assert "umask 077" in command and f'> {flags["--token-file"]}' in command
     env = services["airflow-scheduler"]["environment"]
     assert env["AIRFLOW_CONN_IPCOUNT_CONNECT"] == \
         f"spark-connect://:{server['environment']['CONNECT_TOKEN']}@localhost:{flags['--port']}"
@@ -159,8 +200,8 @@ def test_compose_publishes_kafka_only_over_sasl_ssl_with_scram():
     tls = services["kafka-tls"]["command"]
     hosts = {tls[i + 1] for i, arg in enumerate(tls) if arg == "--host"}
     advertised = {entry.split("://")[1].rsplit(":", 1)[0] for entry in props["advertised.listeners"].split(",")}
-    assert advertised <= hosts and tls[:4] == ["python", "-m", "ipcount.devtools.dev_tls", "/run/kafka-tls"]
+    assert advertised <= hosts and tls[:4] == ["python", "-m", "ipcount_lab.dev_tls", "/run/kafka-tls"]
     assert services["kafka"]["depends_on"]["kafka-tls"] == {"condition": "service_completed_successfully"}
     # kafka-init gives the external user its SCRAM credentials from .env, through a private file.
     init = services["kafka-init"]["command"][-1]
-    assert "umask 077" in init and "kafka scram-user --username ipcount --password-file" in init
+    assert "umask 077" in init and "ipcount.cli scram-user --username ipcount --password-file" in init

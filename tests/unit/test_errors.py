@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ipcount.cli import main
 from ipcount.rules import errors
+from ipcount_lab.cli import main as lab
 
 
 def test_each_error_carries_the_exit_code_the_docs_promise():
@@ -30,6 +31,6 @@ def test_a_server_that_cannot_start_is_a_message_not_a_traceback(tmp_path, caplo
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        code = main(["spark-connect", "start", "--port", str(port), "--state-dir", str(tmp_path)])
+        code = lab(["spark-connect", "start", "--port", str(port), "--state-dir", str(tmp_path)])
     assert code == errors.EXIT_FAILED
     assert f"port {port} is taken by another process" in caplog.text and "Traceback" not in caplog.text

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.devtools.latency import EpochLatency, chain_epochs, percentile, report
+from ipcount.jobs.latency import EpochLatency, chain_epochs, percentile, report
 
 
 def row(epoch, partition, start, until, version, status="committed", kind="scheduled"):

@@ -2,8 +2,8 @@
 expected, anything else is reported as the standard library reports it."""
 from __future__ import annotations
 
-from ipcount.devtools.service import free_port
-from ipcount.devtools.lossy_proxy import LossyProxy
+from ipcount_lab.lossy_proxy import LossyProxy
+from ipcount_lab.service import free_port
 
 
 def test_a_client_gone_mid_request_is_no_error_and_anything_else_is(capsys):

@@ -10,7 +10,8 @@ import pytest
 
 from ipcount.rules.config import REPO_ROOT
 
-PACKAGES = sorted(p.parent for p in (REPO_ROOT / "ipcount").rglob("__init__.py") if "__pycache__" not in p.parts)
+PACKAGES = sorted(p.parent for root in ("ipcount", "ipcount_lab") for p in (REPO_ROOT / root).rglob("__init__.py")
+                  if "__pycache__" not in p.parts)
 
 
 def members(package) -> set[str]:

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from ipcount.devtools.generator import MALFORMED_SAMPLES, TrafficGenerator
 from ipcount.rules import records as R
 from ipcount.rules.records import Event, Malformed, is_late, parse_value, window_start
+from ipcount_lab.generator import MALFORMED_SAMPLES, TrafficGenerator
 
 MS_2026_11_21_10_00_03 = 1_795_255_203_000
 

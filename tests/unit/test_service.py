@@ -1,4 +1,4 @@
-"""The embedded services' process handling (:mod:`ipcount.devtools.service`), on real
+"""The embedded services' process handling (:mod:`ipcount_lab.service`), on real
 processes: a pid file names only the process it started, a stop asks before it forces, and
 a start that fails says why with its log, a kill returns once the port is closed, a service
 in the foreground stops on a signal and fails when its process dies."""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ipcount.devtools.service import Processes, exited, free_port, listening, started_at
+from ipcount_lab.service import Processes, exited, free_port, listening, started_at
 
 
 class Refused(RuntimeError):
@@ -89,12 +89,12 @@ def test_a_killed_jvm_has_closed_its_port_when_kill_returns(tmp_path):
         proc.wait(timeout=5)
 
 
-# A service in the foreground, as `ipcount s3 serve` / `spark-connect serve` run it: its
+# A service in the foreground, as `bin/lab s3 serve` runs it: its
 # process prints "up" when ready.
 SERVE = """
 import sys
 from pathlib import Path
-from ipcount.devtools.service import Processes
+from ipcount_lab.service import Processes
 
 procs = Processes(Path(sys.argv[1]))
 

@@ -15,10 +15,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipcount.devtools.service import Processes
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.errors import ServiceStartError
 from ipcount.rules.private_files import read_private_file, write_private_file
+from ipcount_lab.service import Processes
 
 log = logging.getLogger(__name__)
 NAME = "s3proxy"  # its process (pid file and log under the state directory)

@@ -7,7 +7,7 @@ to round:
 * ``parse_floor``: that read and the parse the peer and the pipeline share, its outputs
   computed and nothing else: the floor both stand on, so ``peer / parse_floor`` is about the
   most any pipeline with this parse could gain on the peer;
-* ``peer``: Structured Streaming (:mod:`ipcount.devtools.peer`) on a fresh table and checkpoint;
+* ``peer``: Structured Streaming (:mod:`ipcount_lab.peer`) on a fresh table and checkpoint;
 * ``pipeline``: ``run_epoch`` until caught up, each epoch followed by the consumer-group
   commit (what an ``ipcount epoch`` process runs), on a fresh table set;
 * with ``epochs`` > 1, ``peer_epochs`` and ``pipeline_epochs``: the same range in ``epochs``
@@ -40,9 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ipcount.devtools import peer
 from ipcount.rules.config import PipelineConfig
 from ipcount.storage.delta import DeltaReader
+from ipcount_lab import peer
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from ipcount.devtools.service import log_tail, proc_stat
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.errors import DatabaseStartError
 from ipcount.rules.private_files import read_private_file, write_private_file
+from ipcount_lab.service import log_tail, proc_stat
 
 log = logging.getLogger(__name__)
 DEBIAN_PG_ROOT = Path("/usr/lib/postgresql")

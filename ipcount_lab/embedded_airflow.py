@@ -1,6 +1,6 @@
 """The environment Airflow runs in on the embedded stack (SQLite, or PostgreSQL from
-:mod:`ipcount.devtools.embedded_postgres`; LocalExecutor; this repo's DAGs and plugins). Used
-by ``bin/ipcount airflow ...``, bin/run and the tests alike."""
+:mod:`ipcount_lab.embedded_postgres`; LocalExecutor; this repo's DAGs and plugins). Used
+by ``bin/lab airflow ...``, bin/run and the tests alike."""
 from __future__ import annotations
 
 import json
@@ -33,7 +33,7 @@ def airflow_env(home: Path = DEFAULT_AIRFLOW_HOME, api_port: int = 8080, spark_m
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO_ROOT / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "ipcount.devtools.embedded_airflow.SQLITE_CONNECT_ARGS",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_CONNECT_ARGS",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "4",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",

@@ -1,4 +1,4 @@
-"""A chaos run's state between sittings (``ipcount chaos --pause`` / ``--resume``).
+"""A chaos run's state between sittings (``bin/lab chaos --pause`` / ``--resume``).
 
 A long run takes longer than one sitting (docs/operations.md has the figures), so it can
 pause and go on later on the same topic, warehouse and broker: this file holds what the next

@@ -1,4 +1,4 @@
-"""``ipcount chaos``: the exactly-once claim, tried against your own broker.
+"""``bin/lab chaos``: the exactly-once claim, tried against your own broker.
 
 It makes a topic and a warehouse of its own (never the pipeline's), produces a known data
 set - out of order, late, malformed, committed and aborted transactions - and then runs the
@@ -32,7 +32,7 @@ half the kills are made, and the rebuild is then run to its end once, without ki
 the first records are deleted (or at the finish, if none are); from then on rebuild has no
 rounds. The ``answers`` scenario is the chain and a backfill racing while commit answers are
 lost: a run with it keeps its warehouse on an S3 store of its own (s3proxy) behind
-:mod:`ipcount.devtools.lossy_proxy`, which in those rounds lets the store take every third
+:mod:`ipcount_lab.lossy_proxy`, which in those rounds lets the store take every third
 commit and closes the connection instead of answering. The ``connect`` scenario runs the chain
 and a backfill on the run's own Spark Connect server (``spark_remote``), and half the time
 SIGKILLs the server under the chain and starts it again.
@@ -60,7 +60,7 @@ Scenarios take turns (in a shuffled order), each at least once, so a run
 of ``n`` kills tries each of ``k`` scenarios at least once and about ``n / k`` times.
 
 A long run may take several sittings: ``pause`` stops it without finishing and keeps its
-state (:mod:`ipcount.devtools.chaos_state`) for ``resume``; the last sitting finishes and
+state (:mod:`ipcount_lab.chaos_state`) for ``resume``; the last sitting finishes and
 recounts everything.
 """
 from __future__ import annotations
@@ -84,24 +84,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, NamedTuple
 
-from ipcount.devtools.chaos_state import DELETED_FILE, REBUILD, RETENTION, STATE_FILE, RunState, round_rng
-from ipcount.devtools.embedded_airflow import airflow_env
-from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
-from ipcount.devtools.embedded_kafka import EmbeddedKafka
-from ipcount.devtools.service import free_port, proc_stat
-from ipcount.devtools.embedded_s3 import EmbeddedS3
-from ipcount.devtools.generator import TrafficGenerator, produce
-from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig, location_scheme
-from ipcount.rules.errors import EXIT_DATA_LOSS, ConfigError, UnknownTopicError
 from ipcount.jobs import crash
 from ipcount.jobs.crash import STEP_MARKER
 from ipcount.jobs.verify import LATE, MALFORMED, recount_record, table_counts
+from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig, location_scheme
+from ipcount.rules.errors import EXIT_DATA_LOSS, ConfigError, UnknownTopicError
 from ipcount.rules.ledger import COMMITTED, LOST, Row, is_scheduled
 from ipcount.rules.offsets import split_at_log_start
 from ipcount.rules.publish import LIVE
 from ipcount.rules.requests import parse_offsets
 from ipcount.storage import broker
 from ipcount.storage.delta import read_rows
+from ipcount_lab.chaos_state import DELETED_FILE, REBUILD, RETENTION, STATE_FILE, RunState, round_rng
+from ipcount_lab.embedded_airflow import airflow_env
+from ipcount_lab.embedded_connect import EmbeddedSparkConnect
+from ipcount_lab.embedded_kafka import EmbeddedKafka
+from ipcount_lab.embedded_s3 import EmbeddedS3
+from ipcount_lab.generator import TrafficGenerator, produce
+from ipcount_lab.service import free_port, proc_stat
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class ChaosReport:
         if self.paused:
             return (f"chaos paused: {self.kills} of {self.kills_wanted} kills in {self.rounds} rounds ({scenarios}; "
                     f"epochs killed while {phases}); no verdict before the finish: go on with "
-                    f"`ipcount chaos --resume {self.run_dir}` (the same broker, running)")
+                    f"`bin/lab chaos --resume {self.run_dir}` (the same broker, running)")
         verdict = "OK" if self.ok else "FAILED"
         sittings = f" in {self.sittings} sittings" if self.sittings > 1 else ""
         return (f"chaos {verdict}: {self.kills} kills survived in {self.rounds} rounds{sittings} ({scenarios}; "
@@ -262,7 +262,7 @@ def _first_broker(bootstrap_servers: str) -> tuple[str, int]:
 
 def embedded_broker(state_dir: str | Path, bootstrap_servers: str) -> EmbeddedKafka:
     """The embedded broker under ``state_dir`` on the port ``bootstrap_servers`` names (as
-    ``ipcount kafka start --port`` makes it); it may not be running."""
+    ``bin/lab kafka start --port`` makes it); it may not be running."""
     _, port = _first_broker(bootstrap_servers)
     return EmbeddedKafka(state_dir=Path(state_dir), port=port, controller_port=port + 1)
 
@@ -395,7 +395,7 @@ def _partitions(cfg: PipelineConfig) -> int:
         _, latest = broker.partition_offsets(cfg)
     except UnknownTopicError:
         raise ConfigError(f"the paused run's topic {cfg.topic} is not on {cfg.bootstrap_servers}: a run goes "
-                          f"on on the broker it started on (an embedded one: `bin/ipcount kafka start` with the "
+                          f"on on the broker it started on (an embedded one: `bin/lab kafka start` with the "
                           f"same --port and --state-dir)") from None
     return len(latest)
 
@@ -411,7 +411,7 @@ def _check_scenarios(cfg: PipelineConfig, scenarios: tuple[str, ...], kafka: Emb
                           f"{', '.join(SCENARIOS)}")
     if "broker" in scenarios and not restartable(kafka, cfg.bootstrap_servers):
         raise ConfigError(f"the broker scenario SIGKILLs and restarts the embedded broker, and none started by "
-                          f"`ipcount kafka start` serves {cfg.bootstrap_servers}; leave out broker")
+                          f"`bin/lab kafka start` serves {cfg.bootstrap_servers}; leave out broker")
 
 
 def _new_run(cfg: PipelineConfig, kills: int, records: int, seed: int, workdir: str | Path | None,
@@ -595,7 +595,7 @@ class _NoStore:
 
 class _LossyStore(_NoStore):
     """The run's warehouse on an S3 store of its own (s3proxy, objects under the run's
-    directory), reached through :mod:`ipcount.devtools.lossy_proxy`, which loses commit answers
+    directory), reached through :mod:`ipcount_lab.lossy_proxy`, which loses commit answers
     while told to (:meth:`losing`). While the run lasts, the AWS variables of this process - and
     so of every process it starts - point at the proxy."""
 
@@ -606,7 +606,7 @@ class _LossyStore(_NoStore):
         self._saved: dict[str, str | None] = {}
 
     def __enter__(self) -> _LossyStore:
-        from ipcount.devtools.lossy_proxy import start_proxy
+        from ipcount_lab.lossy_proxy import start_proxy
 
         self.s3.start()
         try:

@@ -16,20 +16,15 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipcount.devtools.service import Processes
 from ipcount.rules.config import STATE_DIR
+from ipcount.storage.spark import spark_home
+from ipcount_lab.service import Processes
 
 log = logging.getLogger(__name__)
 
 
 class ClusterStartError(RuntimeError):
     """The cluster did not come up (the message says why, with a log's tail)."""
-
-
-def spark_home() -> Path:
-    import pyspark
-
-    return Path(pyspark.__file__).parent
 
 
 def cluster_env() -> dict[str, str]:

@@ -1,6 +1,9 @@
-"""Developer tools, not part of the pipeline: the embedded stack (Kafka from Maven jars, an
-S3 store, PostgreSQL, a Spark cluster, Airflow's environment), the traffic generator, chaos,
-and the benchmark with its peer (Spark Structured Streaming).
+"""The lab, not part of the product (which never imports it, and whose image leaves it out):
+the embedded stack (Kafka from Maven jars, an S3 store, PostgreSQL, a Spark cluster and
+Connect server, Airflow's environment), the traffic generator, chaos, and the benchmark with
+its peer (Spark Structured Streaming).
+
+- :mod:`.cli`                ``bin/lab``: the lab's commands
 
 - :mod:`.service`            what the services share: pid files, logs, readiness, stopping
 - :mod:`.embedded_kafka`     a real KRaft broker (or three) on 127.0.0.1
@@ -12,9 +15,8 @@ and the benchmark with its peer (Spark Structured Streaming).
 - :mod:`.embedded_connect`   a Spark Connect server that epochs can run on (``spark_remote``)
 - :mod:`.embedded_airflow`   Airflow's environment on the embedded stack
 - :mod:`.generator`          access-log traffic, seedable
-- :mod:`.chaos`              ``ipcount chaos``: random SIGKILLs, then a plain-Python recount
+- :mod:`.chaos`              ``bin/lab chaos``: random SIGKILLs, then a plain-Python recount
 - :mod:`.chaos_state`        a chaos run's state between sittings
-- :mod:`.latency`            ``ipcount latency``: how long records waited to be counted
 - :mod:`.benchmark`          ``bin/benchmark``
 - :mod:`.bench_rounds`       warm against warm: the contenders round after round
 - :mod:`.bench_stats`        medians, spreads and round-by-round ratios

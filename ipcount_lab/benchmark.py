@@ -2,7 +2,7 @@
 and with the read-only limits, on the same data and the same Spark settings, warm against
 warm and cold against cold.
 
-* **warm** (:mod:`ipcount.devtools.bench_rounds`): one ``spark-submit`` of
+* **warm** (:mod:`ipcount_lab.bench_rounds`): one ``spark-submit`` of
   ``spark_jobs/bench_job.py rounds``, one JVM and Spark session for every contender, rounds
   of [read-only count, peer, pipeline (and both again in several epochs)] in a rotated
   order; round 1 is the cold session, the rounds after it are warm. Then series of small
@@ -19,7 +19,7 @@ warm and cold against cold.
   event time, for what the history an epoch's tables, ledger and logs build up costs it.
 * **growth**: the counts MERGE alone over many more epochs (delta-rs, no Spark).
 
-Every figure is a median with its min and max (:mod:`ipcount.devtools.bench_stats`), every
+Every figure is a median with its min and max (:mod:`ipcount_lab.bench_stats`), every
 ratio is taken run by run, and every total is read back from its Delta table and checked
 against the others. The figures go to a table on stdout and to a JSON file.
 """
@@ -41,11 +41,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
-from ipcount.devtools import bench_rounds, bench_stats
-from ipcount.devtools.service import free_port
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig
 from ipcount.rules.ledger import EpochSummary, summaries_in
 from ipcount.storage.spark import DRIVER_ENV
+from ipcount_lab import bench_rounds, bench_stats
+from ipcount_lab.service import free_port
 
 MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth")
 # The measurements that read the --records range (the others bring records of their own).
@@ -271,7 +271,7 @@ def measure_paths(cfg: PipelineConfig, per_epoch: int, warm_epochs: int, partiti
     epoch after a first one, and an empty one; on another table set, the same in one process and
     remote session, ``warm_epochs`` epochs after its first (the warm epoch's cost); the idle
     check."""
-    from ipcount.devtools.embedded_connect import EmbeddedSparkConnect
+    from ipcount_lab.embedded_connect import EmbeddedSparkConnect
 
     topic = f"bench_{uuid.uuid4().hex[:8]}_paths"
     paths_cfg = cfg.replace(topic=topic, group_id=f"g_{topic}", pipeline_id=f"p_{topic}",
@@ -411,7 +411,7 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     ending = {int(k): v for k, v in json.loads(args.ending).items()}
     cfg = PipelineConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic, window_seconds=args.window_seconds,
                          allowed_lateness_seconds=args.allowed_lateness_seconds, warehouse=args.workdir)
-    from ipcount.devtools import peer
+    from ipcount_lab import peer
 
     if args.job == "idle_check":  # workdir is the pipeline's warehouse
         from ipcount.jobs import idle
@@ -435,7 +435,7 @@ def job_main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(bench_rounds.history(spark, cfg, ending, Path(args.workdir), args.per_epoch)), flush=True)
         return 0
     if args.job == "profile":
-        from ipcount.devtools import bench_profile
+        from ipcount_lab import bench_profile
 
         print(json.dumps(bench_profile.profile(spark, cfg, ending, args.repeats, say=say)), flush=True)
         return 0
@@ -473,8 +473,8 @@ def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, afte
     event time; the log end per partition."""
     from kafka import KafkaProducer
 
-    from ipcount.devtools.generator import TrafficGenerator
     from ipcount.storage.broker import client_options, create_topic, partition_offsets
+    from ipcount_lab.generator import TrafficGenerator
 
     create_topic(cfg, partitions)
     producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks=1, linger_ms=50,
@@ -651,7 +651,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.bootstrap_servers:
         servers = args.bootstrap_servers
     else:
-        from ipcount.devtools.embedded_kafka import EmbeddedKafka
+        from ipcount_lab.embedded_kafka import EmbeddedKafka
 
         broker = EmbeddedKafka(state_dir=workdir / "kafka", port=free_port(), controller_port=free_port())
         say(f"starting an embedded Kafka broker (log: {broker.log_file})")
@@ -704,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"history; log {logs / 'history.log'})")
             report["history"] = measure_history(history_cfg, history_ending, args.history_records, logs, workdir)
         if "growth" in only:
-            from ipcount.devtools import bench_growth
+            from ipcount_lab import bench_growth
 
             say(f"measuring growth: {args.growth_epochs} epochs' counts MERGEs (delta-rs, no Spark)")
             report["growth"] = bench_growth.growth(workdir, args.growth_epochs, args.growth_ips, args.seed, say=say)

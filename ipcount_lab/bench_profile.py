@@ -25,11 +25,11 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ipcount.devtools import peer
 from ipcount.jobs import transform
 from ipcount.jobs.tally import EpochTally
 from ipcount.rules import records as R
 from ipcount.rules.config import PipelineConfig
+from ipcount_lab import peer
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -20,7 +20,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ipcount.devtools.service import free_port
+from ipcount_lab.service import free_port
 
 COMMIT_FILE = re.compile(r"/_delta_log/\d{20}\.json(\?|$)")
 

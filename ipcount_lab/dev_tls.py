@@ -108,7 +108,7 @@ def _key_and_chain(key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, ca_c
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ipcount.devtools.dev_tls",
+        prog="python -m ipcount_lab.dev_tls",
         description="Make a throwaway CA, a broker certificate for the given host names and a client "
                     "certificate in DIRECTORY (ca.pem, broker.pem, client.pem; the key files mode 0600), "
                     "unless they are there. For dev and test brokers only.")

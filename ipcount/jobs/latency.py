@@ -1,4 +1,4 @@
-"""``ipcount latency``: how long records wait to be counted, measured after the fact.
+"""``bin/ipcount latency``: how long records wait to be counted, measured after the fact.
 
 A record's latency is from its Kafka timestamp (the producer's clock when it was sent:
 CreateTime) to the commit of the counts-table version that holds the epoch that read it -

@@ -1,13 +1,7 @@
-"""A Spark Connect server on 127.0.0.1, from the pinned pyspark (its ``spark-connect`` jar
-and ``spark-submit``), with the Kafka and Delta jars and the settings of an epoch's own
-session (:func:`ipcount.storage.spark.spark_conf`): what ``spark_remote`` points epochs at.
-
-It listens on 127.0.0.1 only and takes only clients that send its token (a private file,
-made on the first start unless written there before, as docker-compose.yml does from .env;
-the server reads it from its environment, so it is on no command line). Whoever holds the
-token may run anything as the server's user: keep the file as private as a key. The server
-has no TLS of its own; clients on this machine use the host name ``localhost``, for which
-pyspark sends the token without TLS.
+"""The product's Spark Connect server (:mod:`ipcount.storage.connect_server`) on 127.0.0.1,
+in the background, for the lab: bin/run, the tests, chaos and the benchmark point epochs at
+it with ``spark_remote``. Its token is a private file, made on the first start unless
+written there before.
 """
 from __future__ import annotations
 
@@ -17,16 +11,15 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipcount.devtools.embedded_spark import cluster_env, spark_home
-from ipcount.devtools.service import Processes, listening
-from ipcount.rules.config import STATE_DIR, PipelineConfig
+from ipcount.rules.config import STATE_DIR
 from ipcount.rules.errors import ServiceStartError
 from ipcount.rules.private_files import read_private_file, write_private_file
-from ipcount.storage.spark import spark_conf, spark_jars
+from ipcount.storage.connect_server import server_command, server_environment
+from ipcount_lab.embedded_spark import cluster_env
+from ipcount_lab.service import Processes, listening
 
 log = logging.getLogger(__name__)
 NAME = "connect-server"  # its process (pid file and log under the state directory)
-SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
 
 class ConnectStartError(ServiceStartError):
@@ -82,24 +75,13 @@ class EmbeddedSparkConnect:
         self.stop()  # this state directory's server on another port, if any: one at a time
         if self.is_listening():
             raise ConnectStartError(f"port {self.port} is taken by another process; pick another port")
-        conf = {**spark_conf(PipelineConfig()), "spark.connect.grpc.binding.address": "127.0.0.1",
-                "spark.connect.grpc.binding.port": str(self.port), "spark.default.parallelism": str(self.cores),
-                "spark.ui.enabled": "false"}
-        argv = [str(spark_home() / "bin" / "spark-submit"), "--class", SERVER_CLASS, "--name", "ipcount-connect",
-                "--master", self.master, "--jars", ",".join(spark_jars()),
-                *(arg for key, value in conf.items() for arg in ("--conf", f"{key}={value}"))]
-        env = {**os.environ, **cluster_env(), "SPARK_CONNECT_MODE": "0",  # (the server, not a client)
-               "SPARK_CONNECT_AUTHENTICATE_TOKEN": self.token()}
+        argv = server_command(self.port, self.master, self.cores)
+        env = server_environment(self.token(), {**os.environ, **cluster_env()})
         log.info("starting a Spark Connect server at %s (master %s, log %s)", self.url, self.master, self.log_file)
         proc = self.processes.launch(NAME, argv, env)
         self.processes.wait_ready(self.is_listening, timeout, ConnectStartError, f"the Spark Connect server at "
                                   f"{self.url}", NAME, proc)
         log.info("Spark Connect server ready at %s (token in %s)", self.url, self.token_file)
-
-    def serve(self) -> int:
-        """Run in the foreground, a container's main process, until SIGTERM or SIGINT
-        (:meth:`Processes.serve`); the exit code."""
-        return self.processes.serve(NAME, self.start, self.stop)
 
     def stop(self, timeout: float = 30.0) -> None:
         self.processes.stop(timeout)

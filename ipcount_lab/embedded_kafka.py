@@ -17,12 +17,12 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from ipcount.devtools.dev_tls import DevTls
-from ipcount.devtools.service import listening, started_at
 from ipcount.rules.config import STATE_DIR
 from ipcount.rules.errors import BrokerStartError
 from ipcount.rules.kafka_security import JAAS_MODULES, SCRAM_MECHANISMS, jaas_quoted, property_value
 from ipcount.rules.private_files import read_private_file, write_private_file
+from ipcount_lab.dev_tls import DevTls
+from ipcount_lab.service import listening, started_at
 
 log = logging.getLogger(__name__)
 KAFKA_JARS_DIR = STATE_DIR / "jars" / "kafka"
