@@ -4,8 +4,8 @@ Connect server, Airflow's environment), the traffic generator, chaos, and the be
 its peer (Spark Structured Streaming).
 
 - :mod:`.cli`                ``bin/lab``: the lab's commands
-
-- :mod:`.service`            what the services share: pid files, logs, readiness, stopping
+- :mod:`.service`            what the services share: pid files, logs, readiness, stopping (Kafka, s3proxy,
+                             Spark, the Connect server; PostgreSQL keeps pg_ctl's own)
 - :mod:`.embedded_kafka`     a real KRaft broker (or three) on 127.0.0.1
 - :mod:`.dev_tls`            a throwaway CA and certificates for the broker's TLS listeners
 - :mod:`.embedded_s3`        an S3-compatible store (s3proxy) for tables on object storage

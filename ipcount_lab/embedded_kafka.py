@@ -22,10 +22,11 @@ from ipcount.rules.errors import BrokerStartError
 from ipcount.rules.kafka_security import JAAS_MODULES, SCRAM_MECHANISMS, jaas_quoted, property_value
 from ipcount.rules.private_files import read_private_file, write_private_file
 from ipcount_lab.dev_tls import DevTls
-from ipcount_lab.service import listening, started_at
+from ipcount_lab.service import Processes, exited, listening
 
 log = logging.getLogger(__name__)
 KAFKA_JARS_DIR = STATE_DIR / "jars" / "kafka"
+NAME = "kafka"  # the node's JVM: its pid file, and its console output as its log (log4j's is broker.log)
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,8 @@ class EmbeddedKafka:
         return self.state_dir / "broker.log"
 
     @property
-    def _pid_file(self) -> Path:
-        return self.state_dir / "broker.pid"
+    def processes(self) -> Processes:
+        return Processes(self.state_dir)
 
     def _classpath(self) -> str:
         if not any(KAFKA_JARS_DIR.glob("kafka_2.13-*.jar")):
@@ -179,18 +180,8 @@ class EmbeddedKafka:
                 "-cp", self._classpath(), *args]
 
     def pid(self) -> int | None:
-        """The broker's pid, if its pid file names a live broker of this state directory (a
-        stale file after a reboot may name some other process by now)."""
-        try:
-            pid = int(self._pid_file.read_text())
-            os.kill(pid, 0)
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            return None
-        if started_at(pid) is None or b"kafka.Kafka" not in cmdline or \
-                str(self.state_dir / "server.properties").encode() not in cmdline:
-            return None
-        return pid
+        """The broker's pid, while the process its pid file names runs."""
+        return self.processes.pid(NAME)
 
     def is_listening(self) -> bool:
         return listening(self.port)
@@ -223,11 +214,7 @@ class EmbeddedKafka:
             subprocess.run(self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)),
                            check=True, capture_output=True, text=True)
         log.info("starting Kafka broker %d at %s (log: %s)", self.node_id, self.bootstrap_servers, self.log_file)
-        with open(self.state_dir / "broker.out", "ab") as out:
-            proc = subprocess.Popen(self._java("kafka.Kafka", str(props)), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        self._pid_file.write_text(str(proc.pid))
-        return proc
+        return self.processes.launch(NAME, self._java("kafka.Kafka", str(props)))
 
     def wait_ready(self, proc: subprocess.Popen, timeout: float, brokers: int = 1) -> None:
         from kafka import KafkaAdminClient
@@ -237,7 +224,7 @@ class EmbeddedKafka:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise BrokerStartError(f"Kafka broker exited with code {proc.returncode}; see {self.log_file} "
-                                       f"and {self.state_dir / 'broker.out'}")
+                                       f"and {self.processes.log_file(NAME)}")
             if self.is_listening():
                 try:
                     client = KafkaAdminClient(bootstrap_servers=self.bootstrap_servers, request_timeout_ms=5000)
@@ -295,13 +282,12 @@ class EmbeddedKafka:
                 time.sleep(0.5)
 
     def kill(self) -> None:
-        """SIGKILL the broker, as a crashed machine would stop it (for failure tests)."""
+        """SIGKILL the broker, as a crashed machine would stop it (for failure tests), and wait
+        until its ports are closed."""
         pid = self.pid()
         if pid is not None:
             log.info("killing Kafka broker %d (pid %d)", self.node_id, pid)
-            os.kill(pid, signal.SIGKILL)
-            while self.pid() is not None:
-                time.sleep(0.1)
+            self.processes.kill(NAME)
 
     def stop(self, timeout: float = 30.0) -> None:
         self.wait_stopped(self.terminate(), timeout)
@@ -313,19 +299,20 @@ class EmbeddedKafka:
             log.info("Kafka broker is not running")
             return None
         log.info("stopping Kafka broker %d (pid %d)", self.node_id, pid)
-        os.kill(pid, signal.SIGTERM)
+        os.killpg(pid, signal.SIGTERM)
         return pid
 
     def wait_stopped(self, pid: int | None, timeout: float = 30.0) -> None:
-        """Wait for a terminated broker to exit; SIGKILL it after ``timeout``."""
+        """Wait for a terminated broker to exit (every thread: its ports closed); SIGKILL it
+        after ``timeout``."""
         if pid is None:
             return
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.pid() is not None:
+        while time.monotonic() < deadline and not exited(pid):
             time.sleep(0.3)
-        if self.pid() is not None:
-            os.kill(pid, signal.SIGKILL)
-        self._pid_file.unlink(missing_ok=True)
+        if not exited(pid):
+            self.processes.kill(NAME)
+        self.processes.stop(timeout=0)  # (removes the pid file of a process gone)
 
     def status(self) -> str:
         pid = self.pid()
