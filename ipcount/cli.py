@@ -25,20 +25,24 @@ import os
 import sys
 import time
 from dataclasses import fields
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ipcount.rules.config import SETTINGS, PipelineConfig, flag
+from ipcount.rules.config import COMMAND_SETTINGS, SETTINGS, PipelineConfig, flag
 from ipcount.rules.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, BadRequestError, ConfigError, IpcountError
 
 log = logging.getLogger("ipcount")
 Command = Callable[[argparse.Namespace, PipelineConfig], int]
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
+    """The settings flags (all, or only ``names``: what the command reads) and --config."""
     group = parser.add_argument_group(
         "pipeline settings (override --config file and IPCOUNT_* environment variables)")
     group.add_argument("--config", metavar="FILE", help="TOML or JSON file of settings (or $IPCOUNT_CONFIG)")
+    wanted = None if names is None else set(names)
     for s in SETTINGS:
+        if wanted is not None and s.name not in wanted:
+            continue
         help_text = f"{s.help} (default: {s.default}; env {s.env})"
         if s.type == "bool":
             group.add_argument(flag(s.name), dest=s.name, action=argparse.BooleanOptionalAction, default=None,
@@ -248,7 +252,7 @@ def _verify_arguments(sub) -> None:
     p.add_argument("--from-time", metavar="TIME", help="only compare windows starting at or after this time")
     p.add_argument("--until-time", metavar="TIME", help="only compare windows starting before this time")
     p.add_argument("--max-differences", type=int, default=50, help="differences to print (default 50)")
-    add_config_flags(p)
+    add_config_flags(p, COMMAND_SETTINGS["verify"])
 
 
 def _verify(args: argparse.Namespace, cfg: PipelineConfig) -> int:
@@ -299,7 +303,7 @@ def _publish_arguments(sub) -> None:
                                    "compacted only (cleanup.policy=compact). Runs "
                                    "without Spark; needs publish = true (which turns on the counts table's change "
                                    "data feed at the next epoch).")
-    add_config_flags(p)
+    add_config_flags(p, COMMAND_SETTINGS["publish"])
     p.add_argument("--resync", action="store_true",
                    help="send the counts table whole as a snapshot and publish on from it: when the table was "
                         "replaced (a rebuild swapped in), or the publisher's cursor is gone and the sink topic "
@@ -320,7 +324,7 @@ def _publish(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 def _watch_arguments(sub) -> None:
     p = sub.add_parser("watch", help="print a line per epoch as epochs commit",
                        description="Follow the ledger and print one line per committed epoch.")
-    add_config_flags(p)
+    add_config_flags(p, COMMAND_SETTINGS["watch"])
     p.add_argument("--epochs", type=int, default=None, help="exit after this many new epochs")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 1)")
     p.add_argument("--from-start", action="store_true", help="also print epochs committed before now")
@@ -332,7 +336,7 @@ def _latency_arguments(sub) -> None:
                                    "counts-table version that counts it, over the scheduled chain's committed "
                                    "epochs: read after the fact from the ledger, the counts table's log and the "
                                    "topic (no JVM).")
-    add_config_flags(p)
+    add_config_flags(p, COMMAND_SETTINGS["latency"])
     p.add_argument("--epochs", type=int, default=None, help="only the last N committed epochs (default all)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
@@ -376,7 +380,7 @@ def _create_topic_arguments(sub) -> None:
                                    "partitions, replicated as the brokers' default.replication.factor says; "
                                    "nothing happens when it exists.")
     p.add_argument("--partitions", type=positive_int, default=3, help="partitions of the topic (default 3)")
-    add_config_flags(p)
+    add_config_flags(p, COMMAND_SETTINGS["create-topic"])
 
 
 def _create_topic(args: argparse.Namespace, cfg: PipelineConfig) -> int:
@@ -393,7 +397,7 @@ def _scram_user_arguments(sub) -> None:
                                    "the command line; the pipeline logs in with its own Kafka settings.")
     p.add_argument("--username", required=True, help="the user to give credentials")
     p.add_argument("--password-file", required=True, help="a private file (mode 0600) holding the user's password")
-    add_config_flags(p)
+    add_config_flags(p, COMMAND_SETTINGS["scram-user"])
 
 
 def _scram_user(args: argparse.Namespace, cfg: PipelineConfig) -> int:
@@ -438,7 +442,7 @@ def _consumer_groups_arguments(sub) -> None:
                                    "its Kafka security settings (a private --command-config file, removed "
                                    "afterwards), e.g. `bin/ipcount consumer-groups --config p.toml -- "
                                    "--describe --group ipcount`.")
-    add_config_flags(p)
+    add_config_flags(p, COMMAND_SETTINGS["consumer-groups"])
     p.add_argument("tool_args", nargs=argparse.REMAINDER, help="after --: the tool's own arguments")
 
 

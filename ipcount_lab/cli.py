@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ipcount.cli import Command, add_config_flags, main as run_command, positive_int, positive_rate
-from ipcount.rules.config import STATE_DIR, PipelineConfig, env_name
+from ipcount.rules.config import COMMAND_SETTINGS, STATE_DIR, PipelineConfig, env_name
 from ipcount.rules.errors import EXIT_FAILED, EXIT_OK, BadRequestError, ConfigError
 
 log = logging.getLogger("ipcount_lab")
@@ -35,7 +35,7 @@ def _generate_arguments(sub) -> None:
     p = sub.add_parser("generate", help="produce access-log traffic to the source topic",
                        description="Produce generated access-log records (JSON and NGINX lines, some "
                                    "out of order, a few late, ~1%% malformed) to the source topic.")
-    add_config_flags(p)
+    add_config_flags(p, COMMAND_SETTINGS["generate"])
     p.add_argument("--rate", type=positive_rate, default=200.0, help="records per second (default 200)")
     p.add_argument("--count", type=positive_int, default=None, help="stop after this many records (default: forever)")
     p.add_argument("--seed", type=int, default=7, help="random seed (default 7)")

@@ -12,7 +12,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.requests import MAIN_TARGET, check_target
@@ -357,9 +357,13 @@ class PipelineConfig:
         """The settings as the ``IPCOUNT_*`` variables the DAGs read (``load`` reads them back)."""
         return {env_name(name): str(value) for name, value in self.to_dict().items()}
 
-    def to_args(self) -> list[str]:
-        """The settings as CLI flags of ``ipcount epoch`` (used to hand them to spark-submit)."""
-        return [setting_arg(name, value) for name, value in self.to_dict().items()]
+    def to_args(self, names: Iterable[str] | None = None) -> list[str]:
+        """The settings (or only ``names``) as CLI flags: all of them for ``ipcount epoch``,
+        ``backfill`` and ``rebuild`` (how the DAGs hand them to spark-submit), a command's own
+        group for the others (:data:`COMMAND_SETTINGS`)."""
+        wanted = None if names is None else set(names)
+        return [setting_arg(name, value) for name, value in self.to_dict().items()
+                if wanted is None or name in wanted]
 
     @property
     def specific_start_offsets(self) -> dict[int, int]:
@@ -426,6 +430,25 @@ SETTINGS_HELP = {s.name: s.help for s in SETTINGS}
 CHOICES = {s.name: s.choices for s in SETTINGS if s.choices}
 MINIMUMS = {s.name: s.minimum for s in SETTINGS if s.minimum is not None}
 PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
+
+# The settings of the commands that do not take them all (the rest, and every command's
+# --config file and IPCOUNT_* variables, carry every setting): each group is what its
+# command reads, so a flag it would ignore is refused instead.
+KAFKA_CLIENT_SETTINGS = ("bootstrap_servers", "kafka_timeout_seconds", "kafka_connection",
+                         *(s.name for s in SETTINGS if s.name.startswith(("kafka_security", "kafka_sasl", "kafka_ssl"))))
+TABLE_SETTINGS = ("pipeline_id", "warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table")
+COUNTING_SETTINGS = ("window_seconds", "allowed_lateness_seconds", "event_time", "max_value_bytes",
+                     "max_event_time_ahead_seconds")
+COMMAND_SETTINGS = {
+    "watch": TABLE_SETTINGS,
+    "latency": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS),
+    "verify": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS, *COUNTING_SETTINGS),
+    "publish": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS, "publish", "publish_topic"),
+    "create-topic": ("pipeline_id", "topic", *KAFKA_CLIENT_SETTINGS),
+    "scram-user": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),
+    "consumer-groups": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),
+    "generate": ("pipeline_id", "topic", *KAFKA_CLIENT_SETTINGS),
+}
 
 
 # Where delta-rs can keep tables besides a local directory (its credentials and endpoint

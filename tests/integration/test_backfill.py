@@ -18,7 +18,7 @@ from ipcount.jobs.backfill import run_backfill
 from ipcount.jobs.epoch import run_epoch
 from ipcount.jobs.rebuild import rebuild
 from ipcount.jobs.verify import verify
-from ipcount.rules.config import REPO_ROOT
+from ipcount.rules.config import COMMAND_SETTINGS, REPO_ROOT
 from ipcount.rules.errors import BadRequestError, DataLossError, TableSetMismatch
 from ipcount.rules.offsets import OffsetRange
 from ipcount.rules.requests import BackfillRequest, parse_offsets
@@ -134,7 +134,7 @@ def test_backfill_history_after_starting_at_latest_then_rebuild_and_verify(cfg, 
     assert by_key[deleted] == (live_counts[deleted], 0)
     assert verify(cfg).ok                               # the live table is untouched
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    cli = subprocess.run([sys.executable, "-m", "ipcount.cli", "verify", "--target", "rebuilt", *cfg.to_args()],
+    cli = subprocess.run([sys.executable, "-m", "ipcount.cli", "verify", "--target", "rebuilt", *cfg.to_args(COMMAND_SETTINGS["verify"])],
                          env=env, capture_output=True, text=True, timeout=300)
     assert cli.returncode == 1, cli.stderr[-2000:]
     assert f"ip {victim.ip}: Kafka has {live_counts[deleted]}, table has 0" in cli.stdout

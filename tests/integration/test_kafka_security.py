@@ -21,7 +21,7 @@ from ipcount.jobs.backfill import run_backfill
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.monitor.data import BrokerProbe
-from ipcount.rules.config import REPO_ROOT
+from ipcount.rules.config import COMMAND_SETTINGS, REPO_ROOT
 from ipcount.rules.errors import BrokerUnavailableError
 from ipcount.rules.requests import BackfillRequest, parse_offsets
 from ipcount.storage import broker as broker_io
@@ -58,7 +58,7 @@ def test_python_and_java_clients_on_each_secured_listener(cfg, broker, protocol,
 
     # Kafka's own tool, logged in from a private properties file that is gone afterwards.
     out = subprocess.run([sys.executable, "-m", "ipcount.cli", "consumer-groups",
-                          *secure.to_args(), "--", "--describe", "--group", secure.group_id],
+                          *secure.to_args(COMMAND_SETTINGS["consumer-groups"]), "--", "--describe", "--group", secure.group_id],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith(secure.group_id)]

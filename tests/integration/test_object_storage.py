@@ -18,6 +18,7 @@ from ipcount.jobs import idle
 from ipcount.jobs.rebuild import rebuild
 from ipcount.jobs.verify import verify
 from ipcount.orchestration.monitor.data import PipelineTables, replay_targets
+from ipcount.rules.config import COMMAND_SETTINGS
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage.delta import DeltaReader
 from ipcount_lab.generator import TrafficGenerator, produce
@@ -53,7 +54,7 @@ def test_epochs_and_a_crash_on_object_storage_count_exactly(s3_cfg, spark, objec
     # what reads the tables reads them there: verify, the idle check, the monitor's queries
     assert verify(cfg).ok
     watched = subprocess.run([sys.executable, "-m", "ipcount.cli", "watch", "--from-start", "--epochs",
-                              str(len(ranges)), "--timeout", "60", *cfg.to_args()],
+                              str(len(ranges)), "--timeout", "60", *cfg.to_args(COMMAND_SETTINGS["watch"])],
                              capture_output=True, text=True, timeout=120)   # the AWS variables come along
     assert watched.returncode == 0, watched.stderr[-3000:]
     assert [line.split(" committed")[0] for line in watched.stdout.splitlines()[1:]] == \

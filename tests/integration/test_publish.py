@@ -22,7 +22,7 @@ from kafka.errors import ProducerFencedError
 from kafka.structs import OffsetAndMetadata
 
 from ipcount.jobs.publish import publish_pending
-from ipcount.rules.config import REPO_ROOT, PipelineConfig
+from ipcount.rules.config import COMMAND_SETTINGS, REPO_ROOT, PipelineConfig
 from ipcount.rules.errors import PublisherFenced
 from ipcount.rules.publish import CHANGE_DATA_FEED, Cursor, SinkRecord
 from ipcount.storage.publisher import Publisher, create_sink_topic
@@ -126,7 +126,7 @@ def test_a_publisher_killed_mid_publish_leaves_no_version_twice_and_none_out(pub
     merge_epoch(cfg, 1, {(0, "10.0.0.1"): 1})
     publish_pending(cfg)
     merge_epoch(cfg, 2, {(0, "10.0.0.1"): 1, (0, "10.0.0.9"): 4})
-    proc = subprocess.run([sys.executable, "-m", "ipcount.cli", "publish", *cfg.to_args()], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "ipcount.cli", "publish", *cfg.to_args(COMMAND_SETTINGS["publish"])], cwd=REPO_ROOT,
                           env={**os.environ, "IPCOUNT_CRASH_AT": point}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-3000:]
     again = publish_pending(cfg)     # fences the dead one (aborting its open transaction), then goes on

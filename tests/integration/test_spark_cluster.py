@@ -9,13 +9,19 @@ import os
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
+from ipcount.storage.ledger import committed_epochs
+from ipcount_lab.embedded_airflow import airflow_env
+from ipcount_lab.embedded_connect import EmbeddedSparkConnect
 from ipcount_lab.embedded_spark import EmbeddedSparkCluster, cluster_env
-from tests.conftest import free_port
+from ipcount_lab.generator import TrafficGenerator, produce
+from tests.conftest import connect_connection, free_port
+from tests.ground_truth import expected_tables
 from tests.integration.test_backfill import assert_tables_match, ends_of, produce_dataset
-from tests.tables import lanes, ledger
+from tests.tables import counts, dead_letters, epoch_ranges, lanes, ledger
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +76,35 @@ def test_a_crash_a_backfill_and_the_resumed_epoch_on_a_cluster(s3_cfg, spark_clu
     # every run was an application of the cluster, its executors on the workers
     apps = applications(spark_cluster)
     assert len(apps) == 3 and all(a["cores"] >= 1 for a in apps), apps
+
+
+@pytest.mark.airflow
+def test_the_dags_epoch_task_runs_on_a_connect_server_in_front_of_the_cluster(cfg, spark_cluster,
+                                                                             tmp_path_factory):
+    """The DAG's Spark task through a ``spark_connect`` connection, the server's sessions on
+    the cluster (after the test above: an application holds the workers' cores while it runs).
+    spark_default names a master nothing serves, so a spark-submit could not run."""
+    gen = TrafficGenerator(seed=83, events_per_second=50, malformed_share=0.03)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(400, 1_795_255_200_000),
+                       partition_of=lambda i, r: i % 3)
+    server = EmbeddedSparkConnect(state_dir=tmp_path_factory.mktemp("connect-on-cluster"), port=free_port(),
+                                  master=spark_cluster.master_url, cores=2)
+    env = {**airflow_env(tmp_path_factory.mktemp("airflow-on-cluster"), api_port=free_port()),
+           **cfg.replace(spark_connect_connection="ipcount_connect").to_env(), **connect_connection(server),
+           "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "spark://127.0.0.1:1"})}
+    airflow = str(Path(sys.executable).parent / "airflow")
+    migrated = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True, timeout=600)
+    assert migrated.returncode == 0, migrated.stderr[-3000:]
+    server.start()
+    try:
+        proc = subprocess.run([airflow, "dags", "test", "ipcount_epoch"], env=env, capture_output=True, text=True,
+                              timeout=600)
+    finally:
+        server.stop()
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    epochs = committed_epochs(cfg.ledger_path)
+    assert len(epochs) == 1 and epochs[0].run_id.startswith("manual__") and epochs[0].records_read == len(produced)
+    expected = expected_tables(produced, epoch_ranges(cfg))
+    assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
+    ran = [a for a in applications(spark_cluster) if a["name"] == "ipcount-connect"]
+    assert len(ran) == 1 and ran[0]["cores"] >= 1, applications(spark_cluster)

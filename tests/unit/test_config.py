@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ipcount.cli import build_parser, load_config
-from ipcount.rules.config import PipelineConfig
+from ipcount.rules.config import COMMAND_SETTINGS, PipelineConfig
 from ipcount.rules.errors import ConfigError
 
 
@@ -130,3 +130,28 @@ def test_cli_refuses_values_that_would_divide_by_zero_or_do_nothing(args, capsys
     with pytest.raises(SystemExit) as e:
         lab(args)
     assert e.value.code == 2 and f"argument {args[1]}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_SETTINGS))
+def test_a_command_takes_only_the_settings_flags_it_reads(command, capsys):
+    from ipcount_lab.cli import COMMANDS as LAB_COMMANDS
+
+    parser = build_parser(LAB_COMMANDS if command in LAB_COMMANDS else None)
+    extra = {"scram-user": ["--username", "u", "--password-file", "f"]}.get(command, [])
+    cfg = PipelineConfig(topic="t", warehouse="/w", window_seconds=30, publish=True)
+    args = parser.parse_args([command, *extra, *cfg.to_args(COMMAND_SETTINGS[command])])
+    own = load_config(args)
+    assert {n: getattr(own, n) for n in COMMAND_SETTINGS[command]} == \
+        {n: getattr(cfg, n) for n in COMMAND_SETTINGS[command]}
+    ignored = next(s for s in ("window_seconds", "spark_master") if s not in COMMAND_SETTINGS[command])
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([command, *extra, f"--{ignored.replace('_', '-')}=5"])
+    assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_the_commands_that_hand_settings_on_take_them_all():
+    """The DAGs hand every setting to epoch, backfill and rebuild (``cfg.to_args()``)."""
+    cfg = PipelineConfig(topic="t", window_seconds=30, spark_master="local[2]")
+    for command, own in (("epoch", []), ("backfill", ["--offsets", "0:0-5"]), ("rebuild", ["--into", "r"]),
+                         ("config", [])):
+        assert load_config(build_parser().parse_args([command, *own, *cfg.to_args()])) == cfg, command
