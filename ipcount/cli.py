@@ -410,8 +410,8 @@ def _scram_user(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 
 def _connect_server_arguments(sub) -> None:
     p = sub.add_parser("connect-server", help="run the Spark Connect server epochs use, in the foreground",
-                       description="Run Spark's Connect server with the pipeline's jars and Spark settings "
-                                   "(what spark_remote points epochs at) in the foreground until SIGTERM or "
+                       description="Run Spark's Connect server with the Kafka and Delta jars and the Spark "
+                                   "settings epochs use (what spark_remote points epochs at) in the foreground until SIGTERM or "
                                    "SIGINT, as a container's main process; exit code 0 when stopped by a "
                                    "signal. It takes only clients with the token in --token-file. In the "
                                    "lab, `bin/lab spark-connect start` runs one in the background.")

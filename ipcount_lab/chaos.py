@@ -788,11 +788,7 @@ def _broker_round(cfg: PipelineConfig, killer: _Killer, kafka: EmbeddedKafka) ->
     # A broker killed under no running epoch tries nothing.
     phases = [killer.procs.phase(chain)] if chain.poll() is None else []
     try:
-        os.kill(pid, signal.SIGKILL)
-        # A dying JVM loses its command line (so pid() says gone) before its port closes.
-        gone = time.monotonic() + 30
-        while (kafka.pid() is not None or kafka.is_listening()) and time.monotonic() < gone:
-            time.sleep(0.1)
+        kafka.kill()  # (it returns once every thread of the JVM is gone: its port closed)
         if kafka.pid() is not None or kafka.is_listening():
             raise RuntimeError(f"chaos: the broker (pid {pid}) still runs 30 s after SIGKILL")
         time.sleep(killer.rng.uniform(0.0, 5.0))

@@ -182,6 +182,10 @@ class Processes:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        self.forget_gone()
+
+    def forget_gone(self) -> None:
+        """Remove the pid files of processes no longer running."""
         for name in self.names():
             if self.pid(name) is None:
                 (self.state_dir / f"{name}.pid").unlink(missing_ok=True)

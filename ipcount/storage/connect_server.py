@@ -74,5 +74,6 @@ def serve(command: list[str], env: Mapping[str, str], stop_timeout: float = 60.0
     if signalled:
         log.info("Spark Connect server stopped on %s", signal.Signals(signalled[0]).name)
         return 0
-    log.error("the Spark Connect server exited with code %s", server.returncode)
-    return server.returncode or 1
+    code = server.returncode
+    log.error("the Spark Connect server exited with code %s", code)
+    return 128 - code if code < 0 else code or 1  # killed by signal N: 128 + N, as a shell says
