@@ -9,8 +9,6 @@ port, for trying and testing the pipeline's Kafka security settings.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import time
 import secrets
@@ -22,7 +20,7 @@ from ipcount.rules.errors import BrokerStartError
 from ipcount.rules.kafka_security import JAAS_MODULES, SCRAM_MECHANISMS, jaas_quoted, property_value
 from ipcount.rules.private_files import read_private_file, write_private_file
 from ipcount_lab.dev_tls import DevTls
-from ipcount_lab.service import Processes, exited, listening
+from ipcount_lab.service import Processes, listening
 
 log = logging.getLogger(__name__)
 KAFKA_JARS_DIR = STATE_DIR / "jars" / "kafka"
@@ -292,30 +290,19 @@ class EmbeddedKafka:
     def stop(self, timeout: float = 30.0) -> None:
         self.wait_stopped(self.terminate(), timeout)
 
-    def terminate(self) -> int | None:
-        """Ask the broker to shut down (SIGTERM) without waiting; its pid, or None."""
-        pid = self.pid()
-        if pid is None:
+    def terminate(self) -> dict[str, int]:
+        """Ask the broker to shut down (SIGTERM) without waiting; what was signalled."""
+        running = self.processes.terminate()
+        if running:
+            log.info("stopping Kafka broker %d (pid %d)", self.node_id, running[NAME])
+        else:
             log.info("Kafka broker is not running")
-            return None
-        log.info("stopping Kafka broker %d (pid %d)", self.node_id, pid)
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:  # gone since: a cluster's stop goes on with the other nodes
-            return None
-        return pid
+        return running
 
-    def wait_stopped(self, pid: int | None, timeout: float = 30.0) -> None:
+    def wait_stopped(self, running: dict[str, int], timeout: float = 30.0) -> None:
         """Wait for a terminated broker to exit (every thread: its ports closed); SIGKILL it
         after ``timeout``."""
-        if pid is None:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not exited(pid):
-            time.sleep(0.3)
-        if not exited(pid):
-            self.processes.kill(NAME)
-        self.processes.forget_gone()
+        self.processes.wait_stopped(running, timeout)
 
     def status(self) -> str:
         pid = self.pid()
@@ -384,9 +371,9 @@ class EmbeddedKafkaCluster:
     def _stop(nodes: list[EmbeddedKafka]) -> None:
         # All at once: a node shutting down alone waits for a controller quorum that the
         # nodes stopped before it no longer make up.
-        pids = [(node, node.terminate()) for node in nodes]
-        for node, pid in pids:
-            node.wait_stopped(pid)
+        signalled = [(node, node.terminate()) for node in nodes]
+        for node, running in signalled:
+            node.wait_stopped(running)
 
     def status(self) -> str:
         return "\n".join(f"node {node.node_id}: {node.status()}" for node in self.nodes)

@@ -166,22 +166,33 @@ class Processes:
     def stop(self, timeout: float = 20.0, force: bool = True) -> None:
         """SIGTERM every process group, wait up to ``timeout``, then SIGKILL what is left
         (unless not ``force``); the pid files of processes gone are removed."""
-        running = {name: pid for name in self.names() if (pid := self.pid(name)) is not None}
-        for pid in running.values():
+        self.wait_stopped(self.terminate(), timeout, force)
+
+    def terminate(self) -> dict[str, int]:
+        """SIGTERM every process group without waiting; the pids signalled, by name (several
+        services' processes can then stop together: :meth:`wait_stopped`)."""
+        running = {}
+        for name in self.names():
+            pid = self.pid(name)
+            if pid is None:
+                continue
             try:
                 os.killpg(pid, signal.SIGTERM)
             except ProcessLookupError:
-                pass
+                continue
+            running[name] = pid
+        return running
+
+    def wait_stopped(self, running: Mapping[str, int], timeout: float = 20.0, force: bool = True) -> None:
+        """Wait up to ``timeout`` for the ``running`` processes :meth:`terminate` signalled to
+        exit, then SIGKILL what is left (unless not ``force``) and wait for that too."""
         deadline = time.monotonic() + timeout
         while not all(map(exited, running.values())) and time.monotonic() < deadline:
             time.sleep(0.2)
         for name, pid in running.items():
             if not exited(pid) and force:
                 log.warning("%s (pid %d) still runs %.0f s after SIGTERM: SIGKILL", name, pid, timeout)
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self.kill(name)
         self.forget_gone()
 
     def forget_gone(self) -> None:
