@@ -78,8 +78,8 @@ def load_config(args: argparse.Namespace) -> PipelineConfig:
     return PipelineConfig.load(config_file=getattr(args, "config", None), **overrides)
 
 
-def build_parser(commands: Mapping[str, tuple[Callable[[Any], None], Any]] | None = None, prog: str = "ipcount",
-                 doc: str | None = None) -> argparse.ArgumentParser:
+def build_parser(commands: Mapping[str, tuple[Callable[[Any], None], Command]] | None = None,
+                 prog: str = "ipcount", doc: str | None = None) -> argparse.ArgumentParser:
     """The parser of ``commands`` (default: the product's), its help from ``doc``'s paragraphs."""
     doc = __doc__ if doc is None else doc
     parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
@@ -91,8 +91,9 @@ def build_parser(commands: Mapping[str, tuple[Callable[[Any], None], Any]] | Non
     return parser
 
 
-def main(argv: Sequence[str] | None = None, commands: Mapping[str, tuple[Callable[[Any], None], Command]] | None = None,
-         prog: str = "ipcount", doc: str | None = None) -> int:
+def main(argv: Sequence[str] | None = None,
+         commands: Mapping[str, tuple[Callable[[Any], None], Command]] | None = None, prog: str = "ipcount",
+         doc: str | None = None) -> int:
     """Run a command of ``commands`` (default: the product's; the lab's CLI passes its own)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -411,9 +412,9 @@ def _scram_user(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 def _connect_server_arguments(sub) -> None:
     p = sub.add_parser("connect-server", help="run the Spark Connect server epochs use, in the foreground",
                        description="Run Spark's Connect server with the Kafka and Delta jars and the Spark "
-                                   "settings epochs use (what spark_remote points epochs at) in the foreground until SIGTERM or "
-                                   "SIGINT, as a container's main process; exit code 0 when stopped by a "
-                                   "signal. It takes only clients with the token in --token-file. In the "
+                                   "settings epochs use (what spark_remote points epochs at) in the foreground "
+                                   "until SIGTERM or SIGINT, as a container's main process; exit code 0 when "
+                                   "stopped by a signal. It takes only clients with the token in --token-file. In the "
                                    "lab, `bin/lab spark-connect start` runs one in the background.")
     p.add_argument("--port", type=positive_int, default=15002, help="the server's port (default 15002)")
     p.add_argument("--bind", default="127.0.0.1", help="the address it listens on (default 127.0.0.1: it has "

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from ipcount.rules.config import STATE_DIR
-from ipcount.storage.spark import spark_home
+from ipcount.storage.spark import spark_env, spark_home
 from ipcount_lab.service import Processes
 
 log = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ class ClusterStartError(RuntimeError):
 def cluster_env() -> dict[str, str]:
     """What every process of the cluster, and a driver that uses it, needs: this machine's
     loopback address, and this interpreter for Python on the executors."""
-    return {"SPARK_HOME": str(spark_home()), "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+    return {**spark_env(), "SPARK_LOCAL_IP": "127.0.0.1"}
 
 
 @dataclass(frozen=True)

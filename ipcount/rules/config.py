@@ -163,9 +163,10 @@ class PipelineConfig:
         "spark_default connection")
     spark_remote: str = setting(
         "",
-        "Spark Connect URL of a Spark Connect server (sc://host:port; `ipcount connect-server` runs one, `bin/lab spark-connect start` one in the lab): "
-        "set, the epoch runs in this process with a remote session (planning and every Delta commit here, the "
-        "read and aggregation on the server) and spark_master is not used")
+        "Spark Connect URL of a Spark Connect server (sc://host:port; `ipcount connect-server` runs one, "
+        "`bin/lab spark-connect start` one in the lab): set, the epoch runs in this process with a remote "
+        "session (planning and every Delta commit here, the read and aggregation on the server) and "
+        "spark_master is not used")
     spark_remote_token_file: str = setting(
         "",
         "file holding the Spark Connect server's token (mode 0600), sent with every request (use the host name "
@@ -435,7 +436,8 @@ PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
 # --config file and IPCOUNT_* variables, carry every setting): each group is what its
 # command reads, so a flag it would ignore is refused instead.
 KAFKA_CLIENT_SETTINGS = ("bootstrap_servers", "kafka_timeout_seconds", "kafka_connection",
-                         *(s.name for s in SETTINGS if s.name.startswith(("kafka_security", "kafka_sasl", "kafka_ssl"))))
+                         *(s.name for s in SETTINGS
+                           if s.name.startswith(("kafka_security", "kafka_sasl", "kafka_ssl"))))
 TABLE_SETTINGS = ("pipeline_id", "warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table")
 COUNTING_SETTINGS = ("window_seconds", "allowed_lateness_seconds", "event_time", "max_value_bytes",
                      "max_event_time_ahead_seconds")

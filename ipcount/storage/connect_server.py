@@ -15,11 +15,10 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 from typing import Mapping
 
 from ipcount.rules.config import PipelineConfig
-from ipcount.storage.spark import spark_conf, spark_home, spark_jars
+from ipcount.storage.spark import spark_conf, spark_env, spark_home, spark_jars
 
 log = logging.getLogger(__name__)
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
@@ -38,10 +37,9 @@ def server_command(port: int, master: str, cores: int, bind: str = "127.0.0.1") 
 
 
 def server_environment(token: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) plus what the server needs: Spark's home,
-    this interpreter for Python on its executors, and the token."""
-    return {**(os.environ if base is None else base), "SPARK_HOME": str(spark_home()),
-            "PYSPARK_PYTHON": sys.executable,
+    """``base`` (default: this process's environment) plus what the server needs: a Spark
+    process's environment (:func:`ipcount.storage.spark.spark_env`) and the token."""
+    return {**(os.environ if base is None else base), **spark_env(),
             "SPARK_CONNECT_MODE": "0",  # the server, not a Connect client
             TOKEN_VARIABLE: token}
 

@@ -35,6 +35,12 @@ def spark_home() -> Path:
     return Path(pyspark.__file__).parent
 
 
+def spark_env() -> dict[str, str]:
+    """What a Spark process started from the pinned pyspark needs: its home, and this
+    interpreter for Python on the executors."""
+    return {"SPARK_HOME": str(spark_home()), "PYSPARK_PYTHON": sys.executable}
+
+
 def spark_jars(jars_dir: Path = SPARK_JARS_DIR) -> list[str]:
     """The Kafka connector and Delta jars, which pyspark's own jars do not include."""
     jars = sorted(str(p) for p in jars_dir.glob("*.jar"))
