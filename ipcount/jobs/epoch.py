@@ -34,6 +34,7 @@ from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_re
 from ipcount.rules.records import dead_letter_prefix_bytes
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
+from ipcount.storage.delta import one_epoch_of_tables
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.sink import Sink
 from ipcount.storage.spark import task_slots
@@ -119,6 +120,11 @@ class EpochRunner:
                 resumed: bool = False, started: float | None = None) -> EpochSummary:
         """Steps 2-4 of a recorded plan: read, sink, ledger commit. A re-run of the same
         plan changes nothing."""
+        with one_epoch_of_tables():
+            return self._execute(plan, earliest, latest, resumed, started)
+
+    def _execute(self, plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int], resumed: bool,
+                 started: float | None) -> EpochSummary:
         cfg = self.cfg
         started = time.monotonic() if started is None else started
         stages: dict[str, float] = {}
@@ -240,16 +246,17 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = Non
     """Run the scheduled chain's next epoch to its ledger commit (or finish its unfinished
     one). Returns None when there was nothing to read."""
     started = time.monotonic()
-    runner = EpochRunner.open(cfg, spark, run_id, crash)
-    earliest, latest = broker.partition_offsets(cfg)
-    plan, resumed = next_chain_epoch(runner, earliest, latest)
-    lost = aged_out(plan, earliest, latest) if plan is not None and resumed and cfg.on_data_loss == "skip" else ()
-    if lost:
-        runner.settle_aged_out(plan, lost)
+    with one_epoch_of_tables():
+        runner = EpochRunner.open(cfg, spark, run_id, crash)
+        earliest, latest = broker.partition_offsets(cfg)
         plan, resumed = next_chain_epoch(runner, earliest, latest)
-    if plan is None:
-        return None
-    return runner.execute(plan, earliest, latest, resumed=resumed, started=started)
+        lost = aged_out(plan, earliest, latest) if plan is not None and resumed and cfg.on_data_loss == "skip" else ()
+        if lost:
+            runner.settle_aged_out(plan, lost)
+            plan, resumed = next_chain_epoch(runner, earliest, latest)
+        if plan is None:
+            return None
+        return runner.execute(plan, earliest, latest, resumed=resumed, started=started)
 
 
 def aged_out(plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int]) -> tuple[OffsetRange, ...]:

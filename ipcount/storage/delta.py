@@ -16,9 +16,11 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from ipcount.rules.config import location_scheme
 from ipcount.rules.errors import CommitContention
@@ -92,16 +94,57 @@ def sql_timestamp(ms: int) -> str:
     return f"TIMESTAMP '{instant.isoformat(timespec='milliseconds')}'"
 
 
+# -- one log read per use, within an epoch --------------------------------------------------
+
+# The tables a `one_epoch_of_tables` scope has opened, by path (None outside a scope).
+_OPENED: ContextVar[dict[str, DeltaTable] | None] = ContextVar("ipcount_opened_tables", default=None)
+
+
+@contextmanager
+def one_epoch_of_tables() -> Iterator[None]:
+    """A scope (one epoch's run) in which each table is loaded from its log once and then
+    brought up to date for every later use (:func:`latest`): an epoch uses its four tables
+    some seventeen times, and a load replays the log from its last checkpoint where a
+    refresh reads only the commits made since. Every use still sees the table's latest
+    version, as a fresh load would. Nested scopes share the outer one's tables; a thread
+    started inside does not (it loads its own)."""
+    if _OPENED.get() is not None:
+        yield
+        return
+    token = _OPENED.set({})
+    try:
+        yield
+    finally:
+        _OPENED.reset(token)
+
+
+def latest(path: str) -> DeltaTable:
+    """The Delta table at ``path`` at its latest version (delta-rs's ``TableNotFoundError``
+    if there is none). Inside :func:`one_epoch_of_tables` the object is the scope's, and the
+    next ``latest(path)`` refreshes it: use it, then let it go."""
+    from deltalake import DeltaTable
+
+    opened = _OPENED.get()
+    table = opened.get(path) if opened is not None else None
+    if table is not None:
+        table.update_incremental()
+        return table
+    table = DeltaTable(path)
+    if opened is not None:
+        opened[path] = table
+    return table
+
+
 # -- reads with delta-rs -------------------------------------------------------------------
 
 def _open(path: str):
-    from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
-    if not has_table(path):
+    opened = _OPENED.get()
+    if (opened is None or path not in opened) and not has_table(path):
         return None
     try:
-        return DeltaTable(path)
+        return latest(path)
     except TableNotFoundError:
         return None
 
@@ -225,9 +268,7 @@ class DeltaReader:
 
 def table_metadata(path: str) -> tuple[str, dict[str, str]]:
     """(Delta table id, table properties) of the table at ``path``, from its log."""
-    from deltalake import DeltaTable as LogReader
-
-    metadata = LogReader(path).metadata()
+    metadata = latest(path).metadata()
     return metadata.id, dict(metadata.configuration)
 
 
@@ -235,9 +276,7 @@ def version_with_metadata(path: str, user_metadata: str, search: int = 50) -> in
     """The table version whose commit carries ``user_metadata`` (None if none of the last
     ``search`` commits does). From the log's commit infos, read with delta-rs: Spark's
     history() would be a query of its own."""
-    from deltalake import DeltaTable as LogReader
-
-    return next((h["version"] for h in LogReader(path).history(search)
+    return next((h["version"] for h in latest(path).history(search)
                  if h.get("userMetadata") == user_metadata), None)
 
 
@@ -288,8 +327,11 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
         try:
             # No retry: a retried creation is committed on top of the winner's, as a new
             # table (another id, and its metadata replacing the winner's).
-            DeltaTable.create(path, schema=schema, mode="error", configuration=properties or None,
-                              partition_by=partition_by, commit_properties=CommitProperties(max_commit_retries=0))
+            created = DeltaTable.create(path, schema=schema, mode="error", configuration=properties or None,
+                                        partition_by=partition_by,
+                                        commit_properties=CommitProperties(max_commit_retries=0))
+            if (opened := _OPENED.get()) is not None:
+                opened[path] = created
             return
         except (DeltaError, TableNotFoundError) as e:
             table = _open(path)
@@ -302,13 +344,13 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
         import pyarrow as pa
 
         log.info("adding columns %s to %s", ", ".join(f.name for f in missing), path)
-        retry_on_conflict(lambda: DeltaTable(path).alter.add_columns(Schema.from_arrow(pa.schema(missing)).fields),
+        retry_on_conflict(lambda: latest(path).alter.add_columns(Schema.from_arrow(pa.schema(missing)).fields),
                           f"adding columns to {path}")
     config = table.metadata().configuration
     stale = {k: v for k, v in properties.items() if config.get(k) != v}
     if stale:
         log.info("setting %s on %s", ", ".join(f"{k}={v}" for k, v in sorted(stale.items())), path)
-        retry_on_conflict(lambda: DeltaTable(path).alter.set_table_properties(stale, raise_if_not_exists=False),
+        retry_on_conflict(lambda: latest(path).alter.set_table_properties(stale, raise_if_not_exists=False),
                           f"setting table properties of {path}")
 
 
@@ -331,10 +373,10 @@ def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
     that version is known before the commit, ``markers(version)`` may name more transactions
     (app id -> version) to record in the same commit: facts the table then keeps about the
     write through checkpoints, where commit infos are not kept."""
-    from deltalake import CommitProperties, DeltaTable, Transaction
+    from deltalake import CommitProperties, Transaction
 
     for attempt in range(1, attempts + 1):
-        table = DeltaTable(path)
+        table = latest(path)
         done = table.transaction_version(app_id)
         if done is not None and done >= version:
             return None

@@ -28,8 +28,8 @@ from ipcount.rules.offsets import OffsetRange
 from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, METRICS, PLANNED, SCHEDULED, STATE_COLUMNS, EpochPlan,
                                   EpochSummary, LedgerState, PartitionMetrics, chain_positions, committed_summaries,
                                   is_scheduled, plan_from_rows, rows_by_epoch, state_of)
-from ipcount.storage.delta import (arrow_schema, query_table, read_rows, retry_on_conflict, rs_concurrent_errors,
-                                   rs_create_table, sql_literal)
+from ipcount.storage.delta import (arrow_schema, latest, query_table, read_rows, retry_on_conflict,
+                                   rs_concurrent_errors, rs_create_table, sql_literal)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -94,13 +94,13 @@ class Ledger:
         answer, and answered the retry "already exists") is no conflict: if the ledger holds
         exactly this plan, made at this plan's time, it is this planner's, and is kept.
         """
-        from deltalake import CommitProperties, DeltaTable, write_deltalake
+        from deltalake import CommitProperties, write_deltalake
 
         planned_at = (datetime.now(timezone.utc) if plan.planned_at_ms is None
                       else datetime.fromtimestamp(plan.planned_at_ms / 1000, timezone.utc))
         rows = (_uncommitted_rows(plan, LOST, plan.lost, planned_at, run_id)
                 + _uncommitted_rows(plan, PLANNED, plan.ranges, planned_at, run_id))
-        snapshot = DeltaTable(self.path)
+        snapshot = latest(self.path)
         overlaps = " OR ".join(
             f'(topic = {sql_literal(r.topic)} AND "partition" = {int(r.partition)} '
             f"AND from_offset < {int(r.until_offset)} AND {int(r.from_offset)} < until_offset)"
@@ -133,13 +133,11 @@ class Ledger:
         most, starting where its planned range does) becomes a ``lost`` row of the epoch,
         and its other planned rows go, so a new plan takes those offsets. The lost rows keep
         the epoch id taken: its transaction id may be in the sink tables' logs already."""
-        from deltalake import DeltaTable
-
         source = arrow_rows(_uncommitted_rows(plan, LOST, lost, datetime.now(timezone.utc), None))
         mine = f"t.epoch = {int(plan.epoch)} AND t.status = '{PLANNED}'"
 
         def merge() -> None:
-            (DeltaTable(self.path)
+            (latest(self.path)
              .merge(source, f'{mine} AND t.topic = s.topic AND t."partition" = s."partition"',
                     source_alias="s", target_alias="t")
              .when_matched_update({"status": f"'{LOST}'", "from_offset": "s.from_offset",
@@ -155,8 +153,6 @@ class Ledger:
         """Mark the epoch committed. Matches only ``planned`` rows, so a replay after a crash
         that happened after this commit changes nothing. ``metrics`` None: not known (the
         record counts stay empty)."""
-        from deltalake import DeltaTable
-
         now = datetime.now(timezone.utc)
         rows = []
         for r in plan.ranges:
@@ -173,7 +169,7 @@ class Ledger:
                     "run_id", "lag_after", "stage_seconds"]
 
         def merge() -> None:
-            (DeltaTable(self.path)
+            (latest(self.path)
              .merge(updates, 't.epoch = s.epoch AND t.topic = s.topic AND t."partition" = s."partition" '
                              f"AND t.status = '{PLANNED}'", source_alias="s", target_alias="t")
              .when_matched_update({c: f"s.{c}" for c in set_cols})
@@ -184,9 +180,7 @@ class Ledger:
     def _compact_if_due(self) -> None:
         """Fold the ledger's small files into one once enough pile up. Best effort: a
         concurrent commit that wins leaves it for the next time (compaction changes no row)."""
-        from deltalake import DeltaTable
-
-        table = DeltaTable(self.path)
+        table = latest(self.path)
         if len(table.file_uris()) <= COMPACT_AFTER_FILES:
             return
         try:

@@ -33,7 +33,7 @@ from ipcount.rules.errors import EpochFenced
 from ipcount.rules.finality import ChainCommit, finalized_below
 from ipcount.rules.publish import CHANGE_DATA_FEED
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
-from ipcount.storage.delta import (arrow_schema, query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
+from ipcount.storage.delta import (arrow_schema, latest, query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
                                    rs_create_table, sql_timestamp, version_with_metadata)
 
 if TYPE_CHECKING:
@@ -176,9 +176,7 @@ class Sink:
     def epoch_commit(self, epoch: int) -> EpochCommit | None:
         """What the counts table's transactions say of ``epoch``: None if it holds neither
         the epoch's counts commit nor a fence of it."""
-        from deltalake import DeltaTable
-
-        table = DeltaTable(self.cfg.counts_path)
+        table = latest(self.cfg.counts_path)
         if table.transaction_version(self.txn_app_id(epoch)) is None:
             return None
         if table.transaction_version(self._fact(epoch, FENCED)) is not None:
@@ -287,10 +285,8 @@ class Sink:
     def remove_epoch_rows(self, epoch: int) -> None:
         """Delete what ``epoch`` wrote to the dead-letter and late-record tables (their rows
         carry the epoch): for an epoch given up before its counts were written."""
-        from deltalake import DeltaTable
-
         for path in (self.cfg.dead_letter_path, self.cfg.late_path):
-            retry_on_conflict(lambda path=path: DeltaTable(path).delete(f"epoch = {int(epoch)}"),
+            retry_on_conflict(lambda path=path: latest(path).delete(f"epoch = {int(epoch)}"),
                               f"removing epoch {epoch} from {path}")
 
 

@@ -11,7 +11,7 @@ import time
 from ipcount.rules import tableset
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import TableSetMismatch
-from ipcount.storage.delta import has_table, rs_concurrent_errors, table_metadata
+from ipcount.storage.delta import has_table, latest, rs_concurrent_errors, table_metadata
 from ipcount.storage.sink import Sink
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,6 @@ def claim(cfg: PipelineConfig, rebuild_of: str | None = None, attempts: int = 10
     ``rebuild_of``: a rebuild claims its target as the rebuild of the ledger with this Delta
     table id, which only a fresh target, or one recording the same, accepts.
     """
-    from deltalake import DeltaTable
-
     where = tableset.locations(cfg)
     for attempt in range(1, attempts + 1):
         found = {name: table_metadata(path) for name, path in where.items()}
@@ -52,7 +50,7 @@ def claim(cfg: PipelineConfig, rebuild_of: str | None = None, attempts: int = 10
             for name in stale:
                 log.info("recording the table set's manifest on %s: %s", where[name],
                          ", ".join(f"{k[len(tableset.PREFIX):]}={v}" for k, v in sorted(wanted.items())))
-                DeltaTable(where[name]).alter.set_table_properties(wanted, raise_if_not_exists=False)
+                latest(where[name]).alter.set_table_properties(wanted, raise_if_not_exists=False)
         except rs_concurrent_errors() as e:
             log.info("manifest of %s: concurrent change (%s); reading it again (%d/%d)", cfg.counts_path,
                      type(e).__name__, attempt, attempts)
@@ -63,9 +61,7 @@ def claim(cfg: PipelineConfig, rebuild_of: str | None = None, attempts: int = 10
 def _holds_epochs(cfg: PipelineConfig, path: str) -> bool:
     """Whether the table at ``path`` holds epoch commits: data files, or the transaction of
     ``cfg``'s epoch 1 (which a later epoch 1 of this pipeline id would be skipped for)."""
-    from deltalake import DeltaTable
-
-    table = DeltaTable(path)
+    table = latest(path)
     return bool(table.file_uris()) or table.transaction_version(Sink(cfg).txn_app_id(1)) is not None
 
 
