@@ -264,13 +264,14 @@ def measure_cold(cfg: PipelineConfig, ending: dict[int, int], records: int, repe
 
 
 def measure_paths(cfg: PipelineConfig, per_epoch: int, warm_epochs: int, partitions: int, seed: int, logs: Path,
-                  workdir: Path) -> dict:
+                  workdir: Path, warmup: int = 0) -> dict:
     """The DAG's fixed costs on Spark Connect: the server's start; on a table set of their own,
     each a fresh ``ipcount epoch`` process as a DAG task on Connect runs it (Python's start, the
     imports, a remote session and the epoch: an upper bound of the task), a ``per_epoch``-record
     epoch after a first one, and an empty one; on another table set, the same in one process and
-    remote session, ``warm_epochs`` epochs after its first (the warm epoch's cost); the idle
-    check."""
+    remote session, ``warm_epochs`` epochs after its first and ``warmup`` more (the warm
+    epoch's cost on a server whose JIT has compiled the query path, as a long-lived server's
+    has: it goes on getting faster for some tens of epochs); the idle check."""
     from ipcount_lab.embedded_connect import EmbeddedSparkConnect
 
     topic = f"bench_{uuid.uuid4().hex[:8]}_paths"
@@ -279,7 +280,7 @@ def measure_paths(cfg: PipelineConfig, per_epoch: int, warm_epochs: int, partiti
     warm_cfg = paths_cfg.replace(topic=f"{topic}_warm", group_id=f"g_{topic}_warm", pipeline_id=f"p_{topic}_warm",
                                  warehouse=str(workdir / "paths_warm"))
     generate(paths_cfg, 2 * per_epoch, partitions, seed)
-    warm_records = (warm_epochs + 1) * per_epoch
+    warm_records = (warmup + warm_epochs + 1) * per_epoch
     generate(warm_cfg, warm_records, partitions, seed + 3)
     server = EmbeddedSparkConnect(state_dir=logs / "spark-connect", port=free_port(), master=cfg.spark_master)
     say(f"  starting the Spark Connect server (log {server.log_file})")
@@ -297,17 +298,19 @@ def measure_paths(cfg: PipelineConfig, per_epoch: int, warm_epochs: int, partiti
             out[name] = {"wall_seconds": round(wall, 3), "work_seconds": round(summary.seconds, 3),
                          "stages": {k: round(v, 3) for k, v in summary.stage_seconds.items()}}
         out["totals"] = read_back(paths_cfg, fresh, 2 * per_epoch)
-        say(f"  {warm_epochs + 2} epochs in one process (ipcount epoch --epochs {warm_epochs + 2})")
-        wall, _, summaries = _epoch_process(warm_cfg.replace(**server.settings()), logs, "paths-warm", warm_epochs + 2)
+        epochs = warmup + warm_epochs + 2
+        say(f"  {epochs} epochs in one process (ipcount epoch --epochs {epochs}), the last {warm_epochs} timed")
+        wall, _, summaries = _epoch_process(warm_cfg.replace(**server.settings()), logs, "paths-warm", epochs)
     finally:
         server.stop()
-    if [s.epoch for s in summaries] != [*range(1, warm_epochs + 2), None]:
+    if [s.epoch for s in summaries] != [*range(1, warmup + warm_epochs + 2), None]:
         raise RuntimeError(f"paths: the warm process ran epochs {[s.epoch for s in summaries]}, not 1 to "
-                           f"{warm_epochs + 1} and an empty one")
-    warm = summaries[1:-1]
+                           f"{warmup + warm_epochs + 1} and an empty one")
+    warming, warm = summaries[1:1 + warmup], summaries[1 + warmup:-1]
     stages = dict.fromkeys(name for s in warm for name in s.stage_seconds)  # (in the epoch's order)
-    out["warm"] = {"epochs": warm_epochs, "wall_seconds": round(wall, 3),
+    out["warm"] = {"epochs": warm_epochs, "warmup_epochs": warmup, "wall_seconds": round(wall, 3),
                    "first_epoch_seconds": round(summaries[0].seconds, 3),
+                   "warmup": bench_stats.spread(s.seconds for s in warming) if warming else None,
                    "seconds": [round(s.seconds, 3) for s in warm],
                    "epoch": bench_stats.spread(s.seconds for s in warm),
                    "stages": {name: bench_stats.spread(s.stage_seconds.get(name, 0.0) for s in warm)["median"]
@@ -500,6 +503,13 @@ def _range(sp: dict, unit: str = "") -> str:
     return f"{sp['median']:.2f}{unit} [{sp['min']:.2f}-{sp['max']:.2f}]"
 
 
+def _warmup(warm: dict) -> str:
+    """How the timed epochs' server was warmed, for the report's line."""
+    if not warm.get("warmup_epochs"):
+        return "no warm-up epochs"
+    return f"{warm['warmup_epochs']} warm-up epochs, {_range(warm['warmup'], ' s')}"
+
+
 def render(report: dict) -> str:
     """The report as the table bin/benchmark prints."""
     lines = []
@@ -555,8 +565,8 @@ def render(report: dict) -> str:
                   f"{paths['idle_check']['wall_seconds']:.2f} s",
                   f"  warm, one process and remote session: a {paths['records_per_epoch']:,}-record epoch "
                   f"{_range(warm['epoch'], ' s')} ({warm['epochs']} epochs after its first, "
-                  f"{warm['first_epoch_seconds']:.2f} s), an empty epoch {warm['empty_epoch_seconds']:.2f} s; "
-                  f"stages (median s) {stages}"]
+                  f"{warm['first_epoch_seconds']:.2f} s, and {_warmup(warm)}), an empty epoch "
+                  f"{warm['empty_epoch_seconds']:.2f} s; stages (median s) {stages}"]
     prof = report.get("profile")
     if prof:
         per = 1e6 / prof["records"]
@@ -608,6 +618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--epoch-records", type=int, default=2000, help="records per small epoch (default 2000)")
     p.add_argument("--paths-epochs", type=int, default=10,
                    help="paths: warm epochs of --epoch-records in one process after its first (default 10, at least 5)")
+    p.add_argument("--paths-warmup", type=int, default=40,
+                   help="paths: epochs the Connect server runs before those, untimed, for its JIT (default 40)")
     p.add_argument("--cold-repeats", type=int, default=3,
                    help="cold: runs of each contender; profile: runs per figure (default 3)")
     p.add_argument("--history-epochs", type=int, default=1000,
@@ -624,7 +636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     for flag, value, least in (("--records", args.records, 1), ("--rounds", args.rounds, 2),
                                ("--epochs", args.epochs, 1), ("--small-epochs", args.small_epochs, 2),
-                               ("--paths-epochs", args.paths_epochs, 5), ("--cold-repeats", args.cold_repeats, 1),
+                               ("--paths-epochs", args.paths_epochs, 5), ("--paths-warmup", args.paths_warmup, 0),
+                               ("--cold-repeats", args.cold_repeats, 1),
                                ("--growth-epochs", args.growth_epochs, 2), ("--history-epochs", args.history_epochs, 2),
                                ("--growth-ips", args.growth_ips, 1)):
         if value < least:
@@ -684,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "paths" in only:
             say("measuring paths: the Spark Connect server, epochs on it and the DAG's idle check")
             report["paths"] = measure_paths(cfg, args.epoch_records, args.paths_epochs, args.partitions, args.seed,
-                                            logs, workdir)
+                                            logs, workdir, warmup=args.paths_warmup)
         if "kafka_python" in only:
             say(f"measuring kafka_python, {args.cold_repeats} time(s)")
             seconds = [measure_job(cfg, "kafka_python", args.records, logs, workdir / "kafka_python", ending,

@@ -15,6 +15,7 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "ipcount_lab.benchmark", "--records", "3000", "--rounds", "2",
                            "--epochs", "2", "--small-epochs", "2", "--epoch-records", "150", "--paths-epochs", "5",
+                           "--paths-warmup", "2",
                            "--cold-repeats", "1",
                            "--growth-epochs", "12", "--growth-ips", "20", "--history-epochs", "3",
                            "--history-records", "120",
@@ -72,13 +73,14 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     totals = paths["totals"]
     assert totals["records"] == 300 == totals["counted"] + totals["late"] + totals["malformed"]
     assert totals["counted"] > 0
-    warm_paths = paths["warm"]  # 5 epochs in one process after its first, then an empty one
+    warm_paths = paths["warm"]  # after its first, 2 untimed epochs, 5 timed, then an empty one
     assert warm_paths["epochs"] == 5 == warm_paths["epoch"]["n"] == len(warm_paths["seconds"])
+    assert warm_paths["warmup_epochs"] == 2 == warm_paths["warmup"]["n"]
     assert all(s > 0 for s in warm_paths["seconds"]) and warm_paths["epoch"]["median"] > 0
     assert warm_paths["first_epoch_seconds"] > 0 and warm_paths["wall_seconds"] > sum(warm_paths["seconds"])
     assert {"plan", "read", "merge", "ledger", "kafka_commit"} <= set(warm_paths["stages"])
     totals = warm_paths["totals"]
-    assert totals["records"] == 6 * 150 == totals["counted"] + totals["late"] + totals["malformed"]
+    assert totals["records"] == 8 * 150 == totals["counted"] + totals["late"] + totals["malformed"]
     assert totals["counted"] > 0
     profile = report["profile"]
     assert profile["records"] == 3000
