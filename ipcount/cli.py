@@ -73,7 +73,10 @@ def positive_int(text: str) -> int:
 
 def load_config(args: argparse.Namespace) -> PipelineConfig:
     """The settings, from the command's flags where it has them (a command without the
-    settings flags reads the file and IPCOUNT_* variables only)."""
+    settings flags reads the file and IPCOUNT_* variables only; one that reads no setting
+    gets the defaults)."""
+    if COMMAND_SETTINGS.get(args.command) == ():
+        return PipelineConfig()
     overrides = {f.name: getattr(args, f.name, None) for f in fields(PipelineConfig)}
     return PipelineConfig.load(config_file=getattr(args, "config", None), **overrides)
 

@@ -450,6 +450,9 @@ COMMAND_SETTINGS = {
     "scram-user": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),
     "consumer-groups": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),
     "generate": ("pipeline_id", "topic", *KAFKA_CLIENT_SETTINGS),
+    # Spark's server with the epochs' own Spark settings, which are no pipeline settings:
+    # it reads no file or IPCOUNT_* variable, so none meant for the pipeline can stop it.
+    "connect-server": (),
 }
 
 

@@ -137,7 +137,8 @@ def test_a_command_takes_only_the_settings_flags_it_reads(command, capsys):
     from ipcount_lab.cli import COMMANDS as LAB_COMMANDS
 
     parser = build_parser(LAB_COMMANDS if command in LAB_COMMANDS else None)
-    extra = {"scram-user": ["--username", "u", "--password-file", "f"]}.get(command, [])
+    extra = {"scram-user": ["--username", "u", "--password-file", "f"],
+             "connect-server": ["--token-file", "f"]}.get(command, [])
     cfg = PipelineConfig(topic="t", warehouse="/w", window_seconds=30, publish=True)
     args = parser.parse_args([command, *extra, *cfg.to_args(COMMAND_SETTINGS[command])])
     own = load_config(args)
@@ -147,6 +148,15 @@ def test_a_command_takes_only_the_settings_flags_it_reads(command, capsys):
     with pytest.raises(SystemExit) as e:
         parser.parse_args([command, *extra, f"--{ignored.replace('_', '-')}=5"])
     assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_command_that_reads_no_setting_is_not_stopped_by_a_bad_one(monkeypatch):
+    """The Connect server's container may share an environment with the pipeline's tasks."""
+    monkeypatch.setenv("IPCOUNT_WINDOW_SECONDS", "-1")
+    parser = build_parser()
+    assert load_config(parser.parse_args(["connect-server", "--token-file", "f"])) == PipelineConfig()
+    with pytest.raises(ConfigError, match="window_seconds must be an integer >= 1; found -1"):
+        load_config(parser.parse_args(["watch"]))
 
 
 def test_the_commands_that_hand_settings_on_take_them_all():
