@@ -95,7 +95,7 @@ from ipcount.rules.publish import LIVE
 from ipcount.rules.requests import parse_offsets
 from ipcount.storage import broker
 from ipcount.storage.delta import read_rows
-from ipcount_lab.chaos_state import DELETED_FILE, REBUILD, RETENTION, STATE_FILE, RunState, round_rng
+from ipcount_lab.chaos_state import DELETED_FILE, REBUILD, RETENTION, SCENARIOS, STATE_FILE, RunState, round_rng
 from ipcount_lab.embedded_airflow import airflow_env
 from ipcount_lab.embedded_connect import EmbeddedSparkConnect
 from ipcount_lab.embedded_kafka import EmbeddedKafka
@@ -105,7 +105,6 @@ from ipcount_lab.service import free_port, proc_stat
 
 log = logging.getLogger(__name__)
 
-SCENARIOS = ("chain", "race", "backfill", "dag", "broker", "retention", "rebuild", "answers", "connect")
 REPLAY_TARGET = "replay"  # what the rebuild scenario rebuilds the run's tables into
 LOSE_EVERY = 3  # in answers rounds, the store's answer to every third commit it takes is lost
 AIRFLOW = Path(sys.executable).parent / "airflow"

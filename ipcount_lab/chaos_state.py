@@ -19,6 +19,8 @@ from ipcount.rules.errors import ConfigError
 
 STATE_FORMAT = 1
 RETENTION, REBUILD = "retention", "rebuild"
+# Every scenario a run takes turns with (ipcount_lab.chaos runs them).
+SCENARIOS = ("chain", "race", "backfill", "dag", "broker", RETENTION, REBUILD, "answers", "connect")
 STATE_FILE = "state.json"
 DELETED_FILE = "deleted-records.jsonl"
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from ipcount.cli import Command, add_config_flags, main as run_command, positive_int, positive_rate
 from ipcount.rules.config import COMMAND_SETTINGS, STATE_DIR, PipelineConfig, env_name
 from ipcount.rules.errors import EXIT_FAILED, EXIT_OK, BadRequestError, ConfigError
+from ipcount_lab.chaos_state import SCENARIOS
 
 log = logging.getLogger("ipcount_lab")
 
@@ -81,7 +82,7 @@ def _chaos_arguments(sub) -> None:
     p.add_argument("--max-minutes", type=positive_int, default=60,
                    help="stop killing after this, in this sitting (default 60)")
     p.add_argument("--scenarios", default=None,
-                   help=f"which to take turns with, comma-separated (default all: {','.join(_chaos_scenarios())}; "
+                   help=f"which to take turns with, comma-separated (default all: {','.join(SCENARIOS)}; "
                         "broker only when the embedded broker serves bootstrap_servers)")
     p.add_argument("--broker-state-dir", default=str(STATE_DIR / "kafka"),
                    help="the embedded broker the broker scenario restarts (default .local/kafka, bin/run's)")
@@ -97,12 +98,6 @@ def _chaos_arguments(sub) -> None:
     add_config_flags(p)
 
 
-def _chaos_scenarios() -> tuple[str, ...]:
-    from ipcount_lab.chaos import SCENARIOS
-
-    return SCENARIOS
-
-
 def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount_lab.chaos import embedded_broker, report_json, restartable, run_chaos
 
@@ -115,7 +110,7 @@ def _chaos(args: argparse.Namespace, cfg: PipelineConfig) -> int:
             raise BadRequestError(f"{', '.join(fixed)}: a resumed run keeps its own; leave them out")
         scenarios = ()  # the run's own
     elif args.scenarios is None:
-        scenarios = _chaos_scenarios()
+        scenarios = SCENARIOS
         if not restartable(kafka, cfg.bootstrap_servers):
             log.warning("chaos: no broker restarts: no embedded broker from %s serves %s", args.broker_state_dir,
                         cfg.bootstrap_servers)
