@@ -302,10 +302,10 @@ def rs_concurrent_errors() -> tuple[type[BaseException], ...]:
     return (CommitFailedError,)
 
 
-# A checkpoint every 10 commits, not delta-rs's default 100: each open of a table replays
-# the commits since its last checkpoint, and an epoch opens each of its tables a few times.
-# With 100, an epoch's fixed cost grew through every hundred commits and fell back at the
-# checkpoint (docs/performance.md).
+# A checkpoint every 10 commits, not delta-rs's default 100: each load of a table replays
+# the commits since its last checkpoint, and every epoch (every process) loads each of its
+# tables. With 100, an epoch's fixed cost grew through every hundred commits and fell back
+# at the checkpoint (docs/performance.md).
 CHECKPOINT_EVERY = {"delta.checkpointInterval": "10"}
 
 
