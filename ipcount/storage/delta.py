@@ -96,8 +96,11 @@ def sql_timestamp(ms: int) -> str:
 
 # -- one log read per use, within an epoch --------------------------------------------------
 
-# The tables a `one_epoch_of_tables` scope has opened, by path (None outside a scope).
-_OPENED: ContextVar[dict[str, DeltaTable] | None] = ContextVar("ipcount_opened_tables", default=None)
+# The tables a `one_epoch_of_tables` scope has opened, by thread and path (None outside a
+# scope). By thread too: a task run with the scope's context (asyncio.to_thread) must not
+# refresh an object another thread holds between its check and its commit.
+_OPENED: ContextVar[dict[tuple[int, str], DeltaTable] | None] = ContextVar("ipcount_opened_tables",
+                                                                            default=None)
 
 
 @contextmanager
@@ -106,8 +109,10 @@ def one_epoch_of_tables() -> Iterator[None]:
     brought up to date for every later use (:func:`latest`): an epoch uses its four tables
     some seventeen times, and a load replays the log from its last checkpoint where a
     refresh reads only the commits made since. Every use still sees the table's latest
-    version, as a fresh load would. Nested scopes share the outer one's tables; a thread
-    started inside does not (it loads its own)."""
+    version, as a fresh load would. Nested scopes share the outer one's tables; other
+    threads load their own. A table deleted in the scope is seen as gone; one deleted and
+    created again at the same path within it is not told apart (replace tables only with
+    the pipeline paused, as docs/operations.md says)."""
     if _OPENED.get() is not None:
         yield
         return
@@ -124,15 +129,23 @@ def latest(path: str) -> DeltaTable:
     next ``latest(path)`` refreshes it: use it, then let it go."""
     from deltalake import DeltaTable
 
-    opened = _OPENED.get()
-    table = opened.get(path) if opened is not None else None
+    opened, key = _OPENED.get(), (threading.get_ident(), path)
+    table = opened.get(key) if opened is not None else None
     if table is not None:
         table.update_incremental()
         return table
     table = DeltaTable(path)
     if opened is not None:
-        opened[path] = table
+        opened[key] = table
     return table
+
+
+def _forget(path: str, table: DeltaTable | None = None) -> None:
+    """Drop this thread's object of ``path`` from the scope, or make it ``table``."""
+    if (opened := _OPENED.get()) is not None:
+        opened.pop((threading.get_ident(), path), None)
+        if table is not None:
+            opened[(threading.get_ident(), path)] = table
 
 
 # -- reads with delta-rs -------------------------------------------------------------------
@@ -140,8 +153,8 @@ def latest(path: str) -> DeltaTable:
 def _open(path: str):
     from deltalake.exceptions import TableNotFoundError
 
-    opened = _OPENED.get()
-    if (opened is None or path not in opened) and not has_table(path):
+    if not has_table(path):  # (a look at a directory, or a listing on object storage)
+        _forget(path)
         return None
     try:
         return latest(path)
@@ -330,8 +343,7 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
             created = DeltaTable.create(path, schema=schema, mode="error", configuration=properties or None,
                                         partition_by=partition_by,
                                         commit_properties=CommitProperties(max_commit_retries=0))
-            if (opened := _OPENED.get()) is not None:
-                opened[path] = created
+            _forget(path, created)
             return
         except (DeltaError, TableNotFoundError) as e:
             table = _open(path)

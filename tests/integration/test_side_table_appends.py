@@ -168,3 +168,25 @@ def test_in_one_epoch_s_scope_a_table_is_loaded_once_and_another_writer_s_commit
     read_rows(path)
     read_rows(path)
     assert loads == [path] * 3  # outside a scope each use loads the table
+
+
+def test_in_one_epoch_s_scope_a_deleted_table_is_gone_and_threads_load_their_own(tmp_path):
+    import shutil
+    import threading
+
+    from ipcount.storage.delta import latest, one_epoch_of_tables
+
+    path = str(tmp_path / "late_records")
+    with one_epoch_of_tables():
+        rs_create_table(path, SCHEMA)
+        rs_append_once(path, rows(1), "p/epoch-1", 1, "epoch=1")
+        mine = latest(path)
+        theirs: list = []
+        worker = threading.Thread(target=lambda: theirs.append(latest(path)))
+        worker.start()
+        worker.join()
+        assert theirs[0] is not mine and theirs[0].version() == mine.version() == 1
+        shutil.rmtree(path)
+        assert read_rows(path) == []
+        rs_create_table(path, SCHEMA)             # a new table, not the scope's old object
+        assert latest(path).version() == 0 and read_rows(path) == []
