@@ -271,7 +271,8 @@ def measure_paths(cfg: PipelineConfig, per_epoch: int, warm_epochs: int, partiti
     epoch after a first one, and an empty one; on another table set, the same in one process and
     remote session, ``warm_epochs`` epochs after its first and ``warmup`` more (the warm
     epoch's cost on a server whose JIT has compiled the query path, as a long-lived server's
-    has: it goes on getting faster for some tens of epochs); the idle check."""
+    has: it goes on getting faster for some tens of epochs); the same epochs in an in-process
+    session (the path without Connect), with the server stopped; the idle check."""
     from ipcount_lab.embedded_connect import EmbeddedSparkConnect
 
     topic = f"bench_{uuid.uuid4().hex[:8]}_paths"
@@ -300,23 +301,14 @@ def measure_paths(cfg: PipelineConfig, per_epoch: int, warm_epochs: int, partiti
         out["totals"] = read_back(paths_cfg, fresh, 2 * per_epoch)
         epochs = warmup + warm_epochs + 2
         say(f"  {epochs} epochs in one process (ipcount epoch --epochs {epochs}), the last {warm_epochs} timed")
-        wall, _, summaries = _epoch_process(warm_cfg.replace(**server.settings()), logs, "paths-warm", epochs)
+        out["warm"] = _warm_series(warm_cfg.replace(**server.settings()), logs, "paths-warm", warmup, warm_epochs,
+                                   warm_records)
     finally:
         server.stop()
-    if [s.epoch for s in summaries] != [*range(1, warmup + warm_epochs + 2), None]:
-        raise RuntimeError(f"paths: the warm process ran epochs {[s.epoch for s in summaries]}, not 1 to "
-                           f"{warmup + warm_epochs + 1} and an empty one")
-    warming, warm = summaries[1:1 + warmup], summaries[1 + warmup:-1]
-    stages = dict.fromkeys(name for s in warm for name in s.stage_seconds)  # (in the epoch's order)
-    out["warm"] = {"epochs": warm_epochs, "warmup_epochs": warmup, "wall_seconds": round(wall, 3),
-                   "first_epoch_seconds": round(summaries[0].seconds, 3),
-                   "warmup": bench_stats.spread(s.seconds for s in warming) if warming else None,
-                   "seconds": [round(s.seconds, 3) for s in warm],
-                   "epoch": bench_stats.spread(s.seconds for s in warm),
-                   "stages": {name: bench_stats.spread(s.stage_seconds.get(name, 0.0) for s in warm)["median"]
-                              for name in stages},
-                   "empty_epoch_seconds": round(summaries[-1].seconds, 3),
-                   "totals": read_back(warm_cfg, summaries, warm_records)}
+    say(f"  the same {epochs} epochs in an in-process session")
+    in_process = warm_cfg.replace(group_id=f"g_{topic}_in_process", pipeline_id=f"p_{topic}_in_process",
+                                  warehouse=str(workdir / "paths_in_process"))
+    out["warm_in_process"] = _warm_series(in_process, logs, "paths-in-process", warmup, warm_epochs, warm_records)
     command = [sys.executable, BENCH_APPLICATION, "idle_check", "--bootstrap-servers", cfg.bootstrap_servers,
                "--topic", topic, "--ending", "{}", "--workdir", paths_cfg.warehouse]
     wall, _, text = run_process(command, logs / "idle_check.log")
@@ -326,6 +318,27 @@ def measure_paths(cfg: PipelineConfig, per_epoch: int, warm_epochs: int, partiti
     out["idle_check"] = {"wall_seconds": round(wall, 3), "work_seconds": round(result["seconds"], 3)}
     out["records_per_epoch"] = per_epoch
     return out
+
+
+def _warm_series(cfg: PipelineConfig, logs: Path, name: str, warmup: int, warm_epochs: int, records: int) -> dict:
+    """``warmup + warm_epochs + 2`` epochs in one ``ipcount epoch`` process: the first, the
+    untimed warm-up ones, the timed ones and an empty one; their figures, the table set's
+    totals read back."""
+    wall, _, summaries = _epoch_process(cfg, logs, name, warmup + warm_epochs + 2)
+    if [s.epoch for s in summaries] != [*range(1, warmup + warm_epochs + 2), None]:
+        raise RuntimeError(f"paths: {name} ran epochs {[s.epoch for s in summaries]}, not 1 to "
+                           f"{warmup + warm_epochs + 1} and an empty one")
+    warming, warm = summaries[1:1 + warmup], summaries[1 + warmup:-1]
+    stages = dict.fromkeys(name for s in warm for name in s.stage_seconds)  # (in the epoch's order)
+    return {"epochs": warm_epochs, "warmup_epochs": warmup, "wall_seconds": round(wall, 3),
+            "first_epoch_seconds": round(summaries[0].seconds, 3),
+            "warmup": bench_stats.spread(s.seconds for s in warming) if warming else None,
+            "seconds": [round(s.seconds, 3) for s in warm],
+            "epoch": bench_stats.spread(s.seconds for s in warm),
+            "stages": {name: bench_stats.spread(s.stage_seconds.get(name, 0.0) for s in warm)["median"]
+                       for name in stages},
+            "empty_epoch_seconds": round(summaries[-1].seconds, 3),
+            "totals": read_back(cfg, summaries, records)}
 
 
 def _epoch_process(cfg: PipelineConfig, logs: Path, name: str, epochs: int
@@ -567,6 +580,10 @@ def render(report: dict) -> str:
                   f"{_range(warm['epoch'], ' s')} ({warm['epochs']} epochs after its first, "
                   f"{warm['first_epoch_seconds']:.2f} s, and {_warmup(warm)}), an empty epoch "
                   f"{warm['empty_epoch_seconds']:.2f} s; stages (median s) {stages}"]
+        if paths.get("warm_in_process"):
+            alone = paths["warm_in_process"]
+            lines.append(f"  the same epochs in an in-process session (no Connect): {_range(alone['epoch'], ' s')}; "
+                         f"Connect / in-process {warm['epoch']['median'] / alone['epoch']['median']:.2f}")
     prof = report.get("profile")
     if prof:
         per = 1e6 / prof["records"]

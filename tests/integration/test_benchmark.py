@@ -82,6 +82,9 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     totals = warm_paths["totals"]
     assert totals["records"] == 8 * 150 == totals["counted"] + totals["late"] + totals["malformed"]
     assert totals["counted"] > 0
+    in_process = paths["warm_in_process"]  # the same epochs in an in-process session, its own tables
+    assert in_process["epoch"]["n"] == 5 and in_process["warmup"]["n"] == 2
+    assert in_process["totals"] == totals
     profile = report["profile"]
     assert profile["records"] == 3000
     assert list(profile["path"]) == ["scan", "parse", "parse_new_plan_time", "classify", "tally", "read_stage"]

@@ -61,7 +61,8 @@ def test_the_report_prints_warm_cold_paths_and_the_drain():
                         "empty_epoch": {"wall_seconds": 0.1}, "idle_check": {"wall_seconds": 1.2},
                         "warm": {"epochs": 5, "first_epoch_seconds": 2.5, "epoch": spread([0.5, 0.4, 0.6, 0.5, 0.7]),
                                  "warmup_epochs": 3, "warmup": spread([0.9, 0.8, 1.0]),
-                                 "stages": {"read": 0.3, "merge": 0.1}, "empty_epoch_seconds": 0.05}},
+                                 "stages": {"read": 0.3, "merge": 0.1}, "empty_epoch_seconds": 0.05},
+                        "warm_in_process": {"epoch": spread([0.6, 0.7, 0.8])}},
               "kafka_python": {"seconds": spread([3.0, 4.0, 5.0])}}
     text = render(report)
     warm_line, cold_line = (line.split() for line in text.splitlines() if line.startswith("pipeline "))
@@ -74,6 +75,8 @@ def test_the_report_prints_warm_cold_paths_and_the_drain():
     assert "a 2,000-record epoch 4.00 s" in text and "idle check (no JVM) 1.20 s" in text
     assert ("warm, one process and remote session: a 2,000-record epoch 0.50 s [0.40-0.70] (5 epochs after its "
             "first, 2.50 s, and 3 warm-up epochs, 0.90 s [0.80-1.00]), an empty epoch 0.05 s; stages (median s) read 0.300 merge 0.100") in text
+    assert ("  the same epochs in an in-process session (no Connect): 0.70 s [0.60-0.80]; Connect / in-process 0.71"
+            in text)
     assert "kafka_python: a plain consumer draining the range: 4.00 s [3.00-5.00]" in text
 
 
