@@ -329,14 +329,14 @@ def _warm_series(cfg: PipelineConfig, logs: Path, name: str, warmup: int, warm_e
         raise RuntimeError(f"paths: {name} ran epochs {[s.epoch for s in summaries]}, not 1 to "
                            f"{warmup + warm_epochs + 1} and an empty one")
     warming, warm = summaries[1:1 + warmup], summaries[1 + warmup:-1]
-    stages = dict.fromkeys(name for s in warm for name in s.stage_seconds)  # (in the epoch's order)
+    stages = dict.fromkeys(stage for s in warm for stage in s.stage_seconds)  # (in the epoch's order)
     return {"epochs": warm_epochs, "warmup_epochs": warmup, "wall_seconds": round(wall, 3),
             "first_epoch_seconds": round(summaries[0].seconds, 3),
             "warmup": bench_stats.spread(s.seconds for s in warming) if warming else None,
             "seconds": [round(s.seconds, 3) for s in warm],
             "epoch": bench_stats.spread(s.seconds for s in warm),
-            "stages": {name: bench_stats.spread(s.stage_seconds.get(name, 0.0) for s in warm)["median"]
-                       for name in stages},
+            "stages": {stage: bench_stats.spread(s.stage_seconds.get(stage, 0.0) for s in warm)["median"]
+                       for stage in stages},
             "empty_epoch_seconds": round(summaries[-1].seconds, 3),
             "totals": read_back(cfg, summaries, records)}
 

@@ -68,6 +68,22 @@ def cfg(broker, tmp_path) -> PipelineConfig:
     return config
 
 
+@pytest.fixture
+def table_loads(monkeypatch) -> list[str]:
+    """The path of every Delta table load (``deltalake.DeltaTable(path)``) from here on."""
+    import deltalake
+
+    loads: list[str] = []
+
+    class CountedLoads(deltalake.DeltaTable):
+        def __init__(self, table_uri, *args, **kwargs):
+            loads.append(str(table_uri))
+            super().__init__(table_uri, *args, **kwargs)
+
+    monkeypatch.setattr(deltalake, "DeltaTable", CountedLoads)
+    return loads
+
+
 @pytest.fixture(scope="session")
 def object_store(tmp_path_factory):
     """The run's S3-compatible server (s3proxy), with a bucket for the tests' warehouses."""

@@ -96,25 +96,16 @@ def test_group_offsets_follow_the_ledger_and_are_never_read_back(cfg, spark):
     assert {r.partition: r.from_offset for r in s.plan.ranges} == ends
 
 
-def test_an_epoch_loads_each_of_its_tables_from_the_log_once(cfg, spark, monkeypatch):
+def test_an_epoch_loads_each_of_its_tables_from_the_log_once(cfg, spark, table_loads):
     """Each use after the first only reads the commits made since (``one_epoch_of_tables``):
     an epoch used to load its four tables seventeen times."""
-    import deltalake
-
-    loads: list[str] = []
-
-    class CountedLoads(deltalake.DeltaTable):
-        def __init__(self, table_uri, *args, **kwargs):
-            loads.append(str(table_uri))
-            super().__init__(table_uri, *args, **kwargs)
-
     cfg = cfg.replace(max_records_per_epoch=150)
     produced = produce_dataset(cfg, n=300)
-    monkeypatch.setattr(deltalake, "DeltaTable", CountedLoads)
     for _ in range(2):  # the first epoch creates the tables, the second finds them
-        loads.clear()
+        table_loads.clear()
         summary = epoch_mod.run_epoch(cfg, spark)
-        assert sorted(loads) == sorted([cfg.ledger_path, cfg.counts_path, cfg.dead_letter_path, cfg.late_path])
+        assert sorted(table_loads) == sorted([cfg.ledger_path, cfg.counts_path, cfg.dead_letter_path,
+                                             cfg.late_path])
     assert summary.epoch == 2
     expected = expected_tables(produced, epoch_ranges(cfg))
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead

@@ -136,23 +136,13 @@ def test_a_row_without_its_hour_in_a_partitioned_counts_table_is_merged_into_not
     assert got == [("1.2.3.4", 5, 1, 2), ("5.6.7.8", 1, 2, 2)]
 
 
-def test_in_one_epoch_s_scope_a_table_is_loaded_once_and_another_writer_s_commit_is_seen(tmp_path, monkeypatch):
+def test_in_one_epoch_s_scope_a_table_is_loaded_once_and_another_writer_s_commit_is_seen(tmp_path, table_loads):
     """Inside ``one_epoch_of_tables`` a table is loaded from its log once, and every later use
     is brought up to date: a commit another process made in between is seen (a stale
     snapshot would append that epoch a second time)."""
-    import deltalake
-
     from ipcount.storage.delta import latest, one_epoch_of_tables, table_metadata
 
     path = str(tmp_path / "late_records")
-    loads: list[str] = []
-
-    class CountedLoads(deltalake.DeltaTable):
-        def __init__(self, table_uri, *args, **kwargs):
-            loads.append(str(table_uri))
-            super().__init__(table_uri, *args, **kwargs)
-
-    monkeypatch.setattr(deltalake, "DeltaTable", CountedLoads)
     with one_epoch_of_tables():
         rs_create_table(path, SCHEMA)
         assert rs_append_once(path, rows(1), "p/epoch-1", 1, "epoch=1") == 1
@@ -164,10 +154,10 @@ def test_in_one_epoch_s_scope_a_table_is_loaded_once_and_another_writer_s_commit
         assert version_with_metadata(path, "epoch=2") == 2
         assert sorted((r["epoch"], r["offset"]) for r in read_rows(path)) == [(1, 0), (1, 1), (1, 2),
                                                                               (2, 0), (2, 1), (2, 2)]
-    assert loads == [path]
+    assert table_loads == [path]
     read_rows(path)
     read_rows(path)
-    assert loads == [path] * 3  # outside a scope each use loads the table
+    assert table_loads == [path] * 3  # outside a scope each use loads the table
 
 
 def test_in_one_epoch_s_scope_a_deleted_table_is_gone_and_threads_load_their_own(tmp_path):
