@@ -3,14 +3,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from airflow.providers.apache.spark.operators.spark_pyspark import PySparkOperator
+from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.providers.standard.operators.python import PythonOperator
 
 from ipcount.orchestration.dags import command_args, spark_submit_kwargs
 from ipcount.orchestration.kafka_connection import kafka_args, resolved
 from ipcount.orchestration.monitor.links import EpochPageLink
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
+from ipcount.storage.spark import connect_session
 
 
 class EpochSubmitOperator(SparkSubmitOperator):
@@ -41,24 +43,42 @@ class EpochSubmitOperator(SparkSubmitOperator):
                 self.application_args = own
 
 
-class EpochConnectOperator(PySparkOperator):
-    """``ipcount <command>`` in this task's own process, on a Spark Connect session of the
-    ``spark_connect`` connection ``conn_id`` (the provider's operator makes the session from
-    it and stops it at the end): planning and every Delta commit happen here, the Kafka read
-    and the aggregation on the server. A task that dies takes its epoch with it: nothing of
-    it runs on elsewhere. ``python_callable`` runs the command
-    (:func:`ipcount.cli.run_in_session`, handed over by the DAG file: the CLI sits above this
-    layer); ``command_args`` are templated."""
+class EpochConnectOperator(PythonOperator):
+    """``ipcount <command>`` in this task's own process, on the pipeline's session
+    (:func:`ipcount.storage.spark.connect_session`) of the Spark Connect server of the
+    ``spark_connect`` connection ``conn_id`` (its URL from the Spark provider's hook):
+    planning and every Delta commit happen here, the Kafka read and the aggregation on the
+    server. The session stays open for the pipeline's next tasks (the provider's
+    PySparkOperator would stop it, and with it the session another task is using). A task
+    that dies takes its epoch with it: nothing of it runs on elsewhere. ``python_callable``
+    runs the command (:func:`ipcount.cli.run_in_session`, handed over by the DAG file: the
+    CLI sits above this layer); ``command_args`` are templated."""
 
     operator_extra_links = (EpochPageLink(),)
-    template_fields = (*PySparkOperator.template_fields, "command_args")
+    template_fields = ("conn_id", *PythonOperator.template_fields, "command_args")
 
-    def __init__(self, *, command_args: list[str], kafka_connection: str = "", bootstrap_servers: str = "",
-                 **kwargs) -> None:
+    def __init__(self, *, conn_id: str, pipeline_id: str, command_args: list[str], kafka_connection: str = "",
+                 bootstrap_servers: str = "", timeout_seconds: int = 30, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.conn_id = conn_id
+        self.pipeline_id = pipeline_id
         self.command_args = command_args
         self.kafka_connection = kafka_connection
         self.bootstrap_servers = bootstrap_servers
+        self.timeout_seconds = timeout_seconds
+
+    def execute_callable(self):
+        hook = SparkConnectHook(self.conn_id)
+        conn = hook.get_connection(self.conn_id)
+        if conn.conn_type != SparkConnectHook.conn_type:
+            raise ConfigError(f"spark_connect_connection {self.conn_id!r} is a connection of type {conn.conn_type!r}, "
+                              f"not {SparkConnectHook.conn_type!r}")
+        # The URL holds the connection's token, user and use_ssl; its other extras are settings.
+        conf = {k: str(v) for k, v in conn.extra_dejson.items() if k != SparkConnectHook.PARAM_USE_SSL}
+        spark = connect_session(hook.get_connection_url(), f"connection {self.conn_id!r} ({conn.host}:{conn.port})",
+                                self.pipeline_id, self.timeout_seconds, conf)
+        self.op_kwargs = {**self.op_kwargs, "spark": spark}
+        return super().execute_callable()
 
     def execute(self, context):
         if not self.kafka_connection:
@@ -84,5 +104,5 @@ def epoch_operator(cfg: PipelineConfig, task_id: str, command: str, task_args: t
         raise ConfigError("spark_connect_connection is set, but the DAG file gave no command runner")
     args = command_args(cfg, command, task_args, run_params)   # (no Spark jars needed on this host)
     return EpochConnectOperator(task_id=task_id, python_callable=run_in_session, conn_id=cfg.spark_connect_connection,
-                                command_args=args, kafka_connection=cfg.kafka_connection,
-                                bootstrap_servers=cfg.bootstrap_servers)
+                                pipeline_id=cfg.pipeline_id, command_args=args, kafka_connection=cfg.kafka_connection,
+                                bootstrap_servers=cfg.bootstrap_servers, timeout_seconds=cfg.kafka_timeout_seconds)

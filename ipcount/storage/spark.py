@@ -1,14 +1,18 @@
 """The Spark session an epoch runs in, and the settings spark-submit needs for the same."""
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import socket
 import sys
+import time
+import uuid
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ipcount.rules.config import STATE_DIR, PipelineConfig
 from ipcount.rules.errors import MissingJarsError, SparkConnectError
@@ -16,6 +20,8 @@ from ipcount.rules.private_files import read_private_file
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
 
 # Resolved once from Maven Central by bin/setup (see jars/spark-extras.xml).
 SPARK_JARS_DIR = STATE_DIR / "jars" / "spark"
@@ -115,26 +121,98 @@ def connect_url(cfg: PipelineConfig) -> str:
 
 
 def remote_session(cfg: PipelineConfig) -> SparkSession:
-    """A Spark Connect session of ``cfg.spark_remote``, answering: a server that is not there
-    or refuses the token is a clear error, not minutes of the client's own retries."""
+    """The pipeline's Spark Connect session of ``cfg.spark_remote`` (:func:`connect_session`)."""
+    return connect_session(connect_url(cfg), cfg.spark_remote, cfg.pipeline_id, cfg.kafka_timeout_seconds)
+
+
+# A new server-side Connect session costs a process's first epoch about half a second
+# (docs/performance.md), so a pipeline's processes share one. A server forgets a session
+# idle for its timeout (60 minutes unless configured otherwise) and refuses its id from then
+# on; the shared id is that of the current half hour, so nobody asks for an id after its half
+# hour, and a session made in it cannot have timed out before. An id refused all the same
+# (a shorter timeout; a session someone stopped) gives way to a session of the process's own.
+SHARED_SESSION_SECONDS = 30 * 60
+
+
+def shared_session_id(pipeline_id: str, token: str, now: float) -> str:
+    """The Spark Connect session id that ``pipeline_id``'s processes share at time ``now``
+    (seconds since the epoch): a UUID made from the pipeline, the half hour and the server's
+    token (so that only a holder of the token can name it)."""
+    half_hour = int(now // SHARED_SESSION_SECONDS)
+    digest = hashlib.sha256(f"{pipeline_id}\0{token}\0{half_hour}".encode()).digest()
+    return str(uuid.UUID(bytes=digest[:16], version=4))
+
+
+def _with_session_id(url: str, session_id: str) -> str:
+    """``url`` (``sc://host:port[/][;param=value...]``) with the ``session_id`` parameter added."""
+    base, sep, params = url.partition(";")
+    return f"{base.rstrip('/')}/;{params + ';' if sep else ''}session_id={session_id}"
+
+
+def connect_session(url: str, where: str, pipeline_id: str, timeout_seconds: float,
+                    conf: dict[str, str] | None = None) -> SparkSession:
+    """A session of the Spark Connect server at ``url`` (``where`` names it in messages; the
+    URL may hold a token), answering: a server that is not there or refuses the token is a
+    clear error, not minutes of the client's own retries. It is the pipeline's shared session
+    (:func:`shared_session_id`), or the process's own if the server refuses that id; this
+    process's earlier session if it has one. Never stop it: that ends it for every process
+    of the pipeline. ``conf``: session settings to set first."""
     from pyspark.sql import SparkSession
 
-    host, _, port = urlsplit(cfg.spark_remote.replace("sc://", "http://", 1)).netloc.partition(":")
+    host, _, port = urlsplit(url.replace("sc://", "http://", 1)).netloc.partition(":")
     try:
-        socket.create_connection((host, int(port or 15002)), timeout=cfg.kafka_timeout_seconds).close()
+        socket.create_connection((host, int(port or 15002)), timeout=timeout_seconds).close()
     except OSError as e:
-        raise SparkConnectError(f"no Spark Connect server answers at {cfg.spark_remote} ({e.strerror or e}); start "
+        raise SparkConnectError(f"no Spark Connect server answers at {where} ({e.strerror or e}); start "
                                 "one (bin/lab spark-connect start) or leave spark_remote empty") from None
-    spark = SparkSession.builder.remote(connect_url(cfg)).getOrCreate()
+    params = dict(p.partition("=")[::2] for p in url.partition(";")[2].split(";") if p)
+    shared = shared_session_id(pipeline_id, unquote(params.get("token", "")), time.time())
+    builder = SparkSession.builder.remote(_with_session_id(url, shared))
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     try:
-        spark.version  # (the first request: the token is checked here)
+        _first_request(spark, where)
+    except _SessionClosed:
+        spark.release_session_on_close = False  # (it is closed already; stop() only drops it here)
+        spark.stop()
+        builder = SparkSession.builder.remote(url)
+        for key, value in (conf or {}).items():
+            builder = builder.config(key, value)
+        spark = builder.create()
+        _first_request(spark, where)
+        _log_session(spark, f"its own: the server refused the shared {shared}")
+    else:
+        _log_session(spark, "the pipeline's shared session" if spark.session_id == shared else "this process's")
+    return configured(spark)
+
+
+class _SessionClosed(Exception):
+    """The server refuses the session's id: it closed the session (stopped, or timed out)."""
+
+
+def _first_request(spark: SparkSession, where: str) -> None:
+    """The session's first request to its server, where the token and the session id are
+    checked."""
+    try:
+        spark.version  # noqa: B018
     except Exception as e:  # noqa: BLE001 - pyspark's gRPC errors have no narrower public base
+        if "INVALID_HANDLE.SESSION_CLOSED" in str(e):
+            raise _SessionClosed() from e
         if "UNAUTHENTICATED" not in str(e):
             raise
-        raise SparkConnectError(f"the Spark Connect server at {cfg.spark_remote} refused this client's token: "
-                                f"{' '.join(str(e).split())[:200]} (spark_remote_token_file names the file "
-                                "holding the server's token)") from None
-    return configured(spark)
+        raise SparkConnectError(f"the Spark Connect server at {where} refused this client's token: "
+                                f"{' '.join(str(e).split())[:200]} (the token is the server's: "
+                                "spark_remote_token_file, or the connection's password)") from None
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_session(spark: SparkSession, which: str) -> None:
+    if spark.session_id not in _LOGGED:
+        _LOGGED.add(spark.session_id)
+        log.info("on Spark Connect session %s (%s)", spark.session_id, which)
 
 
 # A Connect session's own settings besides SESSION_CONF. Adaptive execution re-plans the

@@ -19,6 +19,7 @@ from ipcount_lab.embedded_airflow import airflow_env
 from ipcount_lab.generator import TrafficGenerator, produce
 from tests.airflow_services import airflow_database, metadata_rows
 from tests.conftest import BROKER_PASSWORD, connect_connection, free_port
+from tests.connect_sessions import clear_of_half_hour_edge, session_process
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges
 
@@ -252,11 +253,18 @@ def test_dag_test_runs_the_epoch_in_its_task_on_a_spark_connect_server(airflow_e
     gen = TrafficGenerator(seed=37, events_per_second=50, malformed_share=0.03)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000),
                        partition_of=lambda i, r: i % 3)
+    # The task joins the pipeline's shared session (where a process of the pipeline left a
+    # mark) and leaves it open for the next (the provider's operator would stop it).
     cfg = cfg.replace(spark_connect_connection="ipcount_connect")
+    clear_of_half_hour_edge(300)
+    shared = session_process(cfg.replace(**connect.settings()), set_mark="before the task")
     env = {**airflow_environ, **NO_SPARK_MASTER, **connect_connection(connect)}
     proc = _airflow(env, "dags", "test", "ipcount_epoch", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert connect.token() not in proc.stdout + proc.stderr
+    joined = f"on Spark Connect session {shared['session_id']} (the pipeline's shared session)"
+    assert joined in proc.stdout + proc.stderr
+    assert session_process(cfg.replace(**connect.settings())) == {**shared, "mark": "before the task"}
     epochs = committed_epochs(cfg.ledger_path)
     assert len(epochs) == 1 and epochs[0].run_id.startswith("manual__") and epochs[0].records_read == len(produced)
     expected = expected_tables(produced, epoch_ranges(cfg))

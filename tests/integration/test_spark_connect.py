@@ -17,6 +17,7 @@ from ipcount.rules.private_files import write_private_file
 from ipcount_lab.generator import TrafficGenerator, produce
 from ipcount_lab.service import listening
 from tests.conftest import free_port
+from tests.connect_sessions import clear_of_half_hour_edge, session_process
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, late_records, ledger
 
@@ -98,3 +99,21 @@ def test_the_compose_spark_connect_service_runs_an_epoch_and_stops_on_sigterm(cf
                 server.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 server.kill()
+
+
+def test_a_pipelines_processes_share_one_session_and_a_stopped_one_gives_way(cfg, connect):
+    """Each process of a pipeline joins the server's session of the pipeline (what one sets,
+    the next sees); another pipeline has its own; once someone stops the shared session (the
+    server then refuses its id), a process runs on a session of its own."""
+    cfg = cfg.replace(**connect.settings())
+    clear_of_half_hour_edge(120)
+    first = session_process(cfg, set_mark="first")
+    second = session_process(cfg, set_mark="second")
+    assert first["mark"] is None and second == {**first, "mark": "first"}
+    other = session_process(cfg.replace(pipeline_id=f"{cfg.pipeline_id}-other"))
+    assert other["session_id"] != first["session_id"] and other["mark"] is None
+    stopper = session_process(cfg, stop=True)
+    assert stopper == {**first, "mark": "second"}
+    after = [session_process(cfg, set_mark="after") for _ in range(2)]
+    assert len({first["session_id"], after[0]["session_id"], after[1]["session_id"]}) == 3
+    assert after[0]["mark"] is None and after[1]["mark"] is None

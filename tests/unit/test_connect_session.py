@@ -1,0 +1,35 @@
+"""The id a pipeline's processes share their Spark Connect session under, and the URL that
+asks for it (the server's side: tests/integration/test_spark_connect.py)."""
+from __future__ import annotations
+
+import uuid
+
+from pyspark.sql.connect.client.core import DefaultChannelBuilder
+
+from ipcount.storage.spark import SHARED_SESSION_SECONDS, _with_session_id, shared_session_id
+
+HALF_HOUR_START = 1_795_255_200.0  # 2026-11-21T10:00:00Z, a multiple of the half hour
+
+
+def test_one_id_per_pipeline_token_and_half_hour():
+    same = {shared_session_id("p", "token", HALF_HOUR_START + s) for s in (0, 1, 900, SHARED_SESSION_SECONDS - 0.001)}
+    assert len(same) == 1
+    ids = {shared_session_id("p", "token", HALF_HOUR_START), shared_session_id("q", "token", HALF_HOUR_START),
+           shared_session_id("p", "other", HALF_HOUR_START), shared_session_id("p", "", HALF_HOUR_START),
+           shared_session_id("p", "token", HALF_HOUR_START + SHARED_SESSION_SECONDS),
+           shared_session_id("p", "token", HALF_HOUR_START - 1)}
+    assert len(ids) == 6
+    for value in ids:
+        assert uuid.UUID(value).version == 4 and str(uuid.UUID(value)) == value
+
+
+def test_the_session_id_joins_the_urls_own_parameters():
+    sid = shared_session_id("p", "", HALF_HOUR_START)
+    for url, params in [("sc://localhost:15002", {}), ("sc://localhost:15002/", {}),
+                        ("sc://localhost:15002/;token=abc", {"token": "abc"}),
+                        ("sc://h:1/;user_id=me;token=a%3Db;use_ssl=True", {"user_id": "me", "token": "a=b",
+                                                                          "use_ssl": "True"})]:
+        built = DefaultChannelBuilder(_with_session_id(url, sid))
+        assert built.session_id == sid
+        assert {k: built.get(k) for k in params} == params
+        assert built.endpoint == url.removeprefix("sc://").partition("/")[0]
