@@ -19,6 +19,9 @@ spark = remote_session(PipelineConfig(**json.loads(sys.argv[1])))
 mark = spark.conf.get("{MARK}", None)
 if sys.argv[2]:
     spark.conf.set("{MARK}", sys.argv[2])
+if sys.argv[3] == "closed-under-it":  # as another process's stop would: this one's client is not told
+    spark.client.release_session()
+    spark = remote_session(PipelineConfig(**json.loads(sys.argv[1])))
 rows = spark.range(7).count()
 print(json.dumps({{"session_id": spark.session_id, "mark": mark, "rows": rows}}))
 if sys.argv[3] == "stop":
@@ -26,12 +29,13 @@ if sys.argv[3] == "stop":
 """
 
 
-def session_process(cfg, set_mark: str = "", stop: bool = False) -> dict:
+def session_process(cfg, set_mark: str = "", then: str = "") -> dict:
     """A process on ``cfg``'s Connect session (:func:`ipcount.storage.spark.remote_session`):
-    its id, the mark it found (None if none), after it set ``set_mark``; ``stop``: it then
-    stops the session."""
+    its id, the mark it found (None if none), after it set ``set_mark``. ``then="stop"``: it
+    then stops the session; ``"closed-under-it"``: the server closes it before the process
+    asks for its session again and counts (the id reported is the second session's)."""
     settings = {k: getattr(cfg, k) for k in ("spark_remote", "spark_remote_token_file", "pipeline_id")}
-    proc = subprocess.run([sys.executable, "-c", _PROCESS, json.dumps(settings), set_mark, "stop" if stop else ""],
+    proc = subprocess.run([sys.executable, "-c", _PROCESS, json.dumps(settings), set_mark, then],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

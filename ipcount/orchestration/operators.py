@@ -73,10 +73,13 @@ class EpochConnectOperator(PythonOperator):
         if conn.conn_type != SparkConnectHook.conn_type:
             raise ConfigError(f"spark_connect_connection {self.conn_id!r} is a connection of type {conn.conn_type!r}, "
                               f"not {SparkConnectHook.conn_type!r}")
-        # The URL holds the connection's token, user and use_ssl; its other extras are settings.
-        conf = {k: str(v) for k, v in conn.extra_dejson.items() if k != SparkConnectHook.PARAM_USE_SSL}
+        # The URL holds the connection's token, user and use_ssl. Settings in its extra would
+        # change the session every process of the pipeline shares, mid-epoch for some.
+        if settings := sorted(set(conn.extra_dejson) - {SparkConnectHook.PARAM_USE_SSL}):
+            raise ConfigError(f"spark_connect_connection {self.conn_id!r} has {', '.join(settings)} in its extra, which "
+                              f"may hold only {SparkConnectHook.PARAM_USE_SSL}: set Spark settings on the server")
         spark = connect_session(hook.get_connection_url(), f"connection {self.conn_id!r} ({conn.host}:{conn.port})",
-                                self.pipeline_id, self.timeout_seconds, conf)
+                                self.pipeline_id, self.timeout_seconds)
         self.op_kwargs = {**self.op_kwargs, "spark": spark}
         return super().execute_callable()
 

@@ -149,14 +149,13 @@ def _with_session_id(url: str, session_id: str) -> str:
     return f"{base.rstrip('/')}/;{params + ';' if sep else ''}session_id={session_id}"
 
 
-def connect_session(url: str, where: str, pipeline_id: str, timeout_seconds: float,
-                    conf: dict[str, str] | None = None) -> SparkSession:
+def connect_session(url: str, where: str, pipeline_id: str, timeout_seconds: float) -> SparkSession:
     """A session of the Spark Connect server at ``url`` (``where`` names it in messages; the
     URL may hold a token), answering: a server that is not there or refuses the token is a
     clear error, not minutes of the client's own retries. It is the pipeline's shared session
     (:func:`shared_session_id`), or the process's own if the server refuses that id; this
-    process's earlier session if it has one. Never stop it: that ends it for every process
-    of the pipeline. ``conf``: session settings to set first."""
+    process's earlier one for the same URL and pipeline while the server still has it. Never
+    stop it: that ends it for every process of the pipeline."""
     from pyspark.sql import SparkSession
 
     host, _, port = urlsplit(url.replace("sc://", "http://", 1)).netloc.partition(":")
@@ -165,26 +164,46 @@ def connect_session(url: str, where: str, pipeline_id: str, timeout_seconds: flo
     except OSError as e:
         raise SparkConnectError(f"no Spark Connect server answers at {where} ({e.strerror or e}); start "
                                 "one (bin/lab spark-connect start) or leave spark_remote empty") from None
+    key = (url, pipeline_id)
+    if (earlier := _SESSIONS.get(key)) is not None:
+        try:
+            earlier.conf.get("spark.sql.session.timeZone")  # (a request: spark.version is kept by the client)
+            return earlier
+        except Exception as e:  # noqa: BLE001 - pyspark's gRPC errors have no narrower public base
+            if not _ended(e):  # (stopped or timed out on the server, or a new server since)
+                raise
+            _drop(_SESSIONS.pop(key))
     params = dict(p.partition("=")[::2] for p in url.partition(";")[2].split(";") if p)
     shared = shared_session_id(pipeline_id, unquote(params.get("token", "")), time.time())
-    builder = SparkSession.builder.remote(_with_session_id(url, shared))
-    for key, value in (conf or {}).items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = SparkSession.builder.remote(_with_session_id(url, shared)).create()
     try:
         _first_request(spark, where)
     except _SessionClosed:
-        spark.release_session_on_close = False  # (it is closed already; stop() only drops it here)
-        spark.stop()
-        builder = SparkSession.builder.remote(url)
-        for key, value in (conf or {}).items():
-            builder = builder.config(key, value)
-        spark = builder.create()
+        _drop(spark)
+        spark = SparkSession.builder.remote(url).create()
         _first_request(spark, where)
         _log_session(spark, f"its own: the server refused the shared {shared}")
     else:
-        _log_session(spark, "the pipeline's shared session" if spark.session_id == shared else "this process's")
-    return configured(spark)
+        _log_session(spark, "the pipeline's shared session")
+    _SESSIONS[key] = configured(spark)
+    return spark
+
+
+# The process's Connect sessions by URL and pipeline (pyspark's getOrCreate() would hand back
+# any session the process has, whatever its server or id).
+_SESSIONS: dict[tuple[str, str], SparkSession] = {}
+
+
+def _ended(error: Exception) -> bool:
+    """Whether ``error`` says the session is gone on the server (closed, timed out, or the
+    server restarted since)."""
+    return "INVALID_HANDLE.SESSION_CLOSED" in str(error) or "INVALID_HANDLE.SESSION_CHANGED" in str(error)
+
+
+def _drop(spark: SparkSession) -> None:
+    """Let go of a session the server no longer has (no release request: it is closed already)."""
+    spark.release_session_on_close = False
+    spark.stop()
 
 
 class _SessionClosed(Exception):

@@ -104,7 +104,8 @@ def test_the_compose_spark_connect_service_runs_an_epoch_and_stops_on_sigterm(cf
 def test_a_pipelines_processes_share_one_session_and_a_stopped_one_gives_way(cfg, connect):
     """Each process of a pipeline joins the server's session of the pipeline (what one sets,
     the next sees); another pipeline has its own; once someone stops the shared session (the
-    server then refuses its id), a process runs on a session of its own."""
+    server then refuses its id), a process runs on a session of its own, also one that held
+    the session when it was closed."""
     cfg = cfg.replace(**connect.settings())
     clear_of_half_hour_edge(120)
     first = session_process(cfg, set_mark="first")
@@ -112,7 +113,9 @@ def test_a_pipelines_processes_share_one_session_and_a_stopped_one_gives_way(cfg
     assert first["mark"] is None and second == {**first, "mark": "first"}
     other = session_process(cfg.replace(pipeline_id=f"{cfg.pipeline_id}-other"))
     assert other["session_id"] != first["session_id"] and other["mark"] is None
-    stopper = session_process(cfg, stop=True)
+    closed = session_process(cfg.replace(pipeline_id=f"{cfg.pipeline_id}-closed"), then="closed-under-it")
+    assert closed["session_id"] not in (first["session_id"], other["session_id"])  # (one of its own, working)
+    stopper = session_process(cfg, then="stop")
     assert stopper == {**first, "mark": "second"}
     after = [session_process(cfg, set_mark="after") for _ in range(2)]
     assert len({first["session_id"], after[0]["session_id"], after[1]["session_id"]}) == 3

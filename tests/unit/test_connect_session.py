@@ -2,7 +2,10 @@
 asks for it (the server's side: tests/integration/test_spark_connect.py)."""
 from __future__ import annotations
 
+import json
 import uuid
+
+import pytest
 
 from pyspark.sql.connect.client.core import DefaultChannelBuilder
 
@@ -33,3 +36,22 @@ def test_the_session_id_joins_the_urls_own_parameters():
         assert built.session_id == sid
         assert {k: built.get(k) for k in params} == params
         assert built.endpoint == url.removeprefix("sc://").partition("/")[0]
+
+
+def test_the_task_refuses_a_connection_it_cannot_share_a_session_on(monkeypatch):
+    """Settings in a spark_connect connection's extra would change the session all of the
+    pipeline's processes share; a connection of another type is no Spark Connect server.
+    Both are refused before anything connects."""
+    from ipcount.orchestration.operators import EpochConnectOperator
+    from ipcount.rules.errors import ConfigError
+
+    for conn_id, connection, message in [
+            ("with_settings", {"conn_type": "spark_connect", "host": "localhost", "port": 1,
+                               "extra": {"use_ssl": False, "spark.sql.shuffle.partitions": "9"}},
+             "has spark.sql.shuffle.partitions in its extra, which may hold only use_ssl"),
+            ("of_spark", {"conn_type": "spark", "host": "local[2]"}, "a connection of type 'spark', not 'spark_connect'")]:
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(connection))
+        task = EpochConnectOperator(task_id="run_epoch", python_callable=lambda args, spark=None: None,
+                                    conn_id=conn_id, pipeline_id="p", command_args=["epoch"])
+        with pytest.raises(ConfigError, match=message):
+            task.execute_callable()
