@@ -182,9 +182,9 @@ def connect_session(url: str, where: str, pipeline_id: str, timeout_seconds: flo
         _drop(spark)
         spark = SparkSession.builder.remote(url).create()
         _first_request(spark, where)
-        _log_session(spark, f"its own: the server refused the shared {shared}")
+        log.info("on Spark Connect session %s (its own: the server refused the shared %s)", spark.session_id, shared)
     else:
-        _log_session(spark, "the pipeline's shared session")
+        log.info("on Spark Connect session %s (the pipeline's shared session)", spark.session_id)
     _SESSIONS[key] = configured(spark)
     return spark
 
@@ -216,22 +216,13 @@ def _first_request(spark: SparkSession, where: str) -> None:
     try:
         spark.version  # noqa: B018
     except Exception as e:  # noqa: BLE001 - pyspark's gRPC errors have no narrower public base
-        if "INVALID_HANDLE.SESSION_CLOSED" in str(e):
+        if _ended(e):
             raise _SessionClosed() from e
         if "UNAUTHENTICATED" not in str(e):
             raise
         raise SparkConnectError(f"the Spark Connect server at {where} refused this client's token: "
                                 f"{' '.join(str(e).split())[:200]} (the token is the server's: "
                                 "spark_remote_token_file, or the connection's password)") from None
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_session(spark: SparkSession, which: str) -> None:
-    if spark.session_id not in _LOGGED:
-        _LOGGED.add(spark.session_id)
-        log.info("on Spark Connect session %s (%s)", spark.session_id, which)
 
 
 # A Connect session's own settings besides SESSION_CONF. Adaptive execution re-plans the
@@ -253,9 +244,10 @@ _GIVEN: list[SparkSession] = []
 
 @contextmanager
 def given_session(spark: SparkSession) -> Iterator[SparkSession]:
-    """Within, :func:`get_spark` returns ``spark``, configured: a session the caller made (an
-    Airflow task's, from its ``spark_connect`` connection)."""
-    _GIVEN.append(configured(spark))
+    """Within, :func:`get_spark` returns ``spark``: a session the caller made (an Airflow
+    task's, from its ``spark_connect`` connection by :func:`connect_session`, which
+    configures it)."""
+    _GIVEN.append(spark)
     try:
         yield spark
     finally:
