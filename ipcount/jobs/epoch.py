@@ -27,17 +27,17 @@ from ipcount.jobs.crash import PLANNING, Crash, no_crash, step_line
 from ipcount.jobs.tally import EpochTally
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import CommitContention, PlanConflict
-from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
+from ipcount.rules.kafka_security import read_group_id, sasl_password, spark_kafka_options
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, EpochSummary, LedgerState, PartitionMetrics
 from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
-                                   read_tasks, skip_deleted)
+                                   read_tasks, reads_in_one_task, skip_deleted)
 from ipcount.rules.records import dead_letter_prefix_bytes
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import one_epoch_of_tables
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.sink import Sink
-from ipcount.storage.spark import task_slots
+from ipcount.storage.spark import read_group_key, task_slots
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -338,15 +338,17 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
     plan reads nothing)."""
     if not plan.nonempty_ranges:
         return None
+    kafka = {"kafka.bootstrap.servers": cfg.bootstrap_servers, "kafka.isolation.level": "read_committed",
+             **spark_kafka_options(cfg, sasl_password(cfg))}
     raw = (spark.read.format("kafka").options(**read_options(spark, plan.size, len(plan.nonempty_ranges)))
-           .option("kafka.bootstrap.servers", cfg.bootstrap_servers)
+           .options(**kafka, **{"kafka.group.id": read_group_id(read_group_key(spark), kafka)})
            .option("assign", _assign_json(plan))
            .option("startingOffsets", plan.starting_offsets_json())
            .option("endingOffsets", plan.ending_offsets_json())
-           .option("kafka.isolation.level", "read_committed")
            .option("failOnDataLoss", "true")
-           .options(**spark_kafka_options(cfg, sasl_password(cfg)))
            .load())
+    if reads_in_one_task(plan.size):
+        raw = raw.coalesce(1)
     parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, plan.planned_at_ms,
                              plan.watermark_ms)
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)

@@ -8,6 +8,9 @@ line; it is read where a client is made.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -89,6 +92,21 @@ def java_client_properties(cfg: PipelineConfig, password: str | None) -> dict[st
 def spark_kafka_options(cfg: PipelineConfig, password: str | None) -> dict[str, str]:
     """Options of ``spark.read.format("kafka")`` beyond the bootstrap servers."""
     return {f"kafka.{k}": v for k, v in java_client_properties(cfg, password).items()}
+
+
+def read_group_id(key: bytes, kafka_options: Mapping[str, str]) -> str:
+    """The ``kafka.group.id`` of an epoch's read: the same for every epoch read with the same
+    ``kafka_options`` (the source's ``kafka.*`` options) under the same ``key``.
+
+    Spark keeps a pool of Kafka consumers per group id and partition, but gives each batch
+    read a group id of its own, so every epoch's read tasks made new consumers (connections,
+    metadata) and left the old ones idle for five minutes. With one id the next epoch borrows
+    them. The pool requires the same options for an id for as long as the JVM lives, so the id
+    changes with any option (a rotated password too); it is a keyed hash, since the id reaches
+    the broker (as the client id) and must not let anyone test guesses of the password. Reads
+    are assigned partitions and commit nothing, so no group forms and no ACL is needed."""
+    canonical = json.dumps(sorted(kafka_options.items()), separators=(",", ":"))
+    return "ipcount-read-" + hmac.new(key, canonical.encode(), hashlib.sha256).hexdigest()[:16]
 
 
 def property_value(value: str) -> str:

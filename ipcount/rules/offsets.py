@@ -197,6 +197,17 @@ def split_cap(backlog: Mapping[int, int], cap: int) -> dict[int, int]:
     return shares
 
 
+# Up to this many records an epoch is read, parsed and tallied in one task (docs/performance.md).
+ONE_TASK_RECORDS = 10_000
+
+
+def reads_in_one_task(records: int) -> bool:
+    """Whether an epoch of ``records`` records reads them all in one Spark task: a small
+    epoch's time goes to scheduling, not to parsing, and with its records in one partition the
+    tally needs no shuffle (one stage instead of two, and no second wave of tasks on few cores)."""
+    return records <= ONE_TASK_RECORDS
+
+
 # Below this many records an epoch reads one task per partition: splitting costs more than it saves.
 SPLIT_READ_RECORDS = 100_000
 TASKS_PER_CORE = 3

@@ -259,6 +259,16 @@ def is_remote(spark: SparkSession) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
+_PROCESS_KEY = os.urandom(16)
+
+
+def read_group_key(spark: SparkSession) -> bytes:
+    """The key of :func:`ipcount.rules.kafka_security.read_group_id` for reads in ``spark``:
+    a Connect session's id (the processes sharing a session share the server's consumers),
+    else a key of this process's own (a classic session's executors serve this process only)."""
+    return spark.session_id.encode() if is_remote(spark) else _PROCESS_KEY
+
+
 # A Connect session's task slots, asked once: its server's settings are fixed at its start.
 _SLOTS: weakref.WeakKeyDictionary[SparkSession, int | None] = weakref.WeakKeyDictionary()
 

@@ -7,6 +7,7 @@ from deltalake import DeltaTable
 
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.jobs import group_commit
+from ipcount.rules import offsets as offsets_rules
 from ipcount.storage import broker as broker_io
 from ipcount.storage.sink import Sink
 from ipcount_lab.generator import TrafficGenerator, produce
@@ -78,6 +79,32 @@ def test_epochs_count_exactly_what_was_produced(cfg, spark):
     waited = measure(cfg)
     assert (waited.epochs, waited.records) == (len(summaries), len(produced))
     assert 0 < waited.p50_seconds <= waited.p95_seconds <= waited.max_seconds
+
+
+def test_one_task_and_spread_reads_and_changed_kafka_options_count_the_same(cfg, spark, monkeypatch):
+    """Small epochs read, parse and tally in one task, larger ones in a task per partition and
+    a shuffle; and a read whose Kafka options changed gets other consumers from Spark's pool,
+    which refuses other options for a group id it has seen. Both ways, in one session, the
+    tables hold exactly what was produced."""
+    monkeypatch.setattr(offsets_rules, "ONE_TASK_RECORDS", 350)
+    one_task = []
+    decide = epoch_mod.reads_in_one_task
+    monkeypatch.setattr(epoch_mod, "reads_in_one_task",
+                        lambda records: one_task.append(decide(records)) or one_task[-1])
+    cfg = cfg.replace(max_records_per_epoch=400)
+    produced = produce_dataset(cfg)  # 1,500 records: epochs of 400, 400, 400 and 300
+    summaries = [epoch_mod.run_epoch(cfg, spark)]
+    port = cfg.bootstrap_servers.rsplit(":", 1)[1]
+    summaries += run_until_idle(cfg.replace(bootstrap_servers=f"localhost:{port}"), spark)
+
+    assert one_task == [False, False, False, True]
+    ranges = epoch_ranges(cfg)
+    assert [s.epoch for s in summaries] == [1, 2, 3, 4] and len(ranges) == 4
+    expected = expected_tables(produced, ranges)
+    assert counts(cfg) == expected.counts and len(expected.counts) > 100
+    assert dead_letters(cfg) == expected.dead and expected.dead
+    assert late_records(cfg) == expected.late and expected.late
+    assert sum(s.records_read for s in summaries) == len(produced)
 
 
 def test_group_offsets_follow_the_ledger_and_are_never_read_back(cfg, spark):

@@ -8,7 +8,7 @@ from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.kafka_security import (connection_settings, jaas_config, java_client_properties,
                                           kafka_python_options, properties_file_text, property_value,
-                                          read_private_file, sasl_password, spark_kafka_options)
+                                          read_group_id, read_private_file, sasl_password, spark_kafka_options)
 
 
 @pytest.fixture
@@ -173,3 +173,20 @@ def test_an_unresolved_connection_never_makes_a_client():
         kafka_python_options(cfg, None)
     with pytest.raises(ConfigError, match="kafka_connection"):
         spark_kafka_options(cfg, None)
+
+
+def test_the_read_group_id_changes_with_any_option_and_hides_them():
+    options = {"kafka.bootstrap.servers": "k1:9092", "kafka.security.protocol": "SASL_SSL",
+               "kafka.sasl.jaas.config": 'ScramLoginModule required username="u" password="pw-1";'}
+    group = read_group_id(b"session", options)
+    # the same options in any order, under the same key: one id, so consumers are reused
+    assert group == read_group_id(b"session", dict(reversed(list(options.items()))))
+    assert group.startswith("ipcount-read-") and len(group) == len("ipcount-read-") + 16
+    # a changed option (a rotated password), an added one, or another key: another id, since
+    # Spark's consumer pool refuses other options for an id it has seen
+    rotated = {**options, "kafka.sasl.jaas.config": options["kafka.sasl.jaas.config"].replace("pw-1", "pw-2")}
+    others = [read_group_id(b"session", rotated), read_group_id(b"session", {**options, "kafka.x": "1"}),
+              read_group_id(b"other session", options)]
+    assert len({group, *others}) == 4
+    # the id reaches the broker: nothing of the options is in it
+    assert not any(part in group for part in ("pw-1", "k1", "SASL"))

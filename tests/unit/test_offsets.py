@@ -5,7 +5,8 @@ import pytest
 
 from ipcount.rules.errors import DataLossError
 from ipcount.rules.ledger import EpochPlan
-from ipcount.rules.offsets import OffsetRange, plan_ranges, read_tasks, split_at_log_start, split_cap
+from ipcount.rules.offsets import (ONE_TASK_RECORDS, OffsetRange, plan_ranges, read_tasks, reads_in_one_task,
+                                   split_at_log_start, split_cap)
 
 T = "ip_count_source"
 
@@ -155,3 +156,10 @@ def test_every_planned_chain_epoch_is_unfinished_not_only_the_lowest():
                                (4, 30, 40, "planned"))]
     state = state_of("t", rows)
     assert state.pending.epoch == 2 and state.unfinished == [2, 4]
+
+
+def test_small_epochs_read_in_one_task_and_larger_ones_spread():
+    assert reads_in_one_task(2_000) and reads_in_one_task(ONE_TASK_RECORDS)
+    assert not reads_in_one_task(ONE_TASK_RECORDS + 1)
+    # one task stays below the size at which reads start splitting across cores
+    assert read_tasks(ONE_TASK_RECORDS, partitions=1, cores=8) is None
