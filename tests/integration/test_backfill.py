@@ -175,8 +175,13 @@ def test_concurrent_backfill_and_scheduled_epochs_never_double_count(storage, re
         backfill = subprocess.Popen([sys.executable, "-m", "ipcount.cli", "backfill", "--offsets", spec,
                                      *cfg.to_args()], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        chain = []
+        # The chain starts once the backfill has planned: a chain of small epochs in a warm
+        # session would otherwise take every offset before the backfill's JVM is up.
         deadline = time.monotonic() + 600
+        while backfill.poll() is None and not any(r["kind"] == "backfill" for r in ledger_rows(cfg)):
+            assert time.monotonic() < deadline, "the backfill planned nothing"
+            time.sleep(0.2)
+        chain = []
         while backfill.poll() is None or not chain or chain[-1] is not None:
             assert time.monotonic() < deadline, "race did not finish"
             chain.append(run_epoch(cfg, spark))
