@@ -341,7 +341,8 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
     kafka = {"kafka.bootstrap.servers": cfg.bootstrap_servers, "kafka.isolation.level": "read_committed",
              **spark_kafka_options(cfg, sasl_password(cfg))}
     raw = (spark.read.format("kafka").options(**read_options(spark, plan.size, len(plan.nonempty_ranges)))
-           .options(**kafka, **{"kafka.group.id": read_group_id(read_group_key(spark), kafka)})
+           .options(**kafka)
+           .option("kafka.group.id", read_group_id(read_group_key(spark), kafka))
            .option("assign", _assign_json(plan))
            .option("startingOffsets", plan.starting_offsets_json())
            .option("endingOffsets", plan.ending_offsets_json())
