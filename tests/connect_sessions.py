@@ -49,3 +49,78 @@ def clear_of_half_hour_edge(seconds: float) -> None:
     left = SHARED_SESSION_SECONDS - time.time() % SHARED_SESSION_SECONDS
     if left < seconds:
         time.sleep(left + 1)
+
+
+# A DAG task on Spark Connect (EpochConnectOperator) whose command is one endless query,
+# with the SIGTERM handler Airflow's task runner installs.
+_TASK = """
+import signal, sys
+from ipcount.orchestration.operators import EpochConnectOperator
+
+def command(args, spark=None):
+    print("querying", spark.session_id, flush=True)
+    spark.range(10 ** 13).where("id % 9 = 4").count()   # hours on two cores
+
+task = EpochConnectOperator(task_id="run_epoch", python_callable=command, conn_id=sys.argv[1],
+                            pipeline_id=sys.argv[2], command_args=["epoch"])
+signal.signal(signal.SIGTERM, lambda *_: task.on_kill())
+task.execute({})
+"""
+
+# Starts _TASK, kills it as Airflow does (SIGTERM, SIGKILL 5 s later) or SIGKILLs it, and
+# watches the task's session on the server until none of its operations is running.
+_WATCH = """
+import json, signal, subprocess, sys, time
+from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+from pyspark.sql import SparkSession
+from pyspark.sql.connect.proto import base_pb2
+from ipcount.storage.spark import _with_session_id
+
+STATE = base_pb2.GetStatusResponse.OperationStatus.OperationState
+conn_id, pipeline_id, how, task_script = sys.argv[1:5]
+task = subprocess.Popen([sys.executable, "-c", task_script, conn_id, pipeline_id], stdout=subprocess.PIPE, text=True)
+try:
+    for line in task.stdout:                              # (the task's log lines come first)
+        if line.startswith("querying "):
+            session_id = line.split()[1]
+            break
+    else:
+        raise SystemExit(f"the task ended with {task.wait()} before its query")
+    spark = SparkSession.builder.remote(_with_session_id(SparkConnectHook(conn_id).get_connection_url(),
+                                                         session_id)).create()
+
+    def states(ids=None):                                 # (pyspark's own call for it is private)
+        statuses = spark.client._get_operation_statuses(ids).operation_statuses
+        return {s.operation_id: STATE.Name(s.state) for s in statuses}
+
+    time.sleep(3)
+    before = states()
+    ids = list(before)
+    killed = time.monotonic()
+    if how == "airflow":
+        task.send_signal(signal.SIGTERM)
+        try:
+            task.wait(5)
+        except subprocess.TimeoutExpired:
+            task.kill()
+    else:
+        task.kill()
+    task.wait()
+    while "OPERATION_STATE_RUNNING" in (after := states(ids)).values() and time.monotonic() - killed < 300:
+        time.sleep(0.5)
+    print(json.dumps({"before": list(before.values()), "after": list(after.values()),
+                      "seconds": time.monotonic() - killed}))
+finally:
+    task.kill()                                           # (else it would hold the test's pipes open)
+"""
+
+
+def killed_task_query(conn_id: str, pipeline_id: str, how: str, env: dict[str, str]) -> dict:
+    """Run a DAG task's endless query on Connect, kill the task (``how``: ``"airflow"``,
+    SIGTERM then SIGKILL 5 s later, or ``"sigkill"``), and report the states of its
+    session's operations before and after, and the seconds from the kill until none ran
+    (at most 300)."""
+    proc = subprocess.run([sys.executable, "-c", _WATCH, conn_id, pipeline_id, how, _TASK], capture_output=True,
+                          text=True, timeout=420, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,6 +1,8 @@
 """The Airflow operator of the tasks that run the pipeline's Spark commands."""
 from __future__ import annotations
 
+import threading
+import uuid
 from typing import Callable
 
 from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
@@ -66,6 +68,7 @@ class EpochConnectOperator(PythonOperator):
         self.kafka_connection = kafka_connection
         self.bootstrap_servers = bootstrap_servers
         self.timeout_seconds = timeout_seconds
+        self._running: tuple | None = None   # (session, tag) while the command runs
 
     def execute_callable(self):
         hook = SparkConnectHook(self.conn_id)
@@ -81,7 +84,38 @@ class EpochConnectOperator(PythonOperator):
         spark = connect_session(hook.get_connection_url(), f"connection {self.conn_id!r} ({conn.host}:{conn.port})",
                                 self.pipeline_id, self.timeout_seconds)
         self.op_kwargs = {**self.op_kwargs, "spark": spark}
-        return super().execute_callable()
+        # Tags are the client's, per thread (the epoch's queries run on this one), and match
+        # within the session, which other tasks share: so one of this task's own.
+        tag = f"ipcount-task-{uuid.uuid4().hex}"
+        spark.addTag(tag)
+        self._running = (spark, tag)
+        try:
+            return super().execute_callable()
+        finally:
+            self._running = None
+            spark.removeTag(tag)
+
+    def on_kill(self) -> None:
+        """On SIGTERM (a cleared run, a run marked failed elsewhere; Airflow's SIGKILL follows
+        5 s later) the server stops this task's query now, rather than once it notices the
+        client is gone (:data:`ipcount.storage.connect_server.ABANDONED_QUERY_CONF`). The
+        epoch then fails as a crashed one does; its commits are this process's, so nothing of
+        it runs on. The request gets 3 s: a server that does not answer must not hold up the
+        task's end."""
+        if (running := self._running) is None:
+            return
+        spark, tag = running
+
+        def interrupt() -> None:
+            try:
+                stopped = spark.interruptTag(tag)
+                self.log.info("on kill: asked the Spark Connect server to stop this task's queries (%d)", len(stopped))
+            except Exception as e:  # noqa: BLE001 - pyspark's gRPC errors have no narrower public base
+                self.log.warning("on kill: could not stop this task's queries on the server: %s", e)
+
+        asking = threading.Thread(target=interrupt, name="ipcount-interrupt", daemon=True)
+        asking.start()
+        asking.join(3)
 
     def execute(self, context):
         if not self.kafka_connection:

@@ -25,10 +25,20 @@ SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 TOKEN_VARIABLE = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
 
 
+# How soon the server lets go of a query whose client died (a SIGKILLed task): it notices
+# only when the query's response stream reaches its deadline, then waits out the detached
+# timeout, checked every maintenance interval. Spark's defaults (2 min, 5 min, 30 s) leave
+# such a query on the server's cores for up to 7.5 minutes; these, for under 2. A client cut
+# off for longer than the timeout loses its query (the epoch fails and is re-run).
+ABANDONED_QUERY_CONF = {"spark.connect.execute.reattachable.senderMaxStreamDuration": "30s",
+                        "spark.connect.execute.manager.detachedTimeout": "60s",
+                        "spark.connect.execute.manager.maintenanceInterval": "10s"}
+
+
 def server_command(port: int, master: str, cores: int, bind: str = "127.0.0.1") -> list[str]:
     """The ``spark-submit`` command line of a server on ``bind:port`` whose sessions run on
     ``master`` with ``cores`` tasks per stage by default (an epoch's read gets that many)."""
-    conf = {**spark_conf(PipelineConfig()), "spark.connect.grpc.binding.address": bind,
+    conf = {**spark_conf(PipelineConfig()), **ABANDONED_QUERY_CONF, "spark.connect.grpc.binding.address": bind,
             "spark.connect.grpc.binding.port": str(port), "spark.default.parallelism": str(cores),
             "spark.ui.enabled": "false"}
     return [str(spark_home() / "bin" / "spark-submit"), "--class", SERVER_CLASS, "--name", "ipcount-connect",

@@ -16,8 +16,8 @@ from ipcount.rules.errors import EXIT_USAGE
 from ipcount.rules.private_files import write_private_file
 from ipcount_lab.generator import TrafficGenerator, produce
 from ipcount_lab.service import listening
-from tests.conftest import free_port
-from tests.connect_sessions import clear_of_half_hour_edge, session_process
+from tests.conftest import connect_connection, free_port
+from tests.connect_sessions import clear_of_half_hour_edge, killed_task_query, session_process
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, late_records, ledger
 
@@ -120,3 +120,19 @@ def test_a_pipelines_processes_share_one_session_and_a_stopped_one_gives_way(cfg
     after = [session_process(cfg, set_mark="after") for _ in range(2)]
     assert len({first["session_id"], after[0]["session_id"], after[1]["session_id"]}) == 3
     assert after[0]["mark"] is None and after[1]["mark"] is None
+
+
+def test_a_killed_dag_tasks_query_stops_on_the_server(cfg, connect):
+    """A DAG task killed mid-query: killed as Airflow kills it (SIGTERM, so the operator's
+    on_kill, then SIGKILL), the server stops its query at once; SIGKILLed (no on_kill), the
+    server still lets go of the query within two minutes (ABANDONED_QUERY_CONF), not 7.5.
+    Watched on the server through the task's session (another client on its id)."""
+    env = {**os.environ, **connect_connection(connect)}
+    killed = killed_task_query("ipcount_connect", f"{cfg.pipeline_id}-terminated", "airflow", env)
+    assert killed["before"].count("OPERATION_STATE_RUNNING") == 1, killed
+    assert "OPERATION_STATE_RUNNING" not in killed["after"] and "OPERATION_STATE_CANCELLED" in killed["after"], killed
+    assert killed["seconds"] < 4, killed                     # before Airflow's SIGKILL
+    dead = killed_task_query("ipcount_connect", f"{cfg.pipeline_id}-sigkilled", "sigkill", env)
+    assert dead["before"].count("OPERATION_STATE_RUNNING") == 1, dead
+    assert "OPERATION_STATE_RUNNING" not in dead["after"] and "OPERATION_STATE_CANCELLED" in dead["after"], dead
+    assert dead["seconds"] < 120, dead                       # 30 s stream, 60 s timeout, 10 s checks
