@@ -6,6 +6,7 @@ offset range, a plan, a ledger row, a record and a setting mean. Unit-tested on 
 - :mod:`.offsets`   offset ranges and epoch planning
 - :mod:`.coverage`  which offsets a ledger already owns (interval arithmetic)
 - :mod:`.ledger`    the ledger's schema and rules: statuses, kinds, plans, chain positions, summaries
+- :mod:`.ledger_summary`  the ledger's summary row: what every final epoch up to one id left
 - :mod:`.requests`  backfill requests: parsing and checks
 - :mod:`.records`   the record format: the specification the Spark parser implements
 - :mod:`.finality`  which counts rows a scheduled epoch must look at to mark windows final

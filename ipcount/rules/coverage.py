@@ -60,7 +60,8 @@ class Coverage:
         for r in ranges:
             if r.topic == topic:
                 by_partition.setdefault(r.partition, []).append((r.from_offset, r.until_offset))
-        return cls(topic, {p: merge(iv) for p, iv in by_partition.items()})
+        # A partition whose rows own nothing (empty ranges) has no entry: one form per coverage.
+        return cls(topic, {p: spans for p, iv in by_partition.items() if (spans := merge(iv))})
 
     def of_partition(self, partition: int) -> tuple[Interval, ...]:
         return self.intervals.get(partition, ())

@@ -28,6 +28,7 @@ from ipcount.rules.offsets import OffsetRange, describe, offsets_json, span_text
 Row = Mapping[str, Any]
 
 PLANNED, COMMITTED, LOST = "planned", "committed", "lost"
+SUMMARY = "summary"  # the status of a summary row (:mod:`ipcount.rules.ledger_summary`), no epoch's
 SCHEDULED, BACKFILL = "scheduled", "backfill"
 EPOCH_KINDS = (SCHEDULED, BACKFILL)
 
@@ -57,10 +58,13 @@ COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("request_id", "string", True),              # the backfill request
     ("chain_watermark_ms", "bigint", True),      # scheduled chain's watermark at planning
     ("planned_by", "string", True),              # the run that planned the epoch (run_id: that committed it)
+    ("summary", "string", True),                 # a summary row's JSON (status summary), else null
 )
 # What planning reads of each row.
 STATE_COLUMNS = ("epoch", "topic", "partition", "from_offset", "until_offset", "status", "kind", "request_id",
                  "watermark_before_ms", "watermark_after_ms", "chain_watermark_ms", "planned_at")
+# What planning and the chain's readers read of the rows a summary does not hold.
+VIEW_COLUMNS = (*STATE_COLUMNS, "sink_version")
 METRICS = ("records_read", "records_counted", "records_late", "records_malformed")
 
 
@@ -206,22 +210,57 @@ class LedgerState:
         return sorted(p.epoch for p in (*self.pending_backfills, *self.pending_chain))
 
 
-def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
+@dataclass(frozen=True)
+class Folded:
+    """What one topic's final epochs (no planned row left) up to some epoch id left behind:
+    the facts :func:`state_of` and the chain's readers take from rows, kept in the ledger's
+    summary (:mod:`ipcount.rules.ledger_summary`) so that readers need not read those rows."""
+
+    owned: Mapping[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # merged intervals
+    chain_until: Mapping[int, int] = field(default_factory=dict)      # chain's committed and lost rows
+    committed_until: Mapping[int, int] = field(default_factory=dict)  # chain's committed rows only
+    chain_last: tuple[int, int | None] | None = None  # the chain's newest committed epoch, its watermark after
+    chain_commits: tuple[tuple[int, int | None], ...] = ()  # (sink version, watermark), newest two
+    lanes: Mapping[str, int | None] = field(default_factory=dict)  # backfill request -> its watermark
+
+
+def newest_chain_epoch(rows: Iterable[Row], folded: Folded = Folded()) -> tuple[int, int | None] | None:
+    """(epoch, watermark after) of the scheduled chain's newest committed epoch."""
+    newest = folded.chain_last
+    for r in rows:
+        if is_scheduled(r) and r["status"] == COMMITTED and (newest is None or r["epoch"] > newest[0]):
+            newest = (r["epoch"], r.get("watermark_after_ms"))
+    return newest
+
+
+def lane_watermarks(rows: Iterable[Row], folded: Folded = Folded()) -> dict[str, int | None]:
+    """Backfill request -> its lane's watermark, from its committed rows. A lane's watermark
+    only moves forward, even when two runs of one request overlapped and the later epoch was
+    planned from the older watermark."""
+    lanes = dict(folded.lanes)
+    for r in rows:
+        if kind_of(r) == BACKFILL and r["status"] == COMMITTED:
+            rid, w = r["request_id"], r["watermark_after_ms"]
+            lanes[rid] = max((v for v in (lanes.get(rid), w) if v is not None), default=None)
+    return lanes
+
+
+def furthest(*positions: Mapping[int, int]) -> dict[int, int]:
+    """Per partition, the highest of the given positions."""
+    out: dict[int, int] = {}
+    for p in positions:
+        for partition, offset in p.items():
+            out[partition] = max(out.get(partition, offset), offset)
+    return out
+
+
+def state_of(topic: str, rows: Iterable[Row], folded: Folded = Folded(), last_epoch: int = 0) -> LedgerState:
     """:class:`LedgerState` of ``topic`` from the ledger's rows (of all topics: epoch ids
-    are unique across them)."""
+    are unique across them), or from a summary's ``folded`` facts and ``last_epoch`` and the
+    rows it has not folded (every planned row among them)."""
     rows = list(rows)
     mine = [r for r in rows if r["topic"] == topic]
-    chain = [r for r in mine if is_scheduled(r) and r["status"] == COMMITTED]
-    latest = max(chain, key=lambda r: r["epoch"], default=None)
-    lanes: dict[str, list[Row]] = {}
-    for r in mine:
-        if kind_of(r) == BACKFILL and r["status"] == COMMITTED:
-            lanes.setdefault(r["request_id"], []).append(r)
-    # A lane's watermark only moves forward, even when two runs of one request overlapped
-    # and the later epoch was planned from the older watermark.
-    request_watermarks = {rid: max((r["watermark_after_ms"] for r in rs if r["watermark_after_ms"] is not None),
-                                   default=None) for rid, rs in lanes.items()}
-
+    chain_last = newest_chain_epoch(mine, folded)
     planned = rows_by_epoch(r for r in mine if r["status"] == PLANNED)
     plans = [plan_from_rows(rs) for _, rs in sorted(planned.items())]
     # The chain's planners finish its unfinished epoch before planning another; a rebuild's
@@ -230,17 +269,19 @@ def state_of(topic: str, rows: Iterable[Row]) -> LedgerState:
     # watermark.
     chain_plans = [p for p in plans if p.kind == SCHEDULED]
     # Every row of the topic, planned, committed or lost and of any kind, owns its offsets.
-    coverage = Coverage.of(topic, (OffsetRange(topic, r["partition"], r["from_offset"], r["until_offset"])
-                                   for r in mine))
+    coverage = Coverage.of(topic, [*(OffsetRange(topic, p, a, b) for p, spans in folded.owned.items()
+                                     for a, b in spans),
+                                   *(OffsetRange(topic, r["partition"], r["from_offset"], r["until_offset"])
+                                     for r in mine)])
     # The chain goes on after its lost rows too: a chain that gave up its first epochs (their
     # offsets aged out) has no committed row, and resolving its start position again would
     # leave the offsets deleted since then owned by no row, neither counted nor lost.
-    positions = chain_positions(mine, statuses=(COMMITTED, LOST))
-    return LedgerState(last_epoch=max((r["epoch"] for r in rows), default=0), committed=positions,
-                       watermark_ms=latest["watermark_after_ms"] if latest is not None else None,
+    positions = furthest(folded.chain_until, chain_positions(mine, statuses=(COMMITTED, LOST)))
+    return LedgerState(last_epoch=max([last_epoch, *(r["epoch"] for r in rows)]), committed=positions,
+                       watermark_ms=chain_last[1] if chain_last is not None else None,
                        pending_chain=tuple(chain_plans),
                        pending_backfills=tuple(p for p in plans if p.kind == BACKFILL),
-                       coverage=coverage, request_watermarks=request_watermarks)
+                       coverage=coverage, request_watermarks=lane_watermarks(mine, folded))
 
 
 @dataclass(frozen=True)
