@@ -44,8 +44,13 @@ def late_records(cfg: PipelineConfig) -> set:
             for r in _rows(cfg.late_path)}
 
 
+def ledger_rows(path: str) -> list[dict]:
+    """The ledger's epoch rows: its summary rows are bookkeeping that the rows imply."""
+    return [r for r in _rows(path) if r["status"] != "summary"]
+
+
 def ledger(cfg: PipelineConfig) -> list[dict]:
-    return sorted(_rows(cfg.ledger_path), key=lambda r: (r["epoch"], r["partition"]))
+    return sorted(ledger_rows(cfg.ledger_path), key=lambda r: (r["epoch"], r["partition"]))
 
 
 def epoch_ranges(cfg: PipelineConfig) -> list[dict[int, tuple[int, int]]]:
@@ -62,11 +67,11 @@ def snapshot(cfg: PipelineConfig, also_ignore: frozenset = frozenset()) -> dict:
     exactly-once comparison between two runs looks at."""
     wall_clock = {"planned_at", "committed_at", "duration_seconds", "stage_seconds", "run_id"} | also_ignore
 
-    def rows(path: str, drop: set = frozenset()) -> list[tuple]:
-        return sorted((tuple((k, v) for k, v in r.items() if k not in drop) for r in _rows(path)), key=repr)
+    def rows(path: str, drop: set = frozenset(), read=_rows) -> list[tuple]:
+        return sorted((tuple((k, v) for k, v in r.items() if k not in drop) for r in read(path)), key=repr)
 
     return {"counts": rows(cfg.counts_path), "dead_letters": rows(cfg.dead_letter_path),
-            "late": rows(cfg.late_path), "ledger": rows(cfg.ledger_path, wall_clock)}
+            "late": rows(cfg.late_path), "ledger": rows(cfg.ledger_path, wall_clock, ledger_rows)}
 
 
 def lanes(cfg: PipelineConfig) -> dict[str, list[dict[int, tuple[int, int]]]]:

@@ -13,24 +13,17 @@ only source of positions; the consumer group is never read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Mapping
 
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.ledger import chain_positions, unfinished_chain_epochs
-from ipcount.storage.delta import read_rows
+from ipcount.rules.ledger_summary import committed_chain
+from ipcount.storage.ledger import Ledger
 
 
 @dataclass(frozen=True)
 class Verdict:
     run: bool
     why: str
-
-
-def chain_state(rows: Iterable[Mapping[str, Any]]) -> tuple[dict[int, int], list[int]]:
-    """From one topic's ledger rows: the scheduled chain's next offset per partition (from
-    its committed rows) and its unfinished (planned) epochs."""
-    rows = list(rows)
-    return chain_positions(rows), unfinished_chain_epochs(rows)
 
 
 def verdict(positions: Mapping[int, int], unfinished: list[int], earliest: Mapping[int, int],
@@ -59,9 +52,8 @@ def check(cfg: PipelineConfig) -> Verdict:
     try:
         from ipcount.storage import broker
 
-        rows = read_rows(cfg.ledger_path, columns=["epoch", "partition", "until_offset", "status", "kind"],
-                         filters=[("topic", "=", cfg.topic)])
-        positions, unfinished = chain_state(rows)
+        view = Ledger(cfg.ledger_path).view()
+        _, positions, unfinished = committed_chain(view.summary, cfg.topic, view.tail)
         if unfinished or not positions:
             return verdict(positions, unfinished, {}, {})
         earliest, latest = broker.partition_offsets(cfg)

@@ -21,6 +21,7 @@ from ipcount.jobs.crash import Crash, no_crash
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.ledger import BACKFILL as BACKFILL_EPOCH
+from ipcount.rules.ledger import SUMMARY
 from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, LIVE, SNAPSHOT, Cursor, changed_rows,
                                    check_never_published, epoch_of_commit, has_change_feed, sink_records,
                                    snapshot_rows)
@@ -155,6 +156,6 @@ def publish_step(cfg: PipelineConfig, crash: Crash = no_crash) -> dict:
 def _epoch_kinds(cfg: PipelineConfig) -> dict[int, tuple[str, str | None]]:
     """Each epoch's record kind (live or backfill) and backfill request, from the ledger."""
     out: dict[int, tuple[str, str | None]] = {}
-    for row in read_rows(cfg.ledger_path, ("epoch", "kind", "request_id")):
+    for row in read_rows(cfg.ledger_path, ("epoch", "kind", "request_id"), filters=[("status", "!=", SUMMARY)]):
         out[row["epoch"]] = (BACKFILL, row["request_id"]) if row["kind"] == BACKFILL_EPOCH else (LIVE, None)
     return out

@@ -150,7 +150,8 @@ def _forget(path: str, table: DeltaTable | None = None) -> None:
 
 # -- reads with delta-rs -------------------------------------------------------------------
 
-def _open(path: str):
+def open_table(path: str):
+    """The Delta table at ``path`` at its latest version (:func:`latest`), or None if there is none."""
     from deltalake.exceptions import TableNotFoundError
 
     if not has_table(path):  # (a look at a directory, or a listing on object storage)
@@ -187,7 +188,7 @@ def read_rows(path: str, columns: Iterable[str] | None = None,
               filters: Iterable[tuple[str, str, Any]] | None = None) -> list[dict[str, Any]]:
     """Rows of the Delta table at ``path`` ([] if there is none), optionally only some
     columns and only rows matching every ``(column, op, value)`` filter."""
-    table = _open(path)
+    table = open_table(path)
     if table is None:
         return []
     columns = list(columns or [])
@@ -227,7 +228,7 @@ class DeltaReader:
             now = time.monotonic()
             held = self._tables.get(path)
             if held is None:
-                table = _open(path)
+                table = open_table(path)
                 if table is None:
                     return None
                 self._tables[path] = (table, now)
@@ -335,7 +336,7 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
     from deltalake.exceptions import DeltaError, TableNotFoundError
 
     properties = {**CHECKPOINT_EVERY, **(properties or {})}
-    table = _open(path)
+    table = open_table(path)
     if table is None:
         try:
             # No retry: a retried creation is committed on top of the winner's, as a new
@@ -346,7 +347,7 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
             _forget(path, created)
             return
         except (DeltaError, TableNotFoundError) as e:
-            table = _open(path)
+            table = open_table(path)
             if table is None:
                 raise
             log.info("%s was created by a concurrent run (%s)", path, str(e).splitlines()[0][:200])

@@ -18,28 +18,49 @@ tasks on spark-submit or Spark Connect).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ipcount.rules.coverage import intersect
 from ipcount.rules.errors import PlanConflict
-from ipcount.rules.finality import ChainCommit, chain_commits
+from ipcount.rules.finality import ChainCommit
+from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, METRICS, PLANNED, SCHEDULED, SUMMARY, VIEW_COLUMNS,
+                                  EpochPlan, EpochSummary, LedgerState, PartitionMetrics, Row, committed_summaries,
+                                  plan_from_rows, rows_by_epoch)
+from ipcount.rules.ledger_summary import (LedgerSummary, chain_commits_of, committed_chain, fold, fold_due,
+                                          state as summary_state)
 from ipcount.rules.offsets import OffsetRange
-from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, METRICS, PLANNED, SCHEDULED, STATE_COLUMNS, EpochPlan,
-                                  EpochSummary, LedgerState, PartitionMetrics, chain_positions, committed_summaries,
-                                  is_scheduled, plan_from_rows, rows_by_epoch, state_of)
-from ipcount.storage.delta import (arrow_schema, latest, query_table, read_rows, retry_on_conflict,
-                                   rs_concurrent_errors, rs_create_table, sql_literal)
+from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, read_rows, retry_on_conflict,
+                                   rs_concurrent_errors, rs_create_table, sql_identifier, sql_literal)
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 log = logging.getLogger(__name__)
 
-# A commit adds a file (an append) or rewrites one (a MERGE); past this many data files the
-# ledger is compacted after a commit, so a full read - planning here, the monitoring pages
-# there - stays a few files long however many epochs it holds.
+# A commit adds a file (an append) or rewrites one (a MERGE); past this many files of less
+# than half LEDGER_FILE_BYTES the ledger is compacted after a commit. Compaction packs files
+# into bins of at most LEDGER_FILE_BYTES, so a file near that size is no longer rewritten: it
+# holds epochs the summary has folded, which readers skip by the files' epoch statistics, so
+# what they read stays as long however old the ledger.
 COMPACT_AFTER_FILES = 16
+LEDGER_FILE_BYTES = 1 << 20
+# The Delta app transaction id whose version names the newest summary row (from_offset =
+# -version: no other row's offset is negative, so file statistics find it).
+SUMMARY_TXN = "ipcount/ledger-summary"
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """One snapshot of the ledger as its bookkeeping reads it: the newest summary (None:
+    none yet) and the rows it does not hold (every row when there is none)."""
+
+    summary: LedgerSummary | None
+    tail: list[Row]
+
+    def state(self, topic: str) -> LedgerState:
+        return summary_state(self.summary, topic, self.tail)
 
 
 def ledger_schema() -> pa.Schema:
@@ -56,9 +77,20 @@ class Ledger:
         columns it lacks."""
         rs_create_table(self.path, ledger_schema())
 
+    def view(self, table=None) -> LedgerView:
+        """The ledger's summary and tail, both read from one snapshot (``table``, default the
+        latest): from two, a plan folded between the reads would hide its epochs from both."""
+        table = table if table is not None else open_table(self.path)
+        if table is None:
+            return LedgerView(None, [])
+        summary = _summary_in(table)
+        tail = "" if summary is None else f" AND ({_tail_condition(summary)})"
+        columns = ", ".join(sql_identifier(c) for c in VIEW_COLUMNS)
+        return LedgerView(summary, query_table(table, f"SELECT {columns} FROM t WHERE status <> '{SUMMARY}'{tail}"))
+
     def state(self, topic: str) -> LedgerState:
         """A snapshot is enough: :meth:`record_plan` re-checks overlaps against the latest."""
-        return state_of(topic, read_rows(self.path, columns=STATE_COLUMNS))
+        return self.view().state(topic)
 
     def epochs(self, topic: str, statuses: tuple[str, ...] = (COMMITTED, LOST)) -> list[tuple[EpochPlan, int | None]]:
         """Every epoch with rows of the given statuses, as (plan, counts sink version), in the
@@ -75,10 +107,10 @@ class Ledger:
         return sorted(out, key=lambda pv: (pv[1] if pv[1] is not None else -1, pv[0].epoch))
 
     def chain_commits(self, topic: str) -> list[ChainCommit]:
-        """The scheduled chain's counts commits, newest first (:mod:`ipcount.rules.finality`)."""
-        return chain_commits(read_rows(self.path, columns=("epoch", "kind", "status", "sink_version",
-                                                           "watermark_after_ms"),
-                                       filters=[("topic", "=", topic), ("status", "=", COMMITTED)]))
+        """The scheduled chain's two newest counts commits, newest first
+        (:mod:`ipcount.rules.finality`)."""
+        view = self.view()
+        return chain_commits_of(view.summary, topic, view.tail)
 
     def record_plan(self, plan: EpochPlan, run_id: str | None) -> None:
         """The write-ahead: the epoch's ranges are durable before anything is read or written.
@@ -94,23 +126,41 @@ class Ledger:
         answer, and answered the retry "already exists") is no conflict: if the ledger holds
         exactly this plan, made at this plan's time, it is this planner's, and is kept.
         """
-        from deltalake import CommitProperties, write_deltalake
+        from deltalake import CommitProperties, Transaction, write_deltalake
 
         planned_at = (datetime.now(timezone.utc) if plan.planned_at_ms is None
                       else datetime.fromtimestamp(plan.planned_at_ms / 1000, timezone.utc))
         rows = (_uncommitted_rows(plan, LOST, plan.lost, planned_at, run_id)
                 + _uncommitted_rows(plan, PLANNED, plan.ranges, planned_at, run_id))
         snapshot = latest(self.path)
+        view = self.view(snapshot)
+        ranges = (*plan.lost, *plan.ranges)
+        if view.summary is not None and any(
+                intersect((r.from_offset, r.until_offset), view.summary.folded(r.topic).owned.get(r.partition, ()))
+                for r in ranges if r.size > 0):  # (an empty range owns nothing)
+            raise PlanConflict("ledger rows that overlap the plan exist (epochs the summary holds)")
         overlaps = " OR ".join(
             f'(topic = {sql_literal(r.topic)} AND "partition" = {int(r.partition)} '
-            f"AND from_offset < {int(r.until_offset)} AND {int(r.from_offset)} < until_offset)"
-            for r in (*plan.lost, *plan.ranges))
-        taken = query_table(snapshot, f"SELECT count(*) AS n FROM t WHERE epoch = {int(plan.epoch)} OR {overlaps}")
+            f"AND from_offset < {int(r.until_offset)} AND {int(r.from_offset)} < until_offset "
+            "AND from_offset < until_offset)"  # (an empty range owns nothing, folded or not)
+            for r in ranges)
+        tail = "" if view.summary is None else f"({_tail_condition(view.summary)}) AND "
+        taken = query_table(snapshot, f"SELECT count(*) AS n FROM t WHERE epoch = {int(plan.epoch)} "
+                                      f"OR ({tail}status <> '{SUMMARY}' AND ({overlaps}))")
         if taken[0]["n"]:
             raise PlanConflict("ledger rows that overlap the plan (or hold its epoch id) exist")
+        version = snapshot.version() + 1  # the append is this version or nothing
+        properties = {"max_commit_retries": 0}
+        if fold_due(view.summary, plan.epoch, view.tail):
+            summary = fold(view.summary, [*view.tail, *rows])
+            # Its epoch is the plan's: with a negative one every file holding a summary row
+            # would span all older epochs, and none could be skipped for a stale open epoch.
+            rows.append({"epoch": plan.epoch, "topic": "", "partition": -1, "from_offset": -version,
+                         "until_offset": -version, "status": SUMMARY, "planned_at": planned_at,
+                         "summary": summary.to_json()})
+            properties["app_transactions"] = [Transaction(SUMMARY_TXN, version)]
         try:
-            write_deltalake(snapshot, arrow_rows(rows), mode="append",
-                            commit_properties=CommitProperties(max_commit_retries=0))
+            write_deltalake(snapshot, arrow_rows(rows), mode="append", commit_properties=CommitProperties(**properties))
         except rs_concurrent_errors() as e:
             if self._holds(plan):
                 log.warning("epoch %d: the ledger refused its plan (%s) but holds it as recorded: the commit "
@@ -121,7 +171,7 @@ class Ledger:
 
     def _holds(self, plan: EpochPlan) -> bool:
         """Whether the ledger's rows of ``plan.epoch`` are exactly ``plan``, not yet committed."""
-        rows = read_rows(self.path, filters=[("epoch", "=", int(plan.epoch))])
+        rows = read_rows(self.path, filters=[("epoch", "=", int(plan.epoch)), ("status", "!=", SUMMARY)])
         def ordered(p: EpochPlan) -> EpochPlan:
             return replace(p, ranges=tuple(sorted(p.ranges)), lost=tuple(sorted(p.lost)))
         return (bool(rows) and all(r["status"] in (PLANNED, LOST) for r in rows)
@@ -168,25 +218,54 @@ class Ledger:
         set_cols = ["status", "committed_at", *METRICS, "watermark_after_ms", "sink_version", "duration_seconds",
                     "run_id", "lag_after", "stage_seconds"]
 
+        # The epoch as a literal: delta-rs then skips every file of other epochs by its
+        # statistics (the filter it derives from the source's values alone skips fewer).
+        match = (f"t.epoch = {int(plan.epoch)} AND t.epoch = s.epoch AND t.topic = s.topic "
+                 f"AND t.\"partition\" = s.\"partition\" AND t.status = '{PLANNED}'")
+
         def merge() -> None:
             (latest(self.path)
-             .merge(updates, 't.epoch = s.epoch AND t.topic = s.topic AND t."partition" = s."partition" '
-                             f"AND t.status = '{PLANNED}'", source_alias="s", target_alias="t")
+             .merge(updates, match, source_alias="s", target_alias="t")
              .when_matched_update({c: f"s.{c}" for c in set_cols})
              .execute())
         retry_on_conflict(merge, f"committing epoch {plan.epoch} to the ledger")
         self._compact_if_due()
 
     def _compact_if_due(self) -> None:
-        """Fold the ledger's small files into one once enough pile up. Best effort: a
-        concurrent commit that wins leaves it for the next time (compaction changes no row)."""
+        """Fold the ledger's small files into files of up to :data:`LEDGER_FILE_BYTES` once
+        enough pile up. Best effort: a concurrent
+        commit that wins leaves it for the next time (compaction changes no row)."""
+        import pyarrow as pa
+
         table = latest(self.path)
-        if len(table.file_uris()) <= COMPACT_AFTER_FILES:
+        sizes = pa.table(table.get_add_actions(flatten=True)).column("size_bytes").to_pylist()
+        if sum(1 for size in sizes if size < LEDGER_FILE_BYTES // 2) <= COMPACT_AFTER_FILES:
             return
         try:
-            table.optimize.compact()
+            table.optimize.compact(target_size=LEDGER_FILE_BYTES)
         except rs_concurrent_errors() as e:
             log.info("compacting the ledger: a concurrent commit (%s); next time", type(e).__name__)
+
+
+def _summary_in(table) -> LedgerSummary | None:
+    """The newest summary in a snapshot of the ledger, found through its app transaction."""
+    version = table.transaction_version(SUMMARY_TXN)
+    if version is None:
+        return None
+    found = query_table(table, f"SELECT summary FROM t WHERE from_offset = {-int(version)} "
+                               f"AND \"partition\" = -1 AND status = '{SUMMARY}'")
+    if not found:
+        log.warning("the ledger's summary of version %d is missing: reading every row", version)
+        return None
+    if (summary := LedgerSummary.from_json(found[0]["summary"])) is None:
+        log.warning("the ledger's summary of version %d is unreadable: reading every row", version)
+    return summary
+
+
+def _tail_condition(summary: LedgerSummary) -> str:
+    """SQL for the rows a summary does not hold (:meth:`LedgerSummary.in_tail`)."""
+    open_epochs = ", ".join(str(int(e)) for e in summary.open)
+    return f"epoch > {int(summary.through)}" + (f" OR epoch IN ({open_epochs})" if open_epochs else "")
 
 
 def arrow_rows(rows: list[Mapping[str, Any]]) -> pa.Table:
@@ -226,9 +305,6 @@ def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None 
 def committed_positions(ledger_path: str, topic: str) -> tuple[int, dict[int, int]]:
     """(last committed epoch, partition -> next offset) of the scheduled chain for ``topic``;
     (0, {}) if none. The consumer group follows the chain."""
-    # Only the columns it needs: the ledger grows by a row per partition and epoch, and each
-    # epoch's group commit reads it (docs/performance.md).
-    rows = [r for r in read_rows(ledger_path, columns=("epoch", "partition", "until_offset", "status", "kind"),
-                                 filters=[("topic", "=", topic), ("status", "=", COMMITTED)])
-            if is_scheduled(r)]
-    return max((r["epoch"] for r in rows), default=0), chain_positions(rows)
+    view = Ledger(ledger_path).view()
+    epoch, positions, _ = committed_chain(view.summary, topic, view.tail)
+    return epoch, positions

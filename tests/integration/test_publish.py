@@ -194,9 +194,8 @@ def test_an_epoch_killed_while_publishing_is_published_once_from_the_merge_s_cha
     the version once, and more epochs go on from there."""
     from ipcount.jobs.epoch import run_epoch
     from ipcount.orchestration.monitor.data import BrokerProbe
-    from ipcount.storage.delta import read_rows
     from ipcount_lab.generator import TrafficGenerator, produce
-    from tests.tables import counts
+    from tests.tables import counts, ledger_rows
 
     cfg = cfg.replace(publish=True, publish_topic=f"sink_{cfg.topic}", max_records_per_epoch=150)
     gen = TrafficGenerator(seed=51, events_per_second=40, late_share=0.05, malformed_share=0.03)
@@ -207,7 +206,7 @@ def test_an_epoch_killed_while_publishing_is_published_once_from_the_merge_s_cha
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert run_epoch(cfg, spark) is not None   # epoch 2 (in-process: it does not publish)
     report = publish_pending(cfg)              # epoch 1's version again, then epoch 2's
-    sink_versions = {r["epoch"]: r["sink_version"] for r in read_rows(cfg.ledger_path, ("epoch", "sink_version"))}
+    sink_versions = {r["epoch"]: r["sink_version"] for r in ledger_rows(cfg.ledger_path)}
     assert BrokerProbe(ttl_seconds=0).published_until(cfg) == max(sink_versions.values()) + 1  # the monitor
     assert [e for _, e, _ in report.published if e is not None] == [1, 2]
     records = sink(cfg)

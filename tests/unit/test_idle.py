@@ -1,18 +1,20 @@
 """The no-JVM idle check: it may only say "idle" when an epoch would certainly commit nothing."""
-from ipcount.jobs.idle import chain_state, verdict
+from ipcount.jobs.idle import verdict
+from ipcount.rules.ledger_summary import committed_chain
 
 
 def row(epoch, partition, until, status="committed", kind="scheduled"):
-    return {"epoch": epoch, "partition": partition, "until_offset": until, "status": status, "kind": kind}
+    return {"epoch": epoch, "topic": "t", "partition": partition, "until_offset": until, "status": status,
+            "kind": kind}
 
 
-def test_chain_state_takes_the_scheduled_chain_only():
+def test_the_idle_check_follows_the_scheduled_chain_only():
     rows = [row(1, 0, 10), row(1, 1, 7), row(2, 0, 25), row(2, 1, 9),
             row(3, 0, 900, kind="backfill"),            # a backfill ahead of the chain is not its position
             row(4, 1, 50, status="planned", kind="backfill"),
             row(5, 0, 40, status="planned"), {**row(6, 1, 60), "kind": None}]  # null kind: scheduled
-    positions, unfinished = chain_state(rows)
-    assert positions == {0: 25, 1: 60}
+    newest, positions, unfinished = committed_chain(None, "t", rows)
+    assert positions == {0: 25, 1: 60} and newest == 6
     assert unfinished == [5]
 
 
