@@ -158,9 +158,13 @@ def connect_session(url: str, where: str, pipeline_id: str, timeout_seconds: flo
     stop it: that ends it for every process of the pipeline."""
     from pyspark.sql import SparkSession
 
-    host, _, port = urlsplit(url.replace("sc://", "http://", 1)).netloc.partition(":")
+    parts = urlsplit(url.replace("sc://", "http://", 1))
     try:
-        socket.create_connection((host, int(port or 15002)), timeout=timeout_seconds).close()
+        address = (parts.hostname, parts.port or 15002)
+    except ValueError:  # (a port that is no number)
+        raise SparkConnectError(f"{where}: not a Spark Connect address (sc://host:port)") from None
+    try:
+        socket.create_connection(address, timeout=timeout_seconds).close()
     except OSError as e:
         raise SparkConnectError(f"no Spark Connect server answers at {where} ({e.strerror or e}); start "
                                 "one (bin/lab spark-connect start) or leave spark_remote empty") from None

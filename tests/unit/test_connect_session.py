@@ -55,3 +55,16 @@ def test_the_task_refuses_a_connection_it_cannot_share_a_session_on(monkeypatch)
                                     conn_id=conn_id, pipeline_id="p", command_args=["epoch"])
         with pytest.raises(ConfigError, match=message):
             task.execute_callable()
+
+
+def test_a_server_address_is_read_as_a_url_ipv6_included():
+    """The reachability check reads host and port as a URL does ([::1]:port too); a port that
+    is no number is a clear error, not a traceback."""
+    from ipcount.rules.errors import SparkConnectError
+    from ipcount.storage.spark import connect_session
+
+    for url in ("sc://[::1]:1", "sc://127.0.0.1:1/;token=a"):
+        with pytest.raises(SparkConnectError, match="no Spark Connect server answers at"):
+            connect_session(url, "the server", "p", 2)
+    with pytest.raises(SparkConnectError, match="the server: not a Spark Connect address"):
+        connect_session("sc://localhost:port", "the server", "p", 2)
