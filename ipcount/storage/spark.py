@@ -12,7 +12,7 @@ import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from ipcount.rules.config import STATE_DIR, PipelineConfig
 from ipcount.rules.errors import MissingJarsError, SparkConnectError
@@ -117,7 +117,8 @@ def connect_url(cfg: PipelineConfig) -> str:
     if not cfg.spark_remote_token_file:
         return cfg.spark_remote
     token = read_private_file(cfg.spark_remote_token_file, "spark_remote_token_file")
-    return f"{cfg.spark_remote.rstrip('/')}/;token={token}"
+    # Quoted as the Spark provider's hook quotes a connection's token: pyspark unquotes it.
+    return f"{cfg.spark_remote.rstrip('/')}/;token={quote(token, safe='')}"
 
 
 def remote_session(cfg: PipelineConfig) -> SparkSession:

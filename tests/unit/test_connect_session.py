@@ -68,3 +68,16 @@ def test_a_server_address_is_read_as_a_url_ipv6_included():
             connect_session(url, "the server", "p", 2)
     with pytest.raises(SparkConnectError, match="the server: not a Spark Connect address"):
         connect_session("sc://localhost:port", "the server", "p", 2)
+
+
+def test_a_token_from_its_file_reaches_the_client_as_written(tmp_path):
+    """pyspark unquotes the URL's token (as the Spark provider's hook quotes it), so a token
+    with '%' or ';' in it must be quoted, or the server gets another token."""
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.rules.private_files import write_private_file
+    from ipcount.storage.spark import connect_url
+
+    token = "a%41;b=c d/e"
+    path = write_private_file(tmp_path / "token", token + "\n")
+    url = connect_url(PipelineConfig(spark_remote="sc://localhost:15002", spark_remote_token_file=str(path)))
+    assert DefaultChannelBuilder(url).get("token") == token
