@@ -234,7 +234,7 @@ def test_tables_from_an_older_schema_and_from_spark_gain_the_new_columns(cfg, sp
     from ipcount.storage.ledger import ledger_schema
 
     # (columns added since the first release)
-    added = ("lag_after", "stage_seconds", "kind", "request_id", "chain_watermark_ms", "planned_by")
+    added = ("lag_after", "stage_seconds", "kind", "request_id", "chain_watermark_ms", "planned_by", "summary")
     old_ledger = ", ".join(f"`{name}` {kind}" for name, kind, _ in COLUMNS if name not in added)
     (DeltaTable.createIfNotExists(spark).location(cfg.ledger_path).addColumns(StructType.fromDDL(old_ledger))
      .property("delta.autoOptimize.autoCompact", "true").execute())
