@@ -106,9 +106,10 @@ def _publish_versions(cfg: PipelineConfig, publisher: Publisher, table, cursor: 
     changes: dict[int, list[dict]] = {}
     for row in pyarrow.table(feed.read_all()).to_pylist():
         changes.setdefault(row["_commit_version"], []).append(row)
-    kinds = _epoch_kinds(cfg)
+    epochs = {v: epoch_of_commit(infos[v].get("userMetadata")) for v in range(first, latest + 1)}
+    kinds = _epoch_kinds(cfg, {e for e in epochs.values() if e is not None})
     for version in range(first, latest + 1):
-        epoch = epoch_of_commit(infos[version].get("userMetadata"))
+        epoch = epochs[version]
         rows = changed_rows(changes.get(version, []))
         if epoch is None and rows:  # only epochs change counts; anything else is not the pipeline's
             raise ConfigError(f"counts version {version} changed {len(rows)} row(s) but no epoch made it "
@@ -153,9 +154,14 @@ def publish_step(cfg: PipelineConfig, crash: Crash = no_crash) -> dict:
     return summary
 
 
-def _epoch_kinds(cfg: PipelineConfig) -> dict[int, tuple[str, str | None]]:
-    """Each epoch's record kind (live or backfill) and backfill request, from the ledger."""
+def _epoch_kinds(cfg: PipelineConfig, epochs: set[int]) -> dict[int, tuple[str, str | None]]:
+    """The record kind (live or backfill) and backfill request of each of ``epochs``, from
+    the ledger. Only the rows of their id span are read (the files of other epochs are
+    skipped by their statistics), so publishing costs the same however old the ledger."""
     out: dict[int, tuple[str, str | None]] = {}
-    for row in read_rows(cfg.ledger_path, ("epoch", "kind", "request_id"), filters=[("status", "!=", SUMMARY)]):
+    if not epochs:
+        return out
+    span = [("epoch", ">=", min(epochs)), ("epoch", "<=", max(epochs)), ("status", "!=", SUMMARY)]
+    for row in read_rows(cfg.ledger_path, ("epoch", "kind", "request_id"), filters=span):
         out[row["epoch"]] = (BACKFILL, row["request_id"]) if row["kind"] == BACKFILL_EPOCH else (LIVE, None)
     return out
