@@ -325,6 +325,31 @@ def _publish(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     return EXIT_OK
 
 
+def _maintain_arguments(sub) -> None:
+    p = sub.add_parser("maintain", help="compact, checkpoint and vacuum every table of the set",
+                       description="Maintain every table of the pipeline's set once: pack small files into big "
+                                   "ones (the counts table only in hour partitions whose windows are all final), "
+                                   "write a checkpoint, delete log files older than the table's log retention, and "
+                                   "delete data files no version has referenced for vacuum_retention_hours. Safe "
+                                   "beside running epochs: a step that loses to an epoch's commit is left for the "
+                                   "next run. Each run is logged, a row per table, in the maintenance table. Runs "
+                                   "without Spark; reads the publisher's position from Kafka when publish is on.")
+    add_config_flags(p, COMMAND_SETTINGS["maintain"])
+
+
+def _maintain(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.jobs.maintenance import run_maintenance
+    from ipcount.storage.delta import has_table
+
+    if not has_table(cfg.ledger_path):
+        raise ConfigError(f"no ledger at {cfg.ledger_path}: nothing to maintain (check warehouse / ledger_table)")
+    run = run_maintenance(cfg)
+    for line in run.lines():
+        print(line)
+    print(f"maintenance {run.run_id} logged to {cfg.maintenance_path}")
+    return EXIT_OK
+
+
 def _watch_arguments(sub) -> None:
     p = sub.add_parser("watch", help="print a line per epoch as epochs commit",
                        description="Follow the ledger and print one line per committed epoch.")
@@ -465,7 +490,8 @@ def _config_arguments(sub) -> None:
 def _config(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     out = cfg.to_dict()
     out.update(counts_path=cfg.counts_path, ledger_path=cfg.ledger_path,
-               dead_letter_path=cfg.dead_letter_path, late_path=cfg.late_path)
+               dead_letter_path=cfg.dead_letter_path, late_path=cfg.late_path,
+               maintenance_path=cfg.maintenance_path)
     print(json.dumps(out, indent=2))
     return EXIT_OK
 
@@ -477,6 +503,7 @@ COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
     "backfill": (_backfill_arguments, _backfill),
     "verify": (_verify_arguments, _verify),
     "rebuild": (_rebuild_arguments, _rebuild),
+    "maintain": (_maintain_arguments, _maintain),
     "watch": (_watch_arguments, _watch),
     "latency": (_latency_arguments, _latency),
     "create-topic": (_create_topic_arguments, _create_topic),

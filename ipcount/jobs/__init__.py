@@ -10,5 +10,6 @@
 - :mod:`.tally`         an epoch's tally split (Arrow) into metrics, counts, dead letters, late rows
 - :mod:`.publish`       committed counts to the sink topic, exactly once (no JVM)
 - :mod:`.latency`       how long records waited to be counted, measured after the fact (no JVM)
+- :mod:`.maintenance`   the maintenance command: every table compacted, checkpointed, vacuumed (no JVM)
 - :mod:`.crash`         crash points and the step markers each epoch step logs
 """

@@ -19,7 +19,7 @@ from ipcount.storage.spark import DRIVER_ENV, spark_conf, spark_jars
 log = logging.getLogger(__name__)
 
 EPOCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "epoch_job.py")
-EPOCH_DAG_ID, BACKFILL_DAG_ID = "ipcount_epoch", "ipcount_backfill"
+EPOCH_DAG_ID, BACKFILL_DAG_ID, MAINTENANCE_DAG_ID = "ipcount_epoch", "ipcount_backfill", "ipcount_maintenance"
 
 
 # Settings a DAG run may override from the trigger form or `airflow dags trigger --conf`
@@ -56,6 +56,13 @@ def epoch_timetable(cfg: PipelineConfig):
     if cfg.schedule.strip() == CONTINUOUS:
         return CONTINUOUS
     return CronDataIntervalTimetable(cfg.schedule, timezone="UTC")
+
+
+def maintenance_schedule(cfg: PipelineConfig) -> str | None:
+    """The maintenance DAG's schedule: ``maintenance_schedule``, or None (only when
+    triggered) for ``none``."""
+    schedule = cfg.maintenance_schedule.strip()
+    return None if schedule.lower() == "none" else schedule
 
 
 def counts_asset(cfg: PipelineConfig):

@@ -12,6 +12,7 @@ offset range, a plan, a ledger row, a record and a setting mean. Unit-tested on 
 - :mod:`.finality`  which counts rows a scheduled epoch must look at to mark windows final
 - :mod:`.tableset`  what a table set means, fixed when it is created (its manifest)
 - :mod:`.publish`   what the publisher sends to the sink topic, and its cursor
+- :mod:`.maintenance`  which counts partitions are final, how long a vacuum keeps files, run reports
 - :mod:`.kafka_security`  the Kafka security settings as each client's options
 - :mod:`.private_files`   files that hold secrets: private from their first byte
 """

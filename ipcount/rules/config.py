@@ -103,6 +103,8 @@ class PipelineConfig:
     ledger_table: str = setting("", "location of the offset ledger (default <warehouse>/ledger)")
     dead_letter_table: str = setting("", "location of the dead-letter table (default <warehouse>/dead_letters)")
     late_table: str = setting("", "location of the late-records table (default <warehouse>/late_records)")
+    maintenance_table: str = setting(
+        "", "location of the maintenance log, a row per table and maintenance run (default <warehouse>/maintenance)")
     window_seconds: int = setting(5, "tumbling event-time window size", minimum=1)
     allowed_lateness_seconds: int = setting(
         5,
@@ -229,6 +231,15 @@ class PipelineConfig:
         "ip_count_sink",
         "the Kafka topic the counts are published to, made if missing; an existing one must have "
         "cleanup.policy=compact only (keyed by window and IP; read it with isolation.level=read_committed)")
+    maintenance_schedule: str = setting(
+        "@daily",
+        "the maintenance DAG's schedule (a cron expression or preset), or none: it then runs only when triggered; "
+        "each run compacts, checkpoints and vacuums every table of the set")
+    vacuum_retention_hours: int = setting(
+        168,
+        "maintenance deletes a data file once no table version has referenced it for this long (Delta's VACUUM "
+        "retention; a reader of an older version needs its files)",
+        minimum=1)
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -247,7 +258,11 @@ class PipelineConfig:
                               "Connect server")
         if not self.warehouse:
             raise ConfigError("warehouse is empty; expected a directory or an s3:// URI for the Delta tables")
-        for name in ("warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table"):
+        if not self.maintenance_schedule.strip():
+            raise ConfigError("maintenance_schedule is empty; expected a cron expression or preset such as "
+                              "'@daily', or 'none' to run maintenance only when triggered")
+        for name in ("warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table",
+                     "maintenance_table"):
             scheme = location_scheme(getattr(self, name))
             if scheme not in ("", *OBJECT_STORAGE_SCHEMES):
                 raise ConfigError(f"{name} {getattr(self, name)!r}: tables live in a directory or under "
@@ -400,6 +415,10 @@ class PipelineConfig:
     def late_path(self) -> str:
         return self._table(self.late_table, "late_records")
 
+    @property
+    def maintenance_path(self) -> str:
+        return self._table(self.maintenance_table, "maintenance")
+
     def for_target(self, target: str) -> PipelineConfig:
         """The configuration writing to ``target``: ``main`` is this pipeline's own tables;
         any other (checked) name is a replay table set with its own ledger under
@@ -409,7 +428,7 @@ class PipelineConfig:
         base = join_location(self.warehouse, "replays", target)
         return self.replace(**{setting: join_location(base, name) for setting, name in (
             ("counts_table", "counts"), ("ledger_table", "ledger"), ("dead_letter_table", "dead_letters"),
-            ("late_table", "late_records"))})
+            ("late_table", "late_records"), ("maintenance_table", "maintenance"))})
 
     @property
     def window_ms(self) -> int:
@@ -438,7 +457,8 @@ PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
 KAFKA_CLIENT_SETTINGS = ("bootstrap_servers", "kafka_timeout_seconds", "kafka_connection",
                          *(s.name for s in SETTINGS
                            if s.name.startswith(("kafka_security", "kafka_sasl", "kafka_ssl"))))
-TABLE_SETTINGS = ("pipeline_id", "warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table")
+TABLE_SETTINGS = ("pipeline_id", "warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table",
+                  "maintenance_table")
 COUNTING_SETTINGS = ("window_seconds", "allowed_lateness_seconds", "event_time", "max_value_bytes",
                      "max_event_time_ahead_seconds")
 COMMAND_SETTINGS = {
@@ -446,6 +466,8 @@ COMMAND_SETTINGS = {
     "latency": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS),
     "verify": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS, *COUNTING_SETTINGS),
     "publish": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS, "publish", "publish_topic"),
+    "maintain": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS, "publish", "publish_topic", "window_seconds",
+                 "allowed_lateness_seconds", "vacuum_retention_hours"),
     "create-topic": ("pipeline_id", "topic", *KAFKA_CLIENT_SETTINGS),
     "scram-user": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),
     "consumer-groups": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),

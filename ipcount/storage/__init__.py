@@ -9,4 +9,5 @@ decides what an epoch is (that is :mod:`ipcount.rules`).
 - :mod:`.connect_server`  the Spark Connect server epochs run on, with those settings
 - :mod:`.publisher`  the sink topic's transactional producer (one transaction per counts version)
 - :mod:`.tableset`   the table set's manifest on Delta
+- :mod:`.maintenance`  compaction, checkpoints, log cleanup and vacuum of a table set, and its log
 """

@@ -15,6 +15,7 @@ from kafka import KafkaConsumer, TopicPartition
 from ipcount.orchestration.monitor.links import run_page_path
 from ipcount.storage import broker as broker_io
 from ipcount.storage.ledger import committed_epochs
+from ipcount.storage.maintenance import last_runs
 from ipcount_lab.embedded_airflow import airflow_env
 from ipcount_lab.generator import TrafficGenerator, produce
 from tests.airflow_services import airflow_database, metadata_rows
@@ -65,7 +66,7 @@ def test_dag_folder_imports_without_errors(airflow_environ):
         "for name, d in sorted(bag.dags.items()):\n"
         "  info[name] = {'tasks': sorted(d.task_ids), 'max_active_runs': d.max_active_runs,\n"
         "    'catchup': d.catchup, 'retries': d.default_args['retries'],\n"
-        "    'schedule': getattr(d.timetable, 'summary', 'None'),\n"
+        "    'schedule': getattr(d.timetable, 'summary', None) or str(d.schedule),\n"
         "    'periodic': getattr(d.timetable, 'periodic', False), 'timetable': type(d.timetable).__name__,\n"
         "    'params': sorted(d.params.keys())}\n"
         "print(json.dumps(info))\n")
@@ -75,6 +76,9 @@ def test_dag_folder_imports_without_errors(airflow_environ):
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     from ipcount.orchestration.dags import BACKFILL_PARAMS, RUN_PARAMS
 
+    assert info.pop("ipcount_maintenance") == {
+        "tasks": ["maintain"], "max_active_runs": 1, "catchup": False, "retries": 1, "schedule": "@daily",
+        "periodic": False, "timetable": "CronTriggerTimetable", "params": []}
     assert info == {
         "errors": {},
         "ipcount_epoch": {"tasks": ["backfill_interval", "choose_path", "commit_offsets", "publish_counts",
@@ -156,6 +160,15 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_environ, cfg):
     assert states == {"choose_path": "success", "run_epoch": "skipped", "backfill_interval": "skipped",
                       "commit_offsets": "skipped", "publish_counts": "skipped", "publish_summary": "skipped"}
     assert [e.epoch for e in committed_epochs(cfg.ledger_path)] == [1]
+
+    # The maintenance DAG on the same tables (publish on: it reads the publisher's position).
+    proc = _airflow(airflow_environ, "dags", "test", "ipcount_maintenance", cfg=cfg)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    logged = last_runs(cfg)
+    assert sorted(r["table"] for r in logged) == ["counts", "dead_letters", "late_records", "ledger", "maintenance"]
+    assert logged[0]["run_id"].startswith("manual__") and all(r["files_after"] >= 1 for r in logged
+                                                              if r["table"] in ("counts", "ledger"))
+    assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
 
 
 def test_run_params_and_a_kafka_connection_reach_the_task_on_spark_connect(airflow_environ, cfg, broker, connect):

@@ -1,0 +1,33 @@
+"""The maintenance command: every table of a set compacted, checkpointed and vacuumed
+(:mod:`ipcount.storage.maintenance`), with the publisher's position read from the sink topic
+so that a vacuum keeps what publishing still reads."""
+from __future__ import annotations
+
+import logging
+
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.maintenance import MaintenanceRun
+from ipcount.storage.delta import latest
+from ipcount.storage.maintenance import maintain
+from ipcount.storage.publisher import committed_cursor
+
+log = logging.getLogger(__name__)
+
+
+def run_maintenance(cfg: PipelineConfig, run_id: str | None = None) -> MaintenanceRun:
+    """Maintain ``cfg``'s table set once (see :func:`ipcount.storage.maintenance.maintain`)."""
+    run = maintain(cfg, run_id, oldest_unpublished_ms=(lambda: oldest_unpublished_ms(cfg)) if cfg.publish else None)
+    log.info("maintenance %s done in %.1f s", run.run_id, (run.finished_at - run.started_at).total_seconds())
+    return run
+
+
+def oldest_unpublished_ms(cfg: PipelineConfig) -> int | None:
+    """When the oldest counts version the publisher has not sent was committed (None: it has
+    sent them all; 0: it never published, so it may read every version)."""
+    cursor = committed_cursor(cfg, cfg.publish_topic)
+    table = latest(cfg.counts_path)
+    first = 0 if cursor is None else cursor.next_version
+    if first > table.version():
+        return None
+    times = [int(h["timestamp"]) for h in table.history(table.version() - first + 1) if h["version"] >= first]
+    return min(times) if len(times) == table.version() - first + 1 else 0

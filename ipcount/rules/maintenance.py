@@ -1,0 +1,124 @@
+"""What maintenance of a table set decides, apart from its I/O (:mod:`ipcount.storage.maintenance`).
+
+Maintenance keeps a table set's cost flat as it ages: it packs the small files epochs leave
+into few big ones, writes a checkpoint, lets delta-rs delete expired log files, and deletes
+data files no version has referenced for the retention. None of it changes a row, and
+every step is a commit that loses to a concurrent epoch's commit (the epoch retries on the
+new version; maintenance tries again on its next run).
+
+Two things here need care. The counts table is compacted only in hour partitions whose
+windows are all final: the chain's MERGEs still rewrite the others every epoch, so packing
+them would be undone at once and make epochs retry. And a vacuum must not delete a file
+the publisher still reads: the change data feed of a version that only appended reads that
+version's data files, which a later MERGE may have replaced.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+HOUR_MS = 3_600_000
+# The format of the counts table's partition column (``window_hour``), which sorts as time does.
+HOUR_FORMAT = "%Y-%m-%dT%H"
+
+
+def first_open_hour(watermark_ms: int | None, window_ms: int, lateness_ms: int) -> str | None:
+    """The counts partition (``window_hour``) from which on windows may still change: every
+    partition that sorts before it holds only final windows. None: no watermark, none is final.
+
+    A window starting at ``s`` is final once ``s + window + lateness <= watermark``; an hour's
+    windows start before its end, so the hour is final once its end is at most
+    ``watermark - lateness - window`` (windows need not align to hours)."""
+    if watermark_ms is None:
+        return None
+    limit = watermark_ms - lateness_ms - window_ms
+    return datetime.fromtimestamp((limit // HOUR_MS) * HOUR_MS / 1000, timezone.utc).strftime(HOUR_FORMAT)
+
+
+def vacuum_retention_hours(retention_hours: int, now_ms: int, oldest_unpublished_ms: int | None) -> int:
+    """The retention a vacuum of the counts table may use: ``retention_hours``, or longer if
+    the oldest counts version not yet published (committed at ``oldest_unpublished_ms``) is
+    older. A file its change data feed reads was unreferenced no earlier than that commit,
+    so a retention reaching back to it keeps every such file."""
+    if oldest_unpublished_ms is None:
+        return retention_hours
+    age_hours = math.ceil(max(0, now_ms - oldest_unpublished_ms) / HOUR_MS) + 1
+    return max(retention_hours, age_hours)
+
+
+@dataclass(frozen=True)
+class TableMaintenance:
+    """What one maintenance run did to one table, and the table's size after it."""
+
+    table: str                    # the table's role: counts, ledger, dead_letters, late_records
+    location: str
+    files_before: int = 0         # data files in the latest version before the run
+    files_after: int = 0
+    bytes_after: int = 0          # their total size after the run
+    compacted_files: int = 0      # files compaction replaced
+    vacuumed_files: int = 0       # unreferenced files deleted
+    log_bytes: int | None = None  # _delta_log's size after the run (None: not listed, object storage)
+    checkpoint_bytes: int | None = None
+    notes: tuple[str, ...] = ()   # steps skipped or lost, and why
+
+    def line(self) -> str:
+        sizes = "" if self.log_bytes is None else f", _delta_log {_mb(self.log_bytes)} " \
+                                                    f"(checkpoint {_mb(self.checkpoint_bytes or 0)})"
+        notes = "".join(f"; {n}" for n in self.notes)
+        return (f"{self.table}: {self.files_before} -> {self.files_after} files ({_mb(self.bytes_after)}), "
+                f"compacted {self.compacted_files}, vacuumed {self.vacuumed_files}{sizes}{notes}")
+
+    def to_row(self, run_id: str, started_at: datetime, finished_at: datetime) -> dict[str, Any]:
+        return {"run_id": run_id, "started_at": started_at, "finished_at": finished_at, "table": self.table,
+                "location": self.location, "files_before": self.files_before, "files_after": self.files_after,
+                "bytes_after": self.bytes_after, "compacted_files": self.compacted_files,
+                "vacuumed_files": self.vacuumed_files, "log_bytes": self.log_bytes,
+                "checkpoint_bytes": self.checkpoint_bytes, "notes": "; ".join(self.notes)}
+
+
+# The maintenance log's columns (name, Spark SQL type, nullable): a row per table and run.
+MAINTENANCE_COLUMNS = (
+    ("run_id", "string", False),
+    ("started_at", "timestamp", False),
+    ("finished_at", "timestamp", False),
+    ("table", "string", False),
+    ("location", "string", False),
+    ("files_before", "bigint", False),
+    ("files_after", "bigint", False),
+    ("bytes_after", "bigint", False),
+    ("compacted_files", "bigint", False),
+    ("vacuumed_files", "bigint", False),
+    ("log_bytes", "bigint", True),
+    ("checkpoint_bytes", "bigint", True),
+    ("notes", "string", False),
+)
+
+
+@dataclass
+class MaintenanceRun:
+    """One run of maintenance over a table set."""
+
+    run_id: str
+    started_at: datetime
+    finished_at: datetime | None = None
+    tables: list[TableMaintenance] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [t.line() for t in self.tables]
+
+    def rows(self) -> list[dict[str, Any]]:
+        finished = self.finished_at or self.started_at
+        return [t.to_row(self.run_id, self.started_at, finished) for t in self.tables]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "started_at": self.started_at.isoformat(),
+                "finished_at": (self.finished_at or self.started_at).isoformat(),
+                "tables": {t.table: {k: v for k, v in t.to_row(self.run_id, self.started_at, self.started_at).items()
+                                     if k not in ("run_id", "started_at", "finished_at", "table")}
+                           for t in self.tables}}
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"

@@ -1,0 +1,156 @@
+"""Maintenance of a table set with delta-rs: compaction, checkpoints, expired logs and vacuum
+(what each decides is :mod:`ipcount.rules.maintenance`), and the maintenance log.
+
+Safe beside running epochs: compaction changes no row and commits through delta-rs's
+conflict check, so it fails - and is left for the next run - when an epoch's commit
+replaced a file it packed; an epoch whose commit comes second retries on the new version
+(:func:`ipcount.storage.delta.rs_commit_once`). Checkpoints and log cleanup add no version
+that epochs could conflict with. A vacuum deletes only files unreferenced for the retention,
+and never one the publisher still reads.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from ipcount.rules.config import PipelineConfig, location_scheme
+from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, MaintenanceRun, TableMaintenance, first_open_hour,
+                                       vacuum_retention_hours)
+from ipcount.storage.delta import arrow_schema, latest, open_table, read_rows, rs_concurrent_errors, rs_create_table
+from ipcount.storage.ledger import LEDGER_FILE_BYTES, Ledger
+from ipcount.storage.sink import COUNTS_PARTITION
+
+log = logging.getLogger(__name__)
+
+# Marks the commits maintenance makes (commit info userMetadata).
+MAINTENANCE_METADATA = "ipcount maintenance"
+
+
+def table_roles(cfg: PipelineConfig) -> tuple[tuple[str, str], ...]:
+    """(role, location) of every table maintenance keeps, the maintenance log last."""
+    return (("counts", cfg.counts_path), ("ledger", cfg.ledger_path), ("dead_letters", cfg.dead_letter_path),
+            ("late_records", cfg.late_path), ("maintenance", cfg.maintenance_path))
+
+
+def maintain(cfg: PipelineConfig, run_id: str | None = None,
+             oldest_unpublished_ms: Callable[[], int | None] | None = None,
+             retention_hours: int | None = None) -> MaintenanceRun:
+    """Maintain every table of ``cfg``'s set once, log what was done to the maintenance log,
+    and return it. ``oldest_unpublished_ms``: when the counts table is published, the commit
+    time of its oldest version not yet published (None: all are), which the vacuum of the
+    counts table keeps the files of. ``retention_hours`` overrides ``vacuum_retention_hours``
+    (0, for tests and benchmarks, deletes what no version references: only where nothing
+    reads an older version)."""
+    retention_hours = cfg.vacuum_retention_hours if retention_hours is None else retention_hours
+    run = MaintenanceRun(run_id or f"maintenance-{uuid.uuid4().hex[:12]}", datetime.now(timezone.utc))
+    now_ms = int(run.started_at.timestamp() * 1000)
+    rs_create_table(cfg.maintenance_path, arrow_schema(MAINTENANCE_COLUMNS))
+    for role, path in table_roles(cfg):
+        if open_table(path) is None:
+            run.tables.append(TableMaintenance(role, path, notes=("no table",)))
+            continue
+        partitions = None
+        notes: list[str] = []
+        if role == "counts":
+            partitions = _final_partitions(cfg)
+            if partitions is None:
+                notes.append("no hour partition final yet (or a table older than them): not compacted")
+        retention: int | None = retention_hours
+        if role == "counts" and oldest_unpublished_ms is not None:
+            try:
+                retention = vacuum_retention_hours(retention_hours, now_ms, oldest_unpublished_ms())
+            except Exception as e:  # (the broker, say): what the publisher needs is unknown
+                retention = None
+                notes.append(f"not vacuumed: the publisher's position is unknown ({(str(e).splitlines() or [type(e).__name__])[0][:160]})")
+            if retention is not None and retention > retention_hours:
+                notes.append(f"vacuum kept {retention} h of files for the publisher")
+        run.tables.append(_maintain_table(role, path, partitions, retention, notes))
+        log.info("maintenance %s: %s", run.run_id, run.tables[-1].line())
+    run.finished_at = datetime.now(timezone.utc)
+    _record(cfg, run)
+    return run
+
+
+def _final_partitions(cfg: PipelineConfig) -> list[tuple[str, str, str]] | None:
+    """The counts partitions compaction may pack (``window_hour`` before the first open
+    hour of the chain's watermark), as a delta-rs partition filter; None: none."""
+    watermark = Ledger(cfg.ledger_path).state(cfg.topic).watermark_ms
+    hour = first_open_hour(watermark, cfg.window_ms, cfg.allowed_lateness_ms)
+    table = latest(cfg.counts_path)
+    if hour is None or COUNTS_PARTITION not in table.metadata().partition_columns:
+        return None
+    return [(COUNTS_PARTITION, "<", hour)]
+
+
+def _maintain_table(role: str, path: str, partitions, retention_hours: int | None,
+                    notes: list[str]) -> TableMaintenance:
+    from deltalake import CommitProperties
+
+    properties = CommitProperties(custom_metadata={"userMetadata": MAINTENANCE_METADATA})
+    before = _files(latest(path))
+    compacted = 0
+    if role != "counts" or partitions is not None:
+        try:
+            # The ledger keeps its files small: readers skip those of old epochs by their statistics.
+            target = LEDGER_FILE_BYTES if role == "ledger" else None
+            metrics = latest(path).optimize.compact(partition_filters=partitions, target_size=target,
+                                                    commit_properties=properties)
+            compacted = int(metrics.get("numFilesRemoved", 0))
+        except rs_concurrent_errors() as e:
+            notes.append(f"compaction lost to a concurrent commit ({type(e).__name__}): next run")
+    table = latest(path)
+    table.create_checkpoint()
+    table.cleanup_metadata()  # (log files older than the table's delta.logRetentionDuration)
+    vacuumed = 0
+    try:
+        if retention_hours is not None:
+            vacuumed = len(latest(path).vacuum(retention_hours=retention_hours, dry_run=False,
+                                               enforce_retention_duration=False, commit_properties=properties))
+    except rs_concurrent_errors() as e:
+        notes.append(f"vacuum lost to a concurrent commit ({type(e).__name__}): next run")
+    table = latest(path)
+    files = _files(table)
+    log_bytes, checkpoint_bytes = _log_sizes(path)
+    return TableMaintenance(role, path, files_before=len(before), files_after=len(files),
+                            bytes_after=sum(files), compacted_files=compacted, vacuumed_files=vacuumed,
+                            log_bytes=log_bytes, checkpoint_bytes=checkpoint_bytes, notes=tuple(notes))
+
+
+def _files(table) -> list[int]:
+    """The sizes of the data files of a snapshot."""
+    import pyarrow as pa
+
+    return pa.table(table.get_add_actions(flatten=True)).column("size_bytes").to_pylist()
+
+
+def _log_sizes(path: str) -> tuple[int | None, int | None]:
+    """(bytes of ``_delta_log``, bytes of its newest checkpoint), for a table in a local
+    directory; (None, None) on object storage, where it would take a listing of its own."""
+    if location_scheme(path):
+        return None, None
+    log_dir = Path(path) / "_delta_log"
+    entries = [p for p in log_dir.iterdir() if p.is_file()]
+    checkpoints = sorted((p for p in entries if ".checkpoint" in p.name), key=lambda p: p.name)
+    newest = checkpoints[-1].name.split(".")[0] if checkpoints else None
+    return (sum(p.stat().st_size for p in entries),
+            sum(p.stat().st_size for p in checkpoints if p.name.startswith(newest)) if newest else 0)
+
+
+def _record(cfg: PipelineConfig, run: MaintenanceRun) -> None:
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    rows = pa.Table.from_pylist(run.rows(), schema=arrow_schema(MAINTENANCE_COLUMNS))
+    write_deltalake(cfg.maintenance_path, rows, mode="append")
+
+
+def last_runs(cfg: PipelineConfig) -> list[dict]:
+    """The maintenance log's rows of its newest run ([] if it never ran)."""
+    rows = read_rows(cfg.maintenance_path)
+    if not rows:
+        return []
+    newest = max(rows, key=lambda r: r["started_at"])["run_id"]
+    return [r for r in rows if r["run_id"] == newest]
