@@ -70,6 +70,13 @@ class TableMaintenance:
         return (f"{self.table}: {self.files_before} -> {self.files_after} files ({_mb(self.bytes_after)}), "
                 f"compacted {self.compacted_files}, vacuumed {self.vacuumed_files}{sizes}{notes}")
 
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> TableMaintenance:
+        """A row of the maintenance log back as what it reports."""
+        return cls(row["table"], row["location"], row["files_before"], row["files_after"], row["bytes_after"],
+                   row["compacted_files"], row["vacuumed_files"], row["log_bytes"], row["checkpoint_bytes"],
+                   tuple(n for n in (row["notes"] or "").split("; ") if n))
+
     def to_row(self, run_id: str, started_at: datetime, finished_at: datetime) -> dict[str, Any]:
         return {"run_id": run_id, "started_at": started_at, "finished_at": finished_at, "table": self.table,
                 "location": self.location, "files_before": self.files_before, "files_after": self.files_after,

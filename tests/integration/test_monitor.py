@@ -24,6 +24,7 @@ import pytest
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.rules.config import STATE_DIR, PipelineConfig
 from ipcount.storage import broker as broker_io
+from ipcount.storage.maintenance import maintain
 from ipcount_lab.embedded_airflow import admin_password, passwords_file
 from ipcount_lab.generator import TrafficGenerator, produce
 from tests.airflow_auth import PATH as AUTH_MANAGER
@@ -139,7 +140,7 @@ def test_an_empty_pipeline_shows_empty_pages(server):
     health = server.api("/api/health")
     assert (health["state"], health["last_epoch"], health["total_lag"], health["unfinished_epochs"]) == \
         ("idle", None, 0, [])
-    assert health["interval_seconds"] == 300
+    assert health["interval_seconds"] == 300 and health["maintained_at"] is None
     lag = server.api("/api/lag")
     assert [(p["partition"], p["log_end"], p["ledger_position"], p["lag"]) for p in lag["partitions"]] == \
         [(0, 0, None, 0), (1, 0, None, 0), (2, 0, None, 0)]
@@ -192,6 +193,14 @@ def test_epochs_endpoint_matches_the_ledger(server, pipeline):
     assert health["state"] == "failing" and health["last_epoch"] == 3 and health["unfinished_epochs"] == [4]
     assert any("epoch 4" in p and "resumes" in p for p in health["problems"])
     assert health["total_lag"] == len(planned) + 30
+    assert (health["maintained_at"], health["maintenance"]) == (None, [])
+
+    # After a maintenance run (it changes no row: the other tests' answers stay), what it did.
+    run = maintain(server.cfg)
+    health = server.api("/api/health")
+    assert datetime.fromisoformat(health["maintained_at"]) == run.finished_at
+    assert health["maintenance"] == [t.line() for t in sorted(run.tables, key=lambda t: t.table)]
+    assert any(line.startswith("counts: ") for line in health["maintenance"])
 
 
 def test_lag_endpoint_matches_broker_and_ledger(server, pipeline):
@@ -340,6 +349,7 @@ def test_pages_in_headless_chromium_after_logging_in(server, pipeline):
             assert frame.locator("tr.epoch[data-status=failed]").count() == 1
             assert frame.locator("#epochs-chart rect.bar").count() == 4
             assert "FAILING" in frame.locator("#health").inner_text()
+            assert "maintenance: " in frame.locator("#health").inner_text()
             page.screenshot(path=str(ARTIFACTS / "monitor-epochs.png"), full_page=True)
 
             frame.locator("nav a", has_text="Lag").click()

@@ -107,6 +107,24 @@ def test_health_states():
     assert model.assess_health(T0, 7, T0, minute, None, [], [], broker_error="down").state == "failing"
 
 
+def test_health_shows_the_last_maintenance_and_flags_one_the_schedule_missed():
+    day = timedelta(days=1)
+    healthy = model.assess_health(T0, 7, T0, timedelta(minutes=1), 0, [], [])
+    never = model.with_maintenance(healthy, T0, [], day)
+    assert (never.maintained_at, never.maintenance, never.problems) == (None, (), ())  # a new pipeline
+    rows = [{"table": t, "location": f"/w/{t}", "files_before": 9, "files_after": 1, "bytes_after": 10_000,
+             "compacted_files": 9, "vacuumed_files": 4, "log_bytes": None, "checkpoint_bytes": None,
+             "notes": "", "finished_at": T0 - k * timedelta(seconds=1)} for k, t in enumerate(("ledger", "counts"))]
+    fresh = model.with_maintenance(healthy, T0, rows, day)
+    assert fresh.maintained_at == T0 and fresh.problems == () and fresh.state == "ok"
+    assert fresh.maintenance == ("counts: 9 -> 1 files (0.01 MB), compacted 9, vacuumed 4",
+                                 "ledger: 9 -> 1 files (0.01 MB), compacted 9, vacuumed 4")
+    assert fresh.to_dict()["maintained_at"] == T0.isoformat() and len(fresh.to_dict()["maintenance"]) == 2
+    stale = model.with_maintenance(healthy, T0 + 2 * day + timedelta(hours=1), rows, day)
+    assert stale.state == "ok" and "maintenance last ran 49 h ago (schedule: every 24 h)" in stale.problems[0]
+    assert model.with_maintenance(healthy, T0 + 30 * day, rows, None).problems == ()  # by hand only
+
+
 def test_health_flags_a_watermark_ahead_of_the_wall_clock():
     now_ms = int(T0.timestamp() * 1000)
     assert model.assess_health(T0, 7, T0, timedelta(minutes=1), 0, [], [], watermark_ms=now_ms + 30_000).state == "ok"

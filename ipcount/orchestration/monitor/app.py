@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
-from ipcount.orchestration.dags import BACKFILL_DAG_ID, EPOCH_DAG_ID
+from ipcount.orchestration.dags import BACKFILL_DAG_ID, EPOCH_DAG_ID, maintenance_schedule
 from ipcount.orchestration.monitor import model
 from ipcount.orchestration.monitor.charts import bar_chart, line_chart
 from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, publish_groups, replay_targets
@@ -119,10 +119,12 @@ class Monitor:
             lag = sum(max(0, model.partition_lag(end, chain.get(p), positions.log_start.get(p)))
                       for p, end in positions.log_end.items())
         now = datetime.now(timezone.utc)
-        return model.assess_health(
+        health = model.assess_health(
             now, last[0] if last else None, last[1] if last else None, model.schedule_interval(cfg.schedule, now),
             lag, unfinished, failed_since_success() if target == MAIN_TARGET else (), positions.error,
             watermark_ms=last[2] if last else None)
+        return model.with_maintenance(health, now, tables.last_maintenance(),
+                                      model.schedule_interval(maintenance_schedule(cfg) or "", now))
 
     def lag(self, target: str, last: int, access: model.Access) -> dict[str, Any]:
         if not 1 <= last <= 1000:

@@ -83,6 +83,14 @@ class PipelineTables:
             f"WHERE topic = {sql_literal(self.cfg.topic)} AND {CHAIN_COMMITTED_SQL} ORDER BY epoch DESC LIMIT 1"))
         return (rows[0]["epoch"], rows[0]["committed_at"], rows[0]["watermark_after_ms"]) if rows else None
 
+    def last_maintenance(self) -> list[dict[str, Any]]:
+        """The maintenance log's rows of its newest run ([] if maintenance never ran)."""
+        path = self.cfg.maintenance_path
+        newest = self.reader.query(path, "SELECT run_id FROM t ORDER BY finished_at DESC LIMIT 1")
+        if not newest:
+            return []
+        return self.reader.query(path, f"SELECT * FROM t WHERE run_id = {sql_literal(newest[0]['run_id'])}")
+
     def lag_history(self, last: int) -> list[tuple[int, dict[int, int]]]:
         """(epoch, partition -> lag after it) of the chain's last ``last`` committed epochs,
         oldest first."""

@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping
 
 from ipcount.rules.ledger import BACKFILL, COMMITTED, EPOCH_KINDS, LOST, PLANNED, kind_of, metric_totals, rows_by_epoch
+from ipcount.rules.maintenance import TableMaintenance
 
 # An epoch's status on the pages. The ledger knows "planned" and "committed"; whether a
 # planned epoch is still running or was left behind by a failed run, only Airflow knows.
@@ -211,13 +212,32 @@ class Health:
     unfinished: tuple[int, ...] = ()    # epochs planned and not committed
     failed_runs: tuple[str, ...] = ()   # DAG runs failed since the last successful one
     problems: tuple[str, ...] = field(default_factory=tuple)
+    maintained_at: datetime | None = None    # when the newest maintenance run finished (None: never)
+    maintenance: tuple[str, ...] = ()        # what it did, a line per table
 
     def to_dict(self) -> dict[str, Any]:
         return {"state": self.state, "last_epoch": self.last_epoch,
                 "last_committed_at": _iso(self.last_committed_at), "age_seconds": self.age_seconds,
                 "interval_seconds": self.interval_seconds, "total_lag": self.total_lag,
                 "unfinished_epochs": list(self.unfinished), "failed_runs": list(self.failed_runs),
-                "problems": list(self.problems)}
+                "problems": list(self.problems), "maintained_at": _iso(self.maintained_at),
+                "maintenance": list(self.maintenance)}
+
+
+def with_maintenance(health: Health, now: datetime, rows: Iterable[Mapping[str, Any]],
+                     interval: timedelta | None) -> Health:
+    """``health`` with the newest maintenance run (``rows``: its maintenance-log rows, none if
+    it never ran), and a problem when a scheduled maintenance (every ``interval``; None: by
+    hand only) that ran once has not run for two intervals since."""
+    rows = sorted(rows, key=lambda r: r["table"])
+    at = max((r["finished_at"] for r in rows), default=None)
+    problems = list(health.problems)
+    if interval is not None and at is not None and now - at > 2 * interval:
+        problems.append(f"maintenance last ran {(now - at).total_seconds() / 3600:.0f} h ago (schedule: every "
+                        f"{interval.total_seconds() / 3600:.0f} h): small files and log entries pile up; see the "
+                        "DAG ipcount_maintenance")
+    return replace(health, maintained_at=at, problems=tuple(problems),
+                   maintenance=tuple(TableMaintenance.from_row(r).line() for r in rows))
 
 
 def assess_health(now: datetime, last_epoch: int | None, last_committed_at: datetime | None,
