@@ -17,6 +17,7 @@ its peer (Spark Structured Streaming).
 - :mod:`.generator`          access-log traffic, seedable
 - :mod:`.chaos`              ``bin/lab chaos``: random SIGKILLs, then a plain-Python recount
 - :mod:`.chaos_state`        a chaos run's state between sittings
+- :mod:`.chaos_maintenance`  maintenance racing the rounds, in a thread of the chaos process
 - :mod:`.benchmark`          ``bin/benchmark``
 - :mod:`.bench_rounds`       warm against warm: the contenders round after round
 - :mod:`.bench_stats`        medians, spreads and round-by-round ratios

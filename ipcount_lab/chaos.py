@@ -95,6 +95,7 @@ from ipcount.rules.publish import LIVE
 from ipcount.rules.requests import parse_offsets
 from ipcount.storage import broker
 from ipcount.storage.delta import read_rows
+from ipcount_lab.chaos_maintenance import MaintenanceBeside
 from ipcount_lab.chaos_state import DELETED_FILE, REBUILD, RETENTION, SCENARIOS, STATE_FILE, RunState, round_rng
 from ipcount_lab.embedded_airflow import airflow_env
 from ipcount_lab.embedded_connect import EmbeddedSparkConnect
@@ -111,6 +112,7 @@ AIRFLOW = Path(sys.executable).parent / "airflow"
 AIRFLOW_START_SECONDS = 10.0  # `airflow dags test` imports and parses before spark-submit starts
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z: event times, well behind any Kafka timestamp
 PARTITIONS = 3  # a run's topic starts with these; the run adds one half way
+BATCH_GAP_MS = 15 * 60_000  # event time between two batches' records (see _Source.produce)
 SPARED_SECONDS = 120.0  # how long a round waits for a process it did not kill (then kills it)
 GIVE_UP_SECONDS = 240.0  # a kill aimed at the write-ahead window that never opens comes then
 
@@ -159,6 +161,7 @@ class ChaosReport:
     duplicates: int = 0
     losses: int = 0
     final_changes: int = 0       # published final rows a live epoch changed afterwards
+    maintenance: str = ""        # what maintenance racing this sitting's rounds did (chaos_maintenance)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -184,6 +187,7 @@ class ChaosReport:
                 + (f", {self.published} published" if self.published else "")
                 + (f", {self.rebuilt} epochs rebuilt" if self.rebuilt else "")
                 + (f", {self.answers_lost} commit answers lost" if self.answers_lost else "")
+                + (f"; {self.maintenance}" if self.maintenance else "")
                 + f"; duplicates {self.duplicates}, losses {self.losses}"
                 + (f", final rows changed {self.final_changes}" if self.published else ""))
 
@@ -332,44 +336,11 @@ def _run(chaos_cfg: PipelineConfig, state: RunState, run_dir: Path, store: _NoSt
     sitting = {"started": _now(), "stopped": None, "kills": 0}
     state.sittings.append(sitting)
     deadline = time.monotonic() + max_seconds
+    maintenance = MaintenanceBeside(chaos_cfg)
     try:
-        while not state.enough(pause) and time.monotonic() < deadline:
-            rng = killer.rng = round_rng(state.seed, state.rounds + 1)
-            if state.partitions_added == 0 and state.kills >= state.kills_wanted // 2:
-                source.add_partition()
-                state.partitions_added += 1
-            source.produce(state.batch, rng)
-            scenario = state.next_scenario()
-            # (Under fail, a chain that met deleted offsets could do nothing but fail from then on.)
-            round_cfg = chaos_cfg.replace(on_data_loss="skip") if state.deleted else chaos_cfg
-            if scenario == "broker":
-                phases = _broker_round(round_cfg, killer, broker_to_restart)
-            elif scenario == "dag":
-                phases = _dag_round(round_cfg, killer, state.backfills, run_dir / "airflow")
-            elif scenario == RETENTION:
-                if not state.deleted:  # the last moment a rebuild can replay everything
-                    _complete_rebuild(chaos_cfg, procs, state, run_dir)
-                phases = _retention_round(chaos_cfg, killer, state, run_dir)
-            elif scenario == REBUILD:
-                phases = killer.kill_some([procs.start("epoch", *round_cfg.to_args(), "--epochs", "1000"),
-                                           procs.start("rebuild", "--into", REPLAY_TARGET, *round_cfg.to_args())])
-            elif scenario == "answers":
-                phases = _answers_round(round_cfg, killer, state, store)
-            elif scenario == "connect":
-                phases = _connect_round(round_cfg, killer, connect, state.backfills)
-            else:
-                phases = _round(scenario, round_cfg, killer, state.backfills)
-            state.rounds += 1
-            state.by_scenario[scenario] = state.by_scenario.get(scenario, 0) + 1
-            for phase in phases:
-                state.by_phase[phase] = state.by_phase.get(phase, 0) + 1
-            state.kills += len(phases)
-            sitting["kills"] += len(phases)
-            state.strays += procs.kill_all()
-            sitting["stopped"] = _now()
-            state.save(run_dir / STATE_FILE)
-            log.info("chaos round %d (%s): %d kill(s) (%s), %d in all", state.rounds, scenario, len(phases),
-                     ", ".join(phases) or "-", state.kills)
+        with maintenance:
+            _rounds(chaos_cfg, state, run_dir, store, connect, broker_to_restart, pause, deadline, source, procs,
+                    killer, sitting)
         if not pause:
             with (nullcontext(connect) if connect is not None else _connect_server(run_dir)) as finisher:
                 _finish(chaos_cfg, procs, finisher, state.backfills, deleted=bool(state.deleted))
@@ -380,12 +351,56 @@ def _run(chaos_cfg: PipelineConfig, state: RunState, run_dir: Path, store: _NoSt
         sitting["stopped"] = _now()
         state.save(run_dir / STATE_FILE)
     report = _report(state, run_dir, chaos_cfg, paused=pause)
+    report.maintenance = maintenance.line()
     if not pause:
         _recount(chaos_cfg, report, state.deleted_marks(), _kept_records(run_dir), state.rebuilt)
         if chaos_cfg.publish:
             _recount_sink(chaos_cfg, report)
     log.info("%s", report.line())
     return report
+
+
+def _rounds(chaos_cfg: PipelineConfig, state: RunState, run_dir: Path, store: _NoStore,
+            connect: EmbeddedSparkConnect | None, broker_to_restart: EmbeddedKafka | None, pause: bool,
+            deadline: float, source: _Source, procs: _Processes, killer: _Killer, sitting: dict) -> None:
+    """The rounds of one sitting, until enough kills are made or the time is up."""
+    while not state.enough(pause) and time.monotonic() < deadline:
+        rng = killer.rng = round_rng(state.seed, state.rounds + 1)
+        if state.partitions_added == 0 and state.kills >= state.kills_wanted // 2:
+            source.add_partition()
+            state.partitions_added += 1
+        source.produce(state.batch, rng)
+        scenario = state.next_scenario()
+        # (Under fail, a chain that met deleted offsets could do nothing but fail from then on.)
+        round_cfg = chaos_cfg.replace(on_data_loss="skip") if state.deleted else chaos_cfg
+        if scenario == "broker":
+            phases = _broker_round(round_cfg, killer, broker_to_restart)
+        elif scenario == "dag":
+            phases = _dag_round(round_cfg, killer, state.backfills, run_dir / "airflow")
+        elif scenario == RETENTION:
+            if not state.deleted:  # the last moment a rebuild can replay everything
+                _complete_rebuild(chaos_cfg, procs, state, run_dir)
+            phases = _retention_round(chaos_cfg, killer, state, run_dir)
+        elif scenario == REBUILD:
+            phases = killer.kill_some([procs.start("epoch", *round_cfg.to_args(), "--epochs", "1000"),
+                                       procs.start("rebuild", "--into", REPLAY_TARGET, *round_cfg.to_args())])
+        elif scenario == "answers":
+            phases = _answers_round(round_cfg, killer, state, store)
+        elif scenario == "connect":
+            phases = _connect_round(round_cfg, killer, connect, state.backfills)
+        else:
+            phases = _round(scenario, round_cfg, killer, state.backfills)
+        state.rounds += 1
+        state.by_scenario[scenario] = state.by_scenario.get(scenario, 0) + 1
+        for phase in phases:
+            state.by_phase[phase] = state.by_phase.get(phase, 0) + 1
+        state.kills += len(phases)
+        sitting["kills"] += len(phases)
+        state.strays += procs.kill_all()
+        sitting["stopped"] = _now()
+        state.save(run_dir / STATE_FILE)
+        log.info("chaos round %d (%s): %d kill(s) (%s), %d in all", state.rounds, scenario, len(phases),
+                 ", ".join(phases) or "-", state.kills)
 
 
 def _partitions(cfg: PipelineConfig) -> int:
@@ -473,7 +488,9 @@ class _Source:
 
         self.gen.reseed(rng.randrange(1 << 30))
         records = list(self.gen.records(n, self.state.clock_ms))
-        self.state.clock_ms += n * 50 + rng.randrange(0, 5_000)
+        # (And a quarter of an hour between batches: hours of counts become final as the run
+        # goes on, and the maintenance racing the rounds compacts them.)
+        self.state.clock_ms += n * 50 + rng.randrange(0, 5_000) + BATCH_GAP_MS
         parts = self.partitions
         plain, in_tx = records[: n * 4 // 5], records[n * 4 // 5:]
         options = broker.client_options(self.cfg)
@@ -1129,5 +1146,6 @@ def report_json(report: ChaosReport) -> str:
                        "epochs": report.epochs, "counted": report.counted,
                        "published": report.published, "rebuilt": report.rebuilt,
                        "answers_lost": report.answers_lost, "final_changes": report.final_changes,
+                       "maintenance": report.maintenance,
                        "duplicates": report.duplicates, "losses": report.losses, "problems": report.problems,
                        "topic": report.topic, "warehouse": report.warehouse})
