@@ -6,7 +6,9 @@ Keeps what an epoch costs flat as the pipeline ages. Each run, for every table o
 
 1. packs small files into big ones - the counts table only in hour partitions whose
    windows are all final, which no scheduled epoch rewrites any more;
-2. writes a checkpoint and deletes log files older than the table's log retention;
+2. retires the Delta transactions of epochs the ledger holds as final (a floor transaction
+   covers them), writes a checkpoint and deletes log files older than the table's log
+   retention;
 3. deletes data files no version has referenced for `vacuum_retention_hours`, keeping
    every file the publisher still reads when `publish` is on.
 

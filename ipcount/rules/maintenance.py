@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Iterable
 
 HOUR_MS = 3_600_000
 # The format of the counts table's partition column (``window_hour``), which sorts as time does.
@@ -48,6 +48,26 @@ def vacuum_retention_hours(retention_hours: int, now_ms: int, oldest_unpublished
     return max(retention_hours, age_hours)
 
 
+def retirement_floor(floor: int, epochs: Iterable[tuple[int, bool]]) -> tuple[int, int | None]:
+    """How far the sink tables' transactions may be retired (:meth:`ipcount.storage.sink.Sink.retire`),
+    from ``floor`` (retired so far) and ``epochs``, the ledger's (epoch id, planned) pairs
+    above it (an id with several rows may come several times; planned if any row is).
+
+    Returns (N, the epoch that stops it or None): N is the highest id such that every id in
+    (floor, N] has rows and none is planned. No planner takes an id at or below N again:
+    new ids are above every id in the ledger, and a rebuild, which records its source's ids
+    in its own order, fills only gaps - which stop N below them."""
+    planned: dict[int, bool] = {}
+    for epoch, is_planned in epochs:
+        if epoch > floor:
+            planned[epoch] = planned.get(epoch, False) or bool(is_planned)
+    n = floor
+    while n + 1 in planned and not planned[n + 1]:
+        n += 1
+    blocked = next((e for e in sorted(planned) if e > n), None)
+    return n, blocked
+
+
 @dataclass(frozen=True)
 class TableMaintenance:
     """What one maintenance run did to one table, and the table's size after it."""
@@ -61,11 +81,13 @@ class TableMaintenance:
     vacuumed_files: int = 0       # unreferenced files deleted
     log_bytes: int | None = None  # _delta_log's size after the run (None: not listed, object storage)
     checkpoint_bytes: int | None = None
+    transactions: int | None = None  # app transactions in the newest checkpoint (None: not read)
     notes: tuple[str, ...] = ()   # steps skipped or lost, and why
 
     def line(self) -> str:
         sizes = "" if self.log_bytes is None else f", _delta_log {_mb(self.log_bytes)} " \
-                                                    f"(checkpoint {_mb(self.checkpoint_bytes or 0)})"
+                                                    f"(checkpoint {_mb(self.checkpoint_bytes or 0)}" + \
+            ("" if self.transactions is None else f", {self.transactions} transactions") + ")"
         notes = "".join(f"; {n}" for n in self.notes)
         return (f"{self.table}: {self.files_before} -> {self.files_after} files ({_mb(self.bytes_after)}), "
                 f"compacted {self.compacted_files}, vacuumed {self.vacuumed_files}{sizes}{notes}")
@@ -73,16 +95,19 @@ class TableMaintenance:
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> TableMaintenance:
         """A row of the maintenance log back as what it reports."""
-        return cls(row["table"], row["location"], row["files_before"], row["files_after"], row["bytes_after"],
-                   row["compacted_files"], row["vacuumed_files"], row["log_bytes"], row["checkpoint_bytes"],
-                   tuple(n for n in (row["notes"] or "").split("; ") if n))
+        return cls(row["table"], row["location"], files_before=row["files_before"], files_after=row["files_after"],
+                   bytes_after=row["bytes_after"], compacted_files=row["compacted_files"],
+                   vacuumed_files=row["vacuumed_files"], log_bytes=row["log_bytes"],
+                   checkpoint_bytes=row["checkpoint_bytes"], transactions=row.get("transactions"),
+                   notes=tuple(n for n in (row["notes"] or "").split("; ") if n))
 
     def to_row(self, run_id: str, started_at: datetime, finished_at: datetime) -> dict[str, Any]:
         return {"run_id": run_id, "started_at": started_at, "finished_at": finished_at, "table": self.table,
                 "location": self.location, "files_before": self.files_before, "files_after": self.files_after,
                 "bytes_after": self.bytes_after, "compacted_files": self.compacted_files,
                 "vacuumed_files": self.vacuumed_files, "log_bytes": self.log_bytes,
-                "checkpoint_bytes": self.checkpoint_bytes, "notes": "; ".join(self.notes)}
+                "checkpoint_bytes": self.checkpoint_bytes, "transactions": self.transactions,
+                "notes": "; ".join(self.notes)}
 
 
 # The maintenance log's columns (name, Spark SQL type, nullable): a row per table and run.
@@ -100,6 +125,7 @@ MAINTENANCE_COLUMNS = (
     ("log_bytes", "bigint", True),
     ("checkpoint_bytes", "bigint", True),
     ("notes", "string", False),
+    ("transactions", "bigint", True),
 )
 
 

@@ -369,13 +369,15 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
 
 def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
                    commit: Callable[[DeltaTable, CommitProperties], bool | None], attempts: int = 20,
-                   markers: Callable[[int], Mapping[str, int]] | None = None) -> int | None:
+                   markers: Callable[[int], Mapping[str, int]] | None = None,
+                   floor: str | None = None) -> int | None:
     """Make one commit to the table at ``path`` that records Delta's transaction
     (``app_id``, ``version``), unless the table holds that transaction at that version or
-    later already (an earlier attempt's commit, or a fence): Delta's idempotent write, as
-    Spark's ``txnAppId``/``txnVersion`` make it. ``commit(table, properties)`` writes to the
-    snapshot ``table`` with those commit properties (returning False if it found nothing to
-    commit). True if this call committed.
+    later already (an earlier attempt's commit, or a fence), or the transaction ``floor`` at
+    ``version`` or later (transactions retired below it: :meth:`ipcount.storage.sink.Sink.retire`):
+    Delta's idempotent write, as Spark's ``txnAppId``/``txnVersion`` make it.
+    ``commit(table, properties)`` writes to the snapshot ``table`` with those commit
+    properties (returning False if it found nothing to commit). True if this call committed.
 
     The check and the commit are one step: the commit is made as exactly the next version
     of the snapshot checked, with no retry, and the log store creates it only if absent; a
@@ -390,7 +392,8 @@ def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
 
     for attempt in range(1, attempts + 1):
         table = latest(path)
-        done = table.transaction_version(app_id)
+        done = max((v for v in (table.transaction_version(app_id), floor and table.transaction_version(floor))
+                    if v is not None), default=None)
         if done is not None and done >= version:
             return None
         at = table.version() + 1
@@ -409,12 +412,12 @@ def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
 
 
 def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: str,
-                   markers: Callable[[int], Mapping[str, int]] | None = None) -> int | None:
+                   markers: Callable[[int], Mapping[str, int]] | None = None, floor: str | None = None) -> int | None:
     """Append ``data`` (Arrow) once per transaction (:func:`rs_commit_once`)."""
     from deltalake import write_deltalake
 
     return rs_commit_once(path, app_id, version, user_metadata, lambda table, properties: write_deltalake(
-        table, data, mode="append", commit_properties=properties), markers=markers)
+        table, data, mode="append", commit_properties=properties), markers=markers, floor=floor)
 
 
 def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:

@@ -1,4 +1,5 @@
-"""Maintenance of a table set with delta-rs: compaction, checkpoints, expired logs and vacuum
+"""Maintenance of a table set with delta-rs: compaction, the retirement of final epochs'
+transactions (:meth:`ipcount.storage.sink.Sink.retire`), checkpoints, expired logs and vacuum
 (what each decides is :mod:`ipcount.rules.maintenance`), and the maintenance log.
 
 Safe beside running epochs: compaction changes no row and commits through delta-rs's
@@ -17,11 +18,13 @@ from pathlib import Path
 from typing import Callable
 
 from ipcount.rules.config import PipelineConfig, location_scheme
+from ipcount.rules.ledger import PLANNED, SUMMARY
 from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, MaintenanceRun, TableMaintenance, first_open_hour,
-                                       vacuum_retention_hours)
-from ipcount.storage.delta import arrow_schema, latest, open_table, read_rows, rs_concurrent_errors, rs_create_table
+                                       retirement_floor, vacuum_retention_hours)
+from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, read_rows, rs_concurrent_errors,
+                                   rs_create_table)
 from ipcount.storage.ledger import LEDGER_FILE_BYTES, Ledger
-from ipcount.storage.sink import COUNTS_PARTITION
+from ipcount.storage.sink import COUNTS_PARTITION, Sink
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +51,13 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
     run = MaintenanceRun(run_id or f"maintenance-{uuid.uuid4().hex[:12]}", datetime.now(timezone.utc))
     now_ms = int(run.started_at.timestamp() * 1000)
     rs_create_table(cfg.maintenance_path, arrow_schema(MAINTENANCE_COLUMNS))
+    retired = _retire(cfg)  # before the checkpoints, which then leave out what it expired
     for role, path in table_roles(cfg):
         if open_table(path) is None:
             run.tables.append(TableMaintenance(role, path, notes=("no table",)))
             continue
         partitions = None
-        notes: list[str] = []
+        notes: list[str] = list(retired) if path in Sink(cfg).paths() else []
         if role == "counts":
             partitions = _final_partitions(cfg)
             if partitions is None:
@@ -72,6 +76,25 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
     run.finished_at = datetime.now(timezone.utc)
     _record(cfg, run)
     return run
+
+
+def _retire(cfg: PipelineConfig) -> tuple[str, ...]:
+    """Retire the sink tables' transactions of every epoch the ledger holds as final, from
+    the lowest floor up (:meth:`ipcount.storage.sink.Sink.retire`); what happened, as notes."""
+    sink = Sink(cfg)
+    if open_table(cfg.ledger_path) is None or any(open_table(path) is None for path in sink.paths()):
+        return ()
+    floor = min(sink.floors().values())  # (tables an interrupted run left lower catch up)
+    # Only the epochs above the floor: files of older ones are skipped by their statistics.
+    rows = query_table(latest(cfg.ledger_path), f"SELECT epoch, bool_or(status = '{PLANNED}') AS planned FROM t "
+                                                f"WHERE epoch > {int(floor)} AND status <> '{SUMMARY}' GROUP BY epoch")
+    through, blocked = retirement_floor(floor, ((r["epoch"], r["planned"]) for r in rows))
+    notes = []
+    if through > floor:
+        notes.append(f"transactions retired through epoch {min(sink.retire(through).values())}")
+    if blocked is not None:
+        notes.append(f"retirement waits for epoch {blocked} (planned, or missing from a rebuilt ledger)")
+    return tuple(notes)
 
 
 def _final_partitions(cfg: PipelineConfig) -> list[tuple[str, str, str]] | None:
@@ -113,10 +136,11 @@ def _maintain_table(role: str, path: str, partitions, retention_hours: int | Non
         notes.append(f"vacuum lost to a concurrent commit ({type(e).__name__}): next run")
     table = latest(path)
     files = _files(table)
-    log_bytes, checkpoint_bytes = _log_sizes(path)
+    log_bytes, checkpoint_bytes, transactions = _log_sizes(path)
     return TableMaintenance(role, path, files_before=len(before), files_after=len(files),
                             bytes_after=sum(files), compacted_files=compacted, vacuumed_files=vacuumed,
-                            log_bytes=log_bytes, checkpoint_bytes=checkpoint_bytes, notes=tuple(notes))
+                            log_bytes=log_bytes, checkpoint_bytes=checkpoint_bytes, transactions=transactions,
+                            notes=tuple(notes))
 
 
 def _files(table) -> list[int]:
@@ -126,17 +150,23 @@ def _files(table) -> list[int]:
     return pa.table(table.get_add_actions(flatten=True)).column("size_bytes").to_pylist()
 
 
-def _log_sizes(path: str) -> tuple[int | None, int | None]:
-    """(bytes of ``_delta_log``, bytes of its newest checkpoint), for a table in a local
-    directory; (None, None) on object storage, where it would take a listing of its own."""
+def _log_sizes(path: str) -> tuple[int | None, int | None, int | None]:
+    """(bytes of ``_delta_log``, bytes of its newest checkpoint, app transactions in it), for
+    a table in a local directory; (None, None, None) on object storage, where it would take
+    a listing of its own."""
+    import pyarrow.parquet as pq
+
     if location_scheme(path):
-        return None, None
+        return None, None, None
     log_dir = Path(path) / "_delta_log"
     entries = [p for p in log_dir.iterdir() if p.is_file()]
-    checkpoints = sorted((p for p in entries if ".checkpoint" in p.name), key=lambda p: p.name)
-    newest = checkpoints[-1].name.split(".")[0] if checkpoints else None
-    return (sum(p.stat().st_size for p in entries),
-            sum(p.stat().st_size for p in checkpoints if p.name.startswith(newest)) if newest else 0)
+    checkpoints = sorted((p for p in entries if ".checkpoint" in p.name and p.suffix == ".parquet"),
+                         key=lambda p: p.name)
+    if not checkpoints:
+        return sum(p.stat().st_size for p in entries), 0, None
+    newest = [p for p in checkpoints if p.name.split(".")[0] == checkpoints[-1].name.split(".")[0]]
+    transactions = sum(pq.read_table(p, columns=["txn"]).column("txn").drop_null().length() for p in newest)
+    return sum(p.stat().st_size for p in entries), sum(p.stat().st_size for p in newest), transactions
 
 
 def _record(cfg: PipelineConfig, run: MaintenanceRun) -> None:

@@ -16,6 +16,15 @@ pipeline, because scheduled and backfill epochs commit concurrently and so not i
 order: one app id with rising versions would skip a lower epoch that commits after a
 higher one.
 
+An epoch's transactions stay until maintenance retires them (:meth:`Sink.retire`): once
+the ledger holds every epoch up to N as final, one commit per table raises the floor
+transaction ``<pipeline id>/retired-through`` to N and, in the same commit, expires every
+transaction of those epochs (written again, dated 1970, under the tables'
+:data:`TXN_RETENTION`). So at every version of a table, an epoch ever written there has its
+transaction or lies under the floor, and a write of it is skipped either way; how many
+transactions a table keeps no longer grows with its age. No clock decides anything: a
+transaction written by an epoch never expires by itself.
+
 delta-rs writes all three tables (:func:`ipcount.storage.delta.rs_commit_once` checks for
 the transaction and commits as the next version of what it checked): Spark computes the
 epoch's rows, which are few (counts per window and client, and the bad or late records),
@@ -34,7 +43,7 @@ from ipcount.rules.finality import ChainCommit, finalized_below
 from ipcount.rules.publish import CHANGE_DATA_FEED
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
 from ipcount.storage.delta import (arrow_schema, latest, query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
-                                   rs_create_table, sql_timestamp, version_with_metadata)
+                                   rs_concurrent_errors, rs_create_table, sql_timestamp, version_with_metadata)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -88,6 +97,15 @@ LATE_COLUMNS: Columns = (
 # The facts an epoch's counts commit (or its fence) records as transactions of their own
 # (app id ``<epoch's app id>/<name>``), in the same commit as the epoch's transaction.
 COUNTS_VERSION, NO_COUNTS, WATERMARK, FENCED = "counts-version", "no-counts", "watermark", "fenced"
+FACTS = (COUNTS_VERSION, NO_COUNTS, WATERMARK, FENCED)
+# Expires only what retirement dates to 1970 (an epoch's transactions carry no date and never
+# expire; delta-spark dated those it wrote, and ten years keeps them).
+TXN_RETENTION = {"delta.setTransactionRetentionDuration": "interval 3650 days"}
+RETIRED_DATE_MS = 1
+# How many epochs one retirement commit expires at most (a first retirement of an old table
+# takes several: each raises the floor over what it expired, so a kill between them is safe).
+RETIRE_BATCH = 20_000
+RETIRE_ATTEMPTS = 20  # commits lost to concurrent ones before a table's retirement waits for the next run
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,7 @@ class EpochCommit:
     version: int | None = None          # the counts version holding its counts (None: none counted)
     watermark_ms: int | None = None     # the watermark after the epoch, as its MERGE used it
     known: bool = True                  # False: committed by an older version that recorded no facts
+    retired: bool = False               # under the floor: final in the ledger, its transactions expired
 
 
 class Sink:
@@ -113,12 +132,20 @@ class Sink:
         for path, columns in self.tables():
             # Publishing reads each counts version's changes from Delta's change data feed.
             counts = path == self.cfg.counts_path
-            wanted = {CHANGE_DATA_FEED: "true"} if counts and self.cfg.publish else None
+            wanted = {**TXN_RETENTION, **({CHANGE_DATA_FEED: "true"} if counts and self.cfg.publish else {})}
             # Only a new table is partitioned: an older one keeps its layout (and gains the column).
             rs_create_table(path, arrow_schema(columns), wanted, partition_by=[COUNTS_PARTITION] if counts else None)
 
+    def paths(self) -> tuple[str, ...]:
+        return tuple(path for path, _ in self.tables())
+
     def txn_app_id(self, epoch: int) -> str:
         return f"{self.cfg.pipeline_id}/epoch-{epoch}"
+
+    @property
+    def floor_id(self) -> str:
+        """The transaction whose version is the highest retired epoch (:meth:`retire`)."""
+        return f"{self.cfg.pipeline_id}/retired-through"
 
     def write(self, plan: EpochPlan, counts: pa.Table, dead_letters: pa.Table, late_records: pa.Table,
               watermark_after_ms: int | None = None, chain: Sequence[ChainCommit] = ()) -> int | None:
@@ -137,11 +164,13 @@ class Sink:
         for path, columns, rows in ((self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, dead_letters),
                                     (self.cfg.late_path, LATE_COLUMNS, late_records)):
             if rows.num_rows:
-                rs_append_once(path, _conform(rows, columns), self.txn_app_id(epoch), epoch, f"epoch={epoch}")
+                rs_append_once(path, _conform(rows, columns), self.txn_app_id(epoch), epoch, f"epoch={epoch}",
+                               floor=self.floor_id)
         if not counts.num_rows:
             facts = self._facts(epoch, None, watermark_after_ms)
             committed = rs_append_once(self.cfg.counts_path, arrow_schema(COUNTS_COLUMNS).empty_table(),
-                                       self.txn_app_id(epoch), epoch, f"epoch={epoch}", markers=lambda _: facts)
+                                       self.txn_app_id(epoch), epoch, f"epoch={epoch}", markers=lambda _: facts,
+                                       floor=self.floor_id)
         elif plan.kind == SCHEDULED:
             committed = self._merge_counts(epoch, counts, watermark_after_ms, finalize_untouched=True, chain=chain,
                                            watermark_after_ms=watermark_after_ms)
@@ -156,6 +185,9 @@ class Sink:
             return committed if counts.num_rows else None
         # An earlier attempt's commit, or a settling run's fence, holds the transaction.
         done = self.epoch_commit(epoch)
+        if done is not None and done.retired:
+            raise EpochFenced(f"epoch {epoch} is final in the ledger and retired in {self.cfg.counts_path} (its "
+                              "transactions expired under the floor): this run of it is a stray, and writes nothing")
         if done is None or done.fenced:
             raise EpochFenced(f"epoch {epoch} was settled by another run while this one ran it (its offsets aged "
                               f"out): {self.cfg.counts_path} holds that run's fence, so nothing more of the epoch "
@@ -178,7 +210,8 @@ class Sink:
         the epoch's counts commit nor a fence of it."""
         table = latest(self.cfg.counts_path)
         if table.transaction_version(self.txn_app_id(epoch)) is None:
-            return None
+            floor = table.transaction_version(self.floor_id)
+            return EpochCommit(fenced=False, retired=True) if floor is not None and floor >= epoch else None
         if table.transaction_version(self._fact(epoch, FENCED)) is not None:
             return EpochCommit(fenced=True)
         watermark = table.transaction_version(self._fact(epoch, WATERMARK))
@@ -253,7 +286,8 @@ class Sink:
                     {"is_final": "true"}, predicate=f"NOT coalesce(t.is_final, false) AND {final('t.window_end')}")
             merger.execute()
         return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge,
-                              markers=lambda version: self._facts(epoch, version, watermark_after_ms))
+                              markers=lambda version: self._facts(epoch, version, watermark_after_ms),
+                              floor=self.floor_id)
 
     def _newly_final(self, table, touched: pa.Table, below_ms: int, watermark_ms: int) -> pa.Table:
         """The rows of ``table`` (the counts snapshot merged into) not yet final that the
@@ -280,7 +314,46 @@ class Sink:
         not commit the epoch in the ledger either."""
         for path, columns in self.tables():
             rs_append_once(path, arrow_schema(columns).empty_table(), self.txn_app_id(epoch), epoch,
-                           f"fenced epoch={epoch}", markers=lambda _: {self._fact(epoch, FENCED): epoch})
+                           f"fenced epoch={epoch}", markers=lambda _: {self._fact(epoch, FENCED): epoch},
+                           floor=self.floor_id)
+
+    def retire(self, through: int) -> dict[str, int]:
+        """Raise each table's floor to ``through``, expiring the transactions of the epochs
+        it passes - the caller makes sure that every epoch up to ``through`` is final in the
+        ledger and no new epoch can take an id at or below it. Each commit adds no row, and
+        is made only as the next version of the snapshot whose floor it read, so a floor
+        never goes down (two maintenance runs may race). Returns each table's floor after."""
+        from deltalake import CommitProperties, Transaction, write_deltalake
+
+        floors = {}
+        for path, columns in self.tables():
+            rs_create_table(path, arrow_schema(columns), TXN_RETENTION)  # (an older table's property)
+            conflicts = 0
+            while True:
+                table = latest(path)
+                floor = table.transaction_version(self.floor_id) or 0
+                if floor >= through or conflicts == RETIRE_ATTEMPTS:
+                    break
+                upto = min(through, floor + RETIRE_BATCH)
+                dead = [Transaction(app, e, RETIRED_DATE_MS) for e in range(floor + 1, upto + 1)
+                        for app in (self.txn_app_id(e), *(self._fact(e, f) for f in FACTS))]
+                try:
+                    write_deltalake(table, arrow_schema(columns).empty_table(), mode="append",
+                                    commit_properties=CommitProperties(
+                                        custom_metadata={"userMetadata": f"retired epochs {floor + 1}..{upto}"},
+                                        max_commit_retries=0,
+                                        app_transactions=[Transaction(self.floor_id, upto), *dead]))
+                    log.info("%s: retired the transactions of epochs %d..%d", path, floor + 1, upto)
+                except rs_concurrent_errors() as e:
+                    conflicts += 1
+                    log.info("%s: a concurrent commit came first (%s); retiring again (%d/%d)", path,
+                             type(e).__name__, conflicts, RETIRE_ATTEMPTS)
+            floors[path] = floor
+        return floors
+
+    def floors(self) -> dict[str, int]:
+        """Each table's floor (0: nothing retired)."""
+        return {path: latest(path).transaction_version(self.floor_id) or 0 for path in self.paths()}
 
     def remove_epoch_rows(self, epoch: int) -> None:
         """Delete what ``epoch`` wrote to the dead-letter and late-record tables (their rows

@@ -60,9 +60,11 @@ def claim(cfg: PipelineConfig, rebuild_of: str | None = None, attempts: int = 10
 
 def _holds_epochs(cfg: PipelineConfig, path: str) -> bool:
     """Whether the table at ``path`` holds epoch commits: data files, or the transaction of
-    ``cfg``'s epoch 1 (which a later epoch 1 of this pipeline id would be skipped for)."""
-    table = latest(path)
-    return bool(table.file_uris()) or table.transaction_version(Sink(cfg).txn_app_id(1)) is not None
+    ``cfg``'s epoch 1 or a floor of retired epochs (a later epoch 1 of this pipeline id would
+    be skipped for either)."""
+    table, sink = latest(path), Sink(cfg)
+    return bool(table.file_uris()) or any(table.transaction_version(app) is not None
+                                          for app in (sink.txn_app_id(1), sink.floor_id))
 
 
 def recorded(cfg: PipelineConfig) -> dict[str, str]:

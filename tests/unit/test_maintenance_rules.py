@@ -8,7 +8,8 @@ import pytest
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
-from ipcount.rules.maintenance import HOUR_MS, MaintenanceRun, TableMaintenance, first_open_hour, vacuum_retention_hours
+from ipcount.rules.maintenance import (HOUR_MS, MaintenanceRun, TableMaintenance, first_open_hour, retirement_floor,
+                                       vacuum_retention_hours)
 
 T10 = int(datetime(2026, 11, 21, 10, tzinfo=timezone.utc).timestamp() * 1000)  # 10:00
 
@@ -76,3 +77,16 @@ def test_maintenance_settings_are_checked():
         PipelineConfig(vacuum_retention_hours=0)
     with pytest.raises(ConfigError, match="maintenance_table"):
         PipelineConfig(maintenance_table="ftp://x/y")
+
+
+@pytest.mark.parametrize("floor, epochs, expected", [
+    (0, [], (0, None)),                                               # an empty ledger
+    (0, [(1, False), (2, False), (2, False), (3, False)], (3, None)),  # every row final
+    (0, [(1, False), (2, False), (2, True), (3, False)], (1, 2)),     # a row of 2 still planned
+    (0, [(1, False), (2, False), (4, False)], (2, 4)),                # 3 missing: a gap a rebuild may fill
+    (10, [(11, False), (12, False), (13, True)], (12, 13)),
+    (10, [(5, True), (11, False)], (11, None)),                      # (nothing at or below the floor counts)
+    (10, [(12, False)], (10, 12)),
+])
+def test_retirement_stops_at_the_first_epoch_that_is_planned_or_missing(floor, epochs, expected):
+    assert retirement_floor(floor, epochs) == expected
