@@ -17,6 +17,7 @@ from types import TracebackType
 from ipcount.jobs.maintenance import oldest_unpublished_ms
 from ipcount.rules.config import PipelineConfig
 from ipcount.storage.maintenance import maintain
+from ipcount.storage.sink import Sink
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class MaintenanceBeside:
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg = cfg
-        self.runs = self.compacted = self.vacuumed = 0
+        self.runs = self.compacted = self.vacuumed = self.floor = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chaos-maintenance", daemon=True)
@@ -45,7 +46,8 @@ class MaintenanceBeside:
 
     def line(self) -> str:
         return (f"maintenance ran {self.runs} time(s) beside the rounds ({self.compacted} files compacted, "
-                f"{self.vacuumed} vacuumed, {len(self.failures)} run(s) failed)")
+                f"{self.vacuumed} vacuumed, transactions retired through epoch {self.floor}, "
+                f"{len(self.failures)} run(s) failed)")
 
     def _loop(self) -> None:
         publisher = (lambda: oldest_unpublished_ms(self.cfg)) if self.cfg.publish else None
@@ -59,3 +61,4 @@ class MaintenanceBeside:
             self.runs += 1
             self.compacted += sum(t.compacted_files for t in run.tables)
             self.vacuumed += sum(t.vacuumed_files for t in run.tables)
+            self.floor = max(self.floor, min(Sink(self.cfg).floors().values()))

@@ -82,6 +82,10 @@ class PublisherFenced(IpcountError, RuntimeError):
     stops; what it had not committed is aborted, and the newer one goes on from the cursor."""
 
 
+class MaintenanceFailed(IpcountError, RuntimeError):
+    """A maintenance step failed on some table; the others were done and the run was logged."""
+
+
 class TableSetMismatch(IpcountError, exit_code=EXIT_USAGE):
     """A run's settings, or one of its tables, do not belong to the table set it would write."""
 

@@ -20,6 +20,10 @@ from datetime import datetime, timezone
 from typing import Any, Iterable
 
 HOUR_MS = 3_600_000
+# How much longer than the vacuum's retention checkpoints keep a removed file's tombstone
+# (delta.deletedFileRetentionDuration): a vacuum deletes only files that still have one, so
+# a maintenance run late by up to this much still meets every file that came due.
+TOMBSTONE_MARGIN_HOURS = 48
 # The format of the counts table's partition column (``window_hour``), which sorts as time does.
 HOUR_FORMAT = "%Y-%m-%dT%H"
 
@@ -54,9 +58,11 @@ def retirement_floor(floor: int, epochs: Iterable[tuple[int, bool]]) -> tuple[in
     above it (an id with several rows may come several times; planned if any row is).
 
     Returns (N, the epoch that stops it or None): N is the highest id such that every id in
-    (floor, N] has rows and none is planned. No planner takes an id at or below N again:
-    new ids are above every id in the ledger, and a rebuild, which records its source's ids
-    in its own order, fills only gaps - which stop N below them."""
+    (floor, N] has rows and none is planned; N + 1 stops it if any epoch lies above. No
+    planner takes an id at or below N again: new ids are above every id in the ledger, and
+    a rebuild, which records its source's ids in its own order, fills only gaps - which
+    stop N below them (for good where its source gave the epoch up: a rebuild copies no
+    released epoch)."""
     planned: dict[int, bool] = {}
     for epoch, is_planned in epochs:
         if epoch > floor:
@@ -64,8 +70,7 @@ def retirement_floor(floor: int, epochs: Iterable[tuple[int, bool]]) -> tuple[in
     n = floor
     while n + 1 in planned and not planned[n + 1]:
         n += 1
-    blocked = next((e for e in sorted(planned) if e > n), None)
-    return n, blocked
+    return n, (n + 1 if any(e > n for e in planned) else None)
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,12 @@ from typing import Callable
 
 from ipcount.rules.config import PipelineConfig, location_scheme
 from ipcount.rules.ledger import PLANNED, SUMMARY
-from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, MaintenanceRun, TableMaintenance, first_open_hour,
-                                       retirement_floor, vacuum_retention_hours)
-from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, read_rows, rs_concurrent_errors,
-                                   rs_create_table)
+from ipcount.rules.errors import MaintenanceFailed
+from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, TOMBSTONE_MARGIN_HOURS, MaintenanceRun, TableMaintenance,
+                                       first_open_hour, retirement_floor, vacuum_retention_hours)
+from ipcount.storage import tableset as tableset_io
+from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, read_rows, retry_on_conflict,
+                                   rs_concurrent_errors, rs_create_table)
 from ipcount.storage.ledger import LEDGER_FILE_BYTES, Ledger
 from ipcount.storage.sink import COUNTS_PARTITION, Sink
 
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 
 # Marks the commits maintenance makes (commit info userMetadata).
 MAINTENANCE_METADATA = "ipcount maintenance"
+DELETED_FILE_RETENTION = "delta.deletedFileRetentionDuration"
 
 
 def table_roles(cfg: PipelineConfig) -> tuple[tuple[str, str], ...]:
@@ -46,36 +49,59 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
     time of its oldest version not yet published (None: all are), which the vacuum of the
     counts table keeps the files of. ``retention_hours`` overrides ``vacuum_retention_hours``
     (0, for tests and benchmarks, deletes what no version references: only where nothing
-    reads an older version)."""
+    reads an older version).
+
+    The tables must be one set (their manifest, as every epoch checks it): retirement is for
+    good, and a ledger of another set would retire epochs these tables have yet to see.
+    A step that fails on one table is noted there and the others go on; the run is logged,
+    then :class:`MaintenanceFailed` names what failed."""
     retention_hours = cfg.vacuum_retention_hours if retention_hours is None else retention_hours
     run = MaintenanceRun(run_id or f"maintenance-{uuid.uuid4().hex[:12]}", datetime.now(timezone.utc))
     now_ms = int(run.started_at.timestamp() * 1000)
+    sink = Sink(cfg)
+    if all(open_table(path) is not None for path in (cfg.ledger_path, *sink.paths())):
+        tableset_io.claim(cfg)  # (TableSetMismatch: nothing is written)
     rs_create_table(cfg.maintenance_path, arrow_schema(MAINTENANCE_COLUMNS))
-    retired = _retire(cfg)  # before the checkpoints, which then leave out what it expired
+    try:
+        retired = _retire(cfg)  # before the checkpoints, which then leave out what it expired
+    except Exception as e:  # noqa: BLE001 - noted on the tables, raised after the log
+        retired = (f"retirement failed: {_first_line(e)}",)
+    failed = list(retired) if retired and retired[0].startswith("retirement failed") else []
     for role, path in table_roles(cfg):
         if open_table(path) is None:
             run.tables.append(TableMaintenance(role, path, notes=("no table",)))
             continue
-        partitions = None
-        notes: list[str] = list(retired) if path in Sink(cfg).paths() else []
-        if role == "counts":
-            partitions = _final_partitions(cfg)
-            if partitions is None:
-                notes.append("no hour partition final yet (or a table older than them): not compacted")
+        notes: list[str] = list(retired) if path in sink.paths() else []
+        partitions = _final_partitions(cfg) if role == "counts" else None
+        if role == "counts" and partitions is None:
+            notes.append("no hour partition final yet (or a table older than them): not compacted")
         retention: int | None = retention_hours
         if role == "counts" and oldest_unpublished_ms is not None:
             try:
                 retention = vacuum_retention_hours(retention_hours, now_ms, oldest_unpublished_ms())
-            except Exception as e:  # (the broker, say): what the publisher needs is unknown
+            except Exception as e:  # noqa: BLE001 - (the broker, say): what the publisher needs is unknown
                 retention = None
-                notes.append(f"not vacuumed: the publisher's position is unknown ({(str(e).splitlines() or [type(e).__name__])[0][:160]})")
+                notes.append(f"not vacuumed: the publisher's position is unknown ({_first_line(e)})")
             if retention is not None and retention > retention_hours:
                 notes.append(f"vacuum kept {retention} h of files for the publisher")
-        run.tables.append(_maintain_table(role, path, partitions, retention, notes))
-        log.info("maintenance %s: %s", run.run_id, run.tables[-1].line())
+        try:
+            done = _maintain_table(role, path, partitions, retention, retention_hours + TOMBSTONE_MARGIN_HOURS,
+                                   notes)
+        except Exception as e:  # noqa: BLE001 - noted, the other tables go on, raised after the log
+            failed.append(f"{role}: {_first_line(e)}")
+            done = TableMaintenance(role, path, notes=(*notes, f"failed: {_first_line(e)}"))
+        run.tables.append(done)
+        log.info("maintenance %s: %s", run.run_id, done.line())
     run.finished_at = datetime.now(timezone.utc)
     _record(cfg, run)
+    if failed:
+        raise MaintenanceFailed(f"maintenance {run.run_id} failed in part (logged to {cfg.maintenance_path}): "
+                                + "; ".join(failed))
     return run
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def _retire(cfg: PipelineConfig) -> tuple[str, ...]:
@@ -91,9 +117,12 @@ def _retire(cfg: PipelineConfig) -> tuple[str, ...]:
     through, blocked = retirement_floor(floor, ((r["epoch"], r["planned"]) for r in rows))
     notes = []
     if through > floor:
-        notes.append(f"transactions retired through epoch {min(sink.retire(through).values())}")
+        reached = min(sink.retire(through).values())
+        notes.append(f"transactions retired through epoch {reached}" + (
+            "" if reached >= through else f" (of {through}: concurrent commits kept coming first; next run)"))
     if blocked is not None:
-        notes.append(f"retirement waits for epoch {blocked} (planned, or missing from a rebuilt ledger)")
+        notes.append(f"retirement waits for epoch {blocked} (still planned, or missing: a rebuilt ledger lacks "
+                     "the epochs its source gave up)")
     return tuple(notes)
 
 
@@ -108,7 +137,7 @@ def _final_partitions(cfg: PipelineConfig) -> list[tuple[str, str, str]] | None:
     return [(COUNTS_PARTITION, "<", hour)]
 
 
-def _maintain_table(role: str, path: str, partitions, retention_hours: int | None,
+def _maintain_table(role: str, path: str, partitions, retention_hours: int | None, tombstone_hours: int,
                     notes: list[str]) -> TableMaintenance:
     from deltalake import CommitProperties
 
@@ -124,6 +153,13 @@ def _maintain_table(role: str, path: str, partitions, retention_hours: int | Non
             compacted = int(metrics.get("numFilesRemoved", 0))
         except rs_concurrent_errors() as e:
             notes.append(f"compaction lost to a concurrent commit ({type(e).__name__}): next run")
+    # A vacuum deletes only files whose tombstone the snapshot still has, and a checkpoint
+    # leaves out those older than delta.deletedFileRetentionDuration (a week by default, the
+    # vacuum's own retention): keep them longer, or the vacuum would never meet a file.
+    wanted = {DELETED_FILE_RETENTION: f"interval {tombstone_hours} hours"}
+    if latest(path).metadata().configuration.get(DELETED_FILE_RETENTION) != wanted[DELETED_FILE_RETENTION]:
+        retry_on_conflict(lambda: latest(path).alter.set_table_properties(wanted, raise_if_not_exists=False),
+                          f"setting {DELETED_FILE_RETENTION} of {path}")
     table = latest(path)
     table.create_checkpoint()
     table.cleanup_metadata()  # (log files older than the table's delta.logRetentionDuration)

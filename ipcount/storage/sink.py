@@ -34,6 +34,7 @@ local file system and on object storage, with no log store of our own.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -348,6 +349,7 @@ class Sink:
                     conflicts += 1
                     log.info("%s: a concurrent commit came first (%s); retiring again (%d/%d)", path,
                              type(e).__name__, conflicts, RETIRE_ATTEMPTS)
+                    time.sleep(min(0.05 * conflicts, 1.0))
             floors[path] = floor
         return floors
 

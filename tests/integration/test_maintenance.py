@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from datetime import datetime, timezone
 
 import pyarrow as pa
+import pytest
 from deltalake import DeltaTable
 
 from ipcount.cli import main as cli_main
@@ -18,6 +20,10 @@ from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, late_records
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
+
+
+def datetime_us(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, timezone.utc)
 
 
 def files_per_hour(path: str) -> Counter:
@@ -90,3 +96,58 @@ def test_maintenance_racing_epochs_changes_no_row_and_packs_every_table(cfg, spa
 def test_maintain_without_a_ledger_says_what_is_missing(tmp_path, caplog):
     assert cli_main(["maintain", f"--warehouse={tmp_path}/nowhere"]) != 0
     assert f"no ledger at {tmp_path}/nowhere/ledger" in caplog.text
+
+
+def test_a_vacuum_meets_files_whose_tombstones_a_checkpoint_would_drop(tmp_path):
+    """A checkpoint leaves out the tombstones of files removed longer ago than
+    delta.deletedFileRetentionDuration (a week by default, as long as the vacuum's retention),
+    and a vacuum deletes only files it finds a tombstone of: maintenance keeps them longer."""
+    import time
+
+    from deltalake import write_deltalake
+
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.storage import tableset
+    from ipcount.storage.delta import arrow_schema
+    from ipcount.storage.sink import LATE_COLUMNS, Sink
+
+    cfg = PipelineConfig(warehouse=str(tmp_path / "w"), pipeline_id="p", topic="t")
+    Sink(cfg).ensure()
+    Ledger(cfg.ledger_path).ensure()
+    tableset.claim(cfg)
+    t = datetime_us(BASE_MS)
+    for k in range(3):
+        write_deltalake(cfg.late_path, pa.table({"epoch": [k], "topic": ["t"], "partition": [0], "offset": [k],
+                                                 "ip": ["10.0.0.1"], "event_time": [t], "window_start": [t],
+                                                 "window_end": [t], "watermark": [t]},
+                                                schema=arrow_schema(LATE_COLUMNS)), mode="append")
+    # (a second here stands for the week a real table's tombstones are kept)
+    DeltaTable(cfg.late_path).alter.set_table_properties({"delta.deletedFileRetentionDuration": "interval 1 seconds"})
+    assert DeltaTable(cfg.late_path).optimize.compact()["numFilesRemoved"] == 3
+    time.sleep(2)
+
+    late = {t.table: t for t in maintain(cfg, retention_hours=0).tables}["late_records"]
+    assert late.vacuumed_files == 3 and late.files_after == 1
+    assert DeltaTable(cfg.late_path).metadata().configuration["delta.deletedFileRetentionDuration"] == \
+        "interval 48 hours"
+
+
+def test_maintenance_refuses_a_ledger_of_another_table_set(tmp_path):
+    """Retirement is for good: a ledger of another set would retire epochs these tables have
+    yet to see, so the manifest is checked first and nothing is written."""
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.rules.errors import TableSetMismatch
+    from ipcount.storage import tableset
+    from ipcount.storage.sink import Sink
+
+    main = PipelineConfig(warehouse=str(tmp_path / "main"), pipeline_id="p", topic="t")
+    other = PipelineConfig(warehouse=str(tmp_path / "other"), pipeline_id="p", topic="t")
+    for cfg in (main, other):
+        Sink(cfg).ensure()
+        Ledger(cfg.ledger_path).ensure()
+        tableset.claim(cfg)
+    mixed = other.replace(ledger_table=main.ledger_path)  # --ledger-table of main by mistake
+    with pytest.raises(TableSetMismatch):
+        maintain(mixed)
+    assert Sink(other).floors() == {path: 0 for path in Sink(other).paths()}
+    assert not DeltaTable(other.counts_path).history(1)[0]["operation"].startswith("OPTIMIZE")

@@ -55,7 +55,8 @@ def test_a_run_reports_each_table_in_a_line_and_a_row():
     run = MaintenanceRun("m1", datetime(2026, 11, 27, tzinfo=timezone.utc))
     run.tables.append(TableMaintenance("counts", "/w/counts", files_before=40, files_after=3, bytes_after=2_500_000,
                                        compacted_files=38, vacuumed_files=12, log_bytes=900_000,
-                                       checkpoint_bytes=40_000, notes=("vacuum kept 170 h of files for the publisher",)))
+                                       checkpoint_bytes=40_000,
+                                       notes=("vacuum kept 170 h of files for the publisher",)))
     run.tables.append(TableMaintenance("late_records", "/w/late", notes=("no table",)))
     assert run.lines() == [
         "counts: 40 -> 3 files (2.50 MB), compacted 38, vacuumed 12, _delta_log 0.90 MB (checkpoint 0.04 MB); "
@@ -83,10 +84,10 @@ def test_maintenance_settings_are_checked():
     (0, [], (0, None)),                                               # an empty ledger
     (0, [(1, False), (2, False), (2, False), (3, False)], (3, None)),  # every row final
     (0, [(1, False), (2, False), (2, True), (3, False)], (1, 2)),     # a row of 2 still planned
-    (0, [(1, False), (2, False), (4, False)], (2, 4)),                # 3 missing: a gap a rebuild may fill
+    (0, [(1, False), (2, False), (4, False)], (2, 3)),                # 3 missing: a gap in a rebuilt ledger
     (10, [(11, False), (12, False), (13, True)], (12, 13)),
     (10, [(5, True), (11, False)], (11, None)),                      # (nothing at or below the floor counts)
-    (10, [(12, False)], (10, 12)),
+    (10, [(12, False)], (10, 11)),
 ])
 def test_retirement_stops_at_the_first_epoch_that_is_planned_or_missing(floor, epochs, expected):
     assert retirement_floor(floor, epochs) == expected
