@@ -329,7 +329,8 @@ def _maintain_arguments(sub) -> None:
     p = sub.add_parser("maintain", help="compact, checkpoint and vacuum every table of the set",
                        description="Maintain every table of the pipeline's set once: pack small files into big "
                                    "ones (the counts table only in hour partitions whose windows are all final), "
-                                   "retire the transactions of epochs the ledger holds as final, write a checkpoint, delete log files older than the table's log retention, and "
+                                   "retire the transactions of epochs the ledger holds as final, write a "
+                                   "checkpoint, delete log files older than the table's log retention, and "
                                    "delete data files no version has referenced for vacuum_retention_hours. Safe "
                                    "beside running epochs: a step that loses to an epoch's commit is left for the "
                                    "next run. Each run is logged, a row per table, in the maintenance table. Runs "

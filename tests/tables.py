@@ -97,3 +97,12 @@ def owned_offsets(cfg: PipelineConfig) -> dict[int, list[tuple[int, int]]]:
         for (a, b), (c, d) in zip(spans, spans[1:]):
             assert c >= b, f"partition {p}: ledger ranges [{a},{b}) and [{c},{d}) overlap"
     return out
+
+
+def last_maintenance(cfg: PipelineConfig) -> list[dict]:
+    """The maintenance log's rows of its newest run ([] if it never ran)."""
+    rows = _rows(cfg.maintenance_path)
+    if not rows:
+        return []
+    newest = max(rows, key=lambda r: r["started_at"])["run_id"]
+    return [r for r in rows if r["run_id"] == newest]

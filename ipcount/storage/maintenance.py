@@ -23,7 +23,7 @@ from ipcount.rules.errors import MaintenanceFailed
 from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, TOMBSTONE_MARGIN_HOURS, MaintenanceRun, TableMaintenance,
                                        first_open_hour, retirement_floor, vacuum_retention_hours)
 from ipcount.storage import tableset as tableset_io
-from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, read_rows, retry_on_conflict,
+from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, retry_on_conflict,
                                    rs_concurrent_errors, rs_create_table)
 from ipcount.storage.ledger import LEDGER_FILE_BYTES, Ledger
 from ipcount.storage.sink import COUNTS_PARTITION, Sink
@@ -59,14 +59,18 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
     run = MaintenanceRun(run_id or f"maintenance-{uuid.uuid4().hex[:12]}", datetime.now(timezone.utc))
     now_ms = int(run.started_at.timestamp() * 1000)
     sink = Sink(cfg)
-    if all(open_table(path) is not None for path in (cfg.ledger_path, *sink.paths())):
+    whole_set = all(open_table(path) is not None for path in (cfg.ledger_path, *sink.paths()))
+    if whole_set:
         tableset_io.claim(cfg)  # (TableSetMismatch: nothing is written)
     rs_create_table(cfg.maintenance_path, arrow_schema(MAINTENANCE_COLUMNS))
-    try:
-        retired = _retire(cfg)  # before the checkpoints, which then leave out what it expired
-    except Exception as e:  # noqa: BLE001 - noted on the tables, raised after the log
-        retired = (f"retirement failed: {_first_line(e)}",)
-    failed = list(retired) if retired and retired[0].startswith("retirement failed") else []
+    retired: tuple[str, ...] = ()
+    failed: list[str] = []
+    if whole_set:
+        try:
+            retired = _retire(cfg, sink)  # before the checkpoints, which then leave out what it expired
+        except Exception as e:  # noqa: BLE001 - noted on the tables, raised after the log
+            retired = (f"retirement failed: {_first_line(e)}",)
+            failed.append(retired[0])
     for role, path in table_roles(cfg):
         if open_table(path) is None:
             run.tables.append(TableMaintenance(role, path, notes=("no table",)))
@@ -104,12 +108,9 @@ def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
-def _retire(cfg: PipelineConfig) -> tuple[str, ...]:
+def _retire(cfg: PipelineConfig, sink: Sink) -> tuple[str, ...]:
     """Retire the sink tables' transactions of every epoch the ledger holds as final, from
     the lowest floor up (:meth:`ipcount.storage.sink.Sink.retire`); what happened, as notes."""
-    sink = Sink(cfg)
-    if open_table(cfg.ledger_path) is None or any(open_table(path) is None for path in sink.paths()):
-        return ()
     floor = min(sink.floors().values())  # (tables an interrupted run left lower catch up)
     # Only the epochs above the floor: files of older ones are skipped by their statistics.
     rows = query_table(latest(cfg.ledger_path), f"SELECT epoch, bool_or(status = '{PLANNED}') AS planned FROM t "
@@ -212,11 +213,3 @@ def _record(cfg: PipelineConfig, run: MaintenanceRun) -> None:
     rows = pa.Table.from_pylist(run.rows(), schema=arrow_schema(MAINTENANCE_COLUMNS))
     write_deltalake(cfg.maintenance_path, rows, mode="append")
 
-
-def last_runs(cfg: PipelineConfig) -> list[dict]:
-    """The maintenance log's rows of its newest run ([] if it never ran)."""
-    rows = read_rows(cfg.maintenance_path)
-    if not rows:
-        return []
-    newest = max(rows, key=lambda r: r["started_at"])["run_id"]
-    return [r for r in rows if r["run_id"] == newest]

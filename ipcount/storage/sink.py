@@ -326,9 +326,9 @@ class Sink:
         never goes down (two maintenance runs may race). Returns each table's floor after."""
         from deltalake import CommitProperties, Transaction, write_deltalake
 
+        self.ensure()  # (an older table gets TXN_RETENTION, without which nothing expires)
         floors = {}
         for path, columns in self.tables():
-            rs_create_table(path, arrow_schema(columns), TXN_RETENTION)  # (an older table's property)
             conflicts = 0
             while True:
                 table = latest(path)

@@ -15,14 +15,13 @@ from kafka import KafkaConsumer, TopicPartition
 from ipcount.orchestration.monitor.links import run_page_path
 from ipcount.storage import broker as broker_io
 from ipcount.storage.ledger import committed_epochs
-from ipcount.storage.maintenance import last_runs
 from ipcount_lab.embedded_airflow import airflow_env
 from ipcount_lab.generator import TrafficGenerator, produce
 from tests.airflow_services import airflow_database, metadata_rows
 from tests.conftest import BROKER_PASSWORD, connect_connection, free_port
 from tests.connect_sessions import clear_of_half_hour_edge, session_process
 from tests.ground_truth import expected_tables
-from tests.tables import counts, dead_letters, epoch_ranges
+from tests.tables import counts, dead_letters, epoch_ranges, last_maintenance
 
 # spark_default at a master nothing serves: a task that spark-submitted could not run.
 NO_SPARK_MASTER = {"AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "spark://127.0.0.1:1"})}
@@ -164,7 +163,7 @@ def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_environ, cfg):
     # The maintenance DAG on the same tables (publish on: it reads the publisher's position).
     proc = _airflow(airflow_environ, "dags", "test", "ipcount_maintenance", cfg=cfg)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    logged = last_runs(cfg)
+    logged = last_maintenance(cfg)
     assert sorted(r["table"] for r in logged) == ["counts", "dead_letters", "late_records", "ledger", "maintenance"]
     assert logged[0]["run_id"].startswith("manual__") and all(r["files_after"] >= 1 for r in logged
                                                               if r["table"] in ("counts", "ledger"))

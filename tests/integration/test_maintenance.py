@@ -13,11 +13,11 @@ from deltalake import DeltaTable
 from ipcount.cli import main as cli_main
 from ipcount.rules.maintenance import first_open_hour
 from ipcount.storage.ledger import Ledger
-from ipcount.storage.maintenance import last_runs, maintain
+from ipcount.storage.maintenance import maintain
 from ipcount_lab.generator import TrafficGenerator, produce
 from tests.conftest import run_until_idle
 from tests.ground_truth import expected_tables
-from tests.tables import counts, dead_letters, epoch_ranges, late_records
+from tests.tables import counts, dead_letters, epoch_ranges, last_maintenance, late_records
 
 BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
 
@@ -88,7 +88,7 @@ def test_maintenance_racing_epochs_changes_no_row_and_packs_every_table(cfg, spa
                      f"--topic={cfg.topic}", f"--bootstrap-servers={cfg.bootstrap_servers}"]) == 0
     out = capsys.readouterr().out
     assert "counts: " in out and "ledger: " in out and f"logged to {cfg.maintenance_path}" in out
-    newest = last_runs(cfg)
+    newest = last_maintenance(cfg)
     assert sorted(r["table"] for r in newest) == ["counts", "dead_letters", "late_records", "ledger", "maintenance"]
     assert len({r["run_id"] for r in newest}) == 1 and newest[0]["run_id"] != run.run_id
 
