@@ -149,12 +149,14 @@ class Sink:
         return f"{self.cfg.pipeline_id}/retired-through"
 
     def write(self, plan: EpochPlan, counts: pa.Table, dead_letters: pa.Table, late_records: pa.Table,
-              watermark_after_ms: int | None = None, chain: Sequence[ChainCommit] = ()) -> int | None:
+              watermark_after_ms: int | None = None, chain: Sequence[ChainCommit] = (),
+              stages: dict[str, float] | None = None) -> int | None:
         """Write the epoch's dead letters, late records and ``counts`` (its counts per window
         and client), each as Arrow (:class:`ipcount.jobs.tally.EpochTally`); return the
         counts table version that holds this epoch (None if it counted nothing). ``chain``:
         the scheduled chain's counts commits, newest first
-        (:meth:`ipcount.storage.ledger.Ledger.chain_commits`).
+        (:meth:`ipcount.storage.ledger.Ledger.chain_commits`). ``stages``, if given, gets the
+        side tables' appends' seconds as ``side_tables``.
 
         Each write is skipped if a previous attempt of the epoch committed it. A side table
         write with no rows is not attempted at all (a replay finds none either); the counts
@@ -162,11 +164,14 @@ class Sink:
         transaction instead, :class:`EpochFenced` - this run must not commit the epoch.
         """
         epoch = plan.epoch
+        started = time.monotonic()
         for path, columns, rows in ((self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, dead_letters),
                                     (self.cfg.late_path, LATE_COLUMNS, late_records)):
             if rows.num_rows:
                 rs_append_once(path, _conform(rows, columns), self.txn_app_id(epoch), epoch, f"epoch={epoch}",
                                floor=self.floor_id)
+        if stages is not None:
+            stages["side_tables"] = time.monotonic() - started
         if not counts.num_rows:
             facts = self._facts(epoch, None, watermark_after_ms)
             committed = rs_append_once(self.cfg.counts_path, arrow_schema(COUNTS_COLUMNS).empty_table(),

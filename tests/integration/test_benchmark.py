@@ -46,7 +46,8 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     assert c["pipeline_epochs"]["late"] > 0
     assert c["pipeline_epochs"]["counted"] + c["pipeline_epochs"]["late"] == c["pipeline"]["counted"]
     assert 0 < c["peer_epochs"]["counted"] <= c["peer"]["counted"]
-    assert set(c["pipeline"]["stages"]) == {"plan", "read", "aggregate", "merge", "ledger", "kafka_commit"}
+    assert set(c["pipeline"]["stages"]) == {"plan", "read", "aggregate", "side_tables", "merge", "ledger",
+                                               "kafka_commit"}
     assert set(warm["ratios"]) == {"pipeline / peer", "pipeline / read limit", "pipeline / parse floor",
                                    "parse floor / peer (the ceiling)", "pipeline_epochs / peer_epochs",
                                    "pipeline_epochs / read limit"}

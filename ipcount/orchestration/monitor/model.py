@@ -164,7 +164,7 @@ def with_published(epochs: Iterable[EpochRow], published_until: int | None) -> l
             if e.status == COMMITTED and e.sink_version is not None else e for e in epochs]
 
 
-STAGE_ORDER = ("plan", "read", "parse", "aggregate", "merge", "ledger", "kafka_commit")
+STAGE_ORDER = ("plan", "read", "parse", "aggregate", "side_tables", "merge", "ledger", "kafka_commit")
 
 
 def _in_stage_order(stages: Mapping[str, float] | Iterable[tuple[str, float]]) -> dict[str, float]:
