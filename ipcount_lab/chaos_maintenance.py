@@ -14,7 +14,7 @@ import logging
 import threading
 from types import TracebackType
 
-from ipcount.jobs.maintenance import oldest_unpublished_ms
+from ipcount.jobs.maintenance import next_unpublished_version
 from ipcount.rules.config import PipelineConfig
 from ipcount.storage.maintenance import maintain
 from ipcount.storage.sink import Sink
@@ -50,7 +50,7 @@ class MaintenanceBeside:
                 f"{len(self.failures)} run(s) failed)")
 
     def _loop(self) -> None:
-        publisher = (lambda: oldest_unpublished_ms(self.cfg)) if self.cfg.publish else None
+        publisher = (lambda: next_unpublished_version(self.cfg)) if self.cfg.publish else None
         while not self._stop.wait(PAUSE_SECONDS):
             try:
                 run = maintain(self.cfg, f"chaos-{self.runs + len(self.failures) + 1}", publisher, retention_hours=0)

@@ -74,7 +74,7 @@ class EpochRunner:
         """The runner of ``cfg``'s tables, created if missing; refused unless ``cfg`` means
         what the tables were created to mean (:mod:`ipcount.rules.tableset`)."""
         ledger, sink = Ledger(cfg.ledger_path), Sink(cfg)
-        ledger.ensure()
+        ledger.ensure(cfg.log_retention_hours)
         sink.ensure()
         tableset_io.claim(cfg)
         return cls(cfg, spark, ledger, sink, run_id, crash)

@@ -7,7 +7,6 @@ import logging
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.maintenance import MaintenanceRun
-from ipcount.storage.delta import latest
 from ipcount.storage.maintenance import maintain
 from ipcount.storage.publisher import committed_cursor
 
@@ -16,18 +15,13 @@ log = logging.getLogger(__name__)
 
 def run_maintenance(cfg: PipelineConfig, run_id: str | None = None) -> MaintenanceRun:
     """Maintain ``cfg``'s table set once (see :func:`ipcount.storage.maintenance.maintain`)."""
-    run = maintain(cfg, run_id, oldest_unpublished_ms=(lambda: oldest_unpublished_ms(cfg)) if cfg.publish else None)
+    run = maintain(cfg, run_id, next_unpublished=(lambda: next_unpublished_version(cfg)) if cfg.publish else None)
     log.info("maintenance %s done in %.1f s", run.run_id, (run.finished_at - run.started_at).total_seconds())
     return run
 
 
-def oldest_unpublished_ms(cfg: PipelineConfig) -> int | None:
-    """When the oldest counts version the publisher has not sent was committed (None: it has
-    sent them all; 0: it never published, so it may read every version)."""
+def next_unpublished_version(cfg: PipelineConfig) -> int:
+    """The oldest counts version the publisher has not sent (0 if it never published: it may
+    read every version)."""
     cursor = committed_cursor(cfg, cfg.publish_topic)
-    table = latest(cfg.counts_path)
-    first = 0 if cursor is None else cursor.next_version
-    if first > table.version():
-        return None
-    times = [int(h["timestamp"]) for h in table.history(table.version() - first + 1) if h["version"] >= first]
-    return min(times) if len(times) == table.version() - first + 1 else 0
+    return 0 if cursor is None else cursor.next_version

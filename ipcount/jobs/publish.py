@@ -11,6 +11,11 @@ feed was on from its creation (as when publish was on then); otherwise it sends 
 whole, as of one version (kind ``snapshot``), and continues from there. A publisher that
 has lost its cursor over a sink topic that shows it published (records deleted from it) does
 neither by itself: ``resync`` asks for the snapshot.
+
+The counts table's commits stay in its log until they are published (with publishing on, no
+writer's checkpoint deletes them): after sending every version up to the latest, the
+publisher lets delta-rs delete those older than ``log_retention_hours``
+(:func:`ipcount.rules.maintenance.log_cleanup_due`).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.ledger import BACKFILL as BACKFILL_EPOCH
 from ipcount.rules.ledger import SUMMARY
+from ipcount.rules.maintenance import EXPIRED_LOG_CLEANUP, log_cleanup_due
 from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, LIVE, SNAPSHOT, Cursor, changed_rows,
                                    check_never_published, epoch_of_commit, has_change_feed, sink_records,
                                    snapshot_rows)
@@ -81,6 +87,8 @@ def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool =
         if cursor.next_version <= latest:
             cursor = _publish_versions(cfg, publisher, table, cursor, latest, report, crash)
         report.cursor = cursor
+        if properties.get(EXPIRED_LOG_CLEANUP) == "false" and log_cleanup_due(cursor.next_version, latest):
+            table.cleanup_metadata()  # (through the snapshot at ``latest``: only commits sent)
         return report
     finally:
         if publisher is not None:

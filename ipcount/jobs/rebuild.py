@@ -79,7 +79,7 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
                                     "rebuild needs all counted offsets within retention") from None
     report = RebuildReport(source, into, unfinished_in_source=src.state(cfg.topic).unfinished)
     # Claimed as this source's rebuild before the runner opens (and would claim) it.
-    Ledger(dst_cfg.ledger_path).ensure()
+    Ledger(dst_cfg.ledger_path).ensure(dst_cfg.log_retention_hours)
     Sink(dst_cfg).ensure()
     tableset_io.claim(dst_cfg, rebuild_of=table_metadata(src_cfg.ledger_path)[0])
     runner = EpochRunner.open(dst_cfg, spark, run_id, crash)

@@ -240,6 +240,12 @@ class PipelineConfig:
         "maintenance deletes a data file once no table version has referenced it for this long (Delta's VACUUM "
         "retention; a reader of an older version needs its files)",
         minimum=1)
+    log_retention_hours: int = setting(
+        1,
+        "every table's commits older than this leave its _delta_log at the next checkpoint (Delta's "
+        "delta.logRetentionDuration): time travel and streaming readers of a table reach back this far, and every "
+        "commit lists the log, so a longer one costs each epoch; versions not yet published are kept",
+        minimum=1)
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -465,9 +471,10 @@ COMMAND_SETTINGS = {
     "watch": TABLE_SETTINGS,
     "latency": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS),
     "verify": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS, *COUNTING_SETTINGS),
-    "publish": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS, "publish", "publish_topic"),
+    "publish": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS, "publish", "publish_topic",
+                "log_retention_hours"),
     "maintain": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS, "publish", "publish_topic", "window_seconds",
-                 "allowed_lateness_seconds", "vacuum_retention_hours"),
+                 "allowed_lateness_seconds", "vacuum_retention_hours", "log_retention_hours"),
     "create-topic": ("pipeline_id", "topic", *KAFKA_CLIENT_SETTINGS),
     "scram-user": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),
     "consumer-groups": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),

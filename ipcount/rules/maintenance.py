@@ -26,6 +26,26 @@ HOUR_MS = 3_600_000
 TOMBSTONE_MARGIN_HOURS = 48
 # The format of the counts table's partition column (``window_hour``), which sorts as time does.
 HOUR_FORMAT = "%Y-%m-%dT%H"
+LOG_RETENTION = "delta.logRetentionDuration"
+EXPIRED_LOG_CLEANUP = "delta.enableExpiredLogCleanup"
+
+
+def log_properties(retention_hours: int, published: bool = False) -> dict[str, str]:
+    """The table properties that keep a table's ``_delta_log`` to ``retention_hours`` of
+    commits: delta-rs deletes older ones at each checkpoint (every commit lists the log, so
+    its length is a cost of every epoch). A ``published`` table (the counts table, with
+    publishing on) keeps its log until the publisher has sent the versions in it: the
+    publisher and maintenance clean it (:func:`log_cleanup_due`), never a writer's checkpoint."""
+    return {LOG_RETENTION: f"interval {int(retention_hours)} hours",
+            EXPIRED_LOG_CLEANUP: "false" if published else "true"}
+
+
+def log_cleanup_due(next_unpublished: int | None, version: int) -> bool:
+    """Whether the expired log of a table may be deleted through a snapshot at ``version``:
+    delta-rs deletes only commits below the snapshot's last checkpoint, so it may if every
+    version below ``version`` is published (``next_unpublished``: the oldest version not yet
+    published; None: the table is not published). Versions, not commit times: no clock decides."""
+    return next_unpublished is None or version <= next_unpublished
 
 
 def first_open_hour(watermark_ms: int | None, window_ms: int, lateness_ms: int) -> str | None:

@@ -22,12 +22,14 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ipcount.rules.config import PipelineConfig
 from ipcount.rules.coverage import intersect
 from ipcount.rules.errors import PlanConflict
 from ipcount.rules.finality import ChainCommit
 from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, METRICS, PLANNED, SCHEDULED, SUMMARY, VIEW_COLUMNS,
                                   EpochPlan, EpochSummary, LedgerState, PartitionMetrics, Row, committed_summaries,
                                   plan_from_rows, rows_by_epoch)
+from ipcount.rules.maintenance import log_properties
 from ipcount.rules.ledger_summary import (LedgerSummary, chain_commits_of, committed_chain, fold, fold_due,
                                           state as summary_state)
 from ipcount.rules.offsets import OffsetRange
@@ -72,10 +74,10 @@ class Ledger:
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def ensure(self) -> None:
+    def ensure(self, log_retention_hours: int = PipelineConfig.log_retention_hours) -> None:
         """Create the ledger unless it is there; one made by an older version gets the
-        columns it lacks."""
-        rs_create_table(self.path, ledger_schema())
+        columns it lacks, and a log kept ``log_retention_hours`` (:func:`log_properties`)."""
+        rs_create_table(self.path, ledger_schema(), log_properties(log_retention_hours))
 
     def view(self, table=None) -> LedgerView:
         """The ledger's summary and tail, both read from one snapshot (``table``, default the

@@ -21,7 +21,8 @@ from ipcount.rules.config import PipelineConfig, location_scheme
 from ipcount.rules.ledger import PLANNED, SUMMARY
 from ipcount.rules.errors import MaintenanceFailed
 from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, TOMBSTONE_MARGIN_HOURS, MaintenanceRun, TableMaintenance,
-                                       first_open_hour, retirement_floor, vacuum_retention_hours)
+                                       first_open_hour, log_cleanup_due, log_properties, retirement_floor,
+                                       vacuum_retention_hours)
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, retry_on_conflict,
                                    rs_concurrent_errors, rs_create_table)
@@ -42,12 +43,12 @@ def table_roles(cfg: PipelineConfig) -> tuple[tuple[str, str], ...]:
 
 
 def maintain(cfg: PipelineConfig, run_id: str | None = None,
-             oldest_unpublished_ms: Callable[[], int | None] | None = None,
+             next_unpublished: Callable[[], int] | None = None,
              retention_hours: int | None = None) -> MaintenanceRun:
     """Maintain every table of ``cfg``'s set once, log what was done to the maintenance log,
-    and return it. ``oldest_unpublished_ms``: when the counts table is published, the commit
-    time of its oldest version not yet published (None: all are), which the vacuum of the
-    counts table keeps the files of. ``retention_hours`` overrides ``vacuum_retention_hours``
+    and return it. ``next_unpublished``: when the counts table is published, its oldest
+    version not yet published, whose commits the counts log keeps and whose files the vacuum
+    keeps (from that version's commit time on). ``retention_hours`` overrides ``vacuum_retention_hours``
     (0, for tests and benchmarks, deletes what no version references: only where nothing
     reads an older version).
 
@@ -62,7 +63,7 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
     whole_set = all(open_table(path) is not None for path in (cfg.ledger_path, *sink.paths()))
     if whole_set:
         tableset_io.claim(cfg)  # (TableSetMismatch: nothing is written)
-    rs_create_table(cfg.maintenance_path, arrow_schema(MAINTENANCE_COLUMNS))
+    rs_create_table(cfg.maintenance_path, arrow_schema(MAINTENANCE_COLUMNS), log_properties(cfg.log_retention_hours))
     retired: tuple[str, ...] = ()
     failed: list[str] = []
     if whole_set:
@@ -80,17 +81,19 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
         if role == "counts" and partitions is None:
             notes.append("no hour partition final yet (or a table older than them): not compacted")
         retention: int | None = retention_hours
-        if role == "counts" and oldest_unpublished_ms is not None:
+        unsent: int | None = None   # the counts log keeps the commits from this version on
+        if role == "counts" and next_unpublished is not None:
             try:
-                retention = vacuum_retention_hours(retention_hours, now_ms, oldest_unpublished_ms())
+                unsent = next_unpublished()
+                retention = vacuum_retention_hours(retention_hours, now_ms, _commit_ms_from(path, unsent))
             except Exception as e:  # noqa: BLE001 - (the broker, say): what the publisher needs is unknown
-                retention = None
-                notes.append(f"not vacuumed: the publisher's position is unknown ({_first_line(e)})")
+                retention, unsent = None, 0
+                notes.append(f"not vacuumed, log kept: the publisher's position is unknown ({_first_line(e)})")
             if retention is not None and retention > retention_hours:
                 notes.append(f"vacuum kept {retention} h of files for the publisher")
         try:
             done = _maintain_table(role, path, partitions, retention, retention_hours + TOMBSTONE_MARGIN_HOURS,
-                                   notes)
+                                   notes, unsent)
         except Exception as e:  # noqa: BLE001 - noted, the other tables go on, raised after the log
             failed.append(f"{role}: {_first_line(e)}")
             done = TableMaintenance(role, path, notes=(*notes, f"failed: {_first_line(e)}"))
@@ -138,8 +141,18 @@ def _final_partitions(cfg: PipelineConfig) -> list[tuple[str, str, str]] | None:
     return [(COUNTS_PARTITION, "<", hour)]
 
 
+def _commit_ms_from(path: str, first: int) -> int | None:
+    """When the oldest of the table's versions from ``first`` on was committed (None: there is
+    none; 0: its commit info is no longer in the log, so it may be as old as any)."""
+    table = latest(path)
+    if first > table.version():
+        return None
+    times = [int(h["timestamp"]) for h in table.history(table.version() - first + 1) if h["version"] >= first]
+    return min(times) if len(times) == table.version() - first + 1 else 0
+
+
 def _maintain_table(role: str, path: str, partitions, retention_hours: int | None, tombstone_hours: int,
-                    notes: list[str]) -> TableMaintenance:
+                    notes: list[str], unsent: int | None = None) -> TableMaintenance:
     from deltalake import CommitProperties
 
     properties = CommitProperties(custom_metadata={"userMetadata": MAINTENANCE_METADATA})
@@ -163,7 +176,10 @@ def _maintain_table(role: str, path: str, partitions, retention_hours: int | Non
                           f"setting {DELETED_FILE_RETENTION} of {path}")
     table = latest(path)
     table.create_checkpoint()
-    table.cleanup_metadata()  # (log files older than the table's delta.logRetentionDuration)
+    if log_cleanup_due(unsent, table.version()):
+        table.cleanup_metadata()  # (commits older than delta.logRetentionDuration, below its checkpoint)
+    else:
+        notes.append(f"log kept: the publisher has yet to send version {unsent} and after")
     vacuumed = 0
     try:
         if retention_hours is not None:

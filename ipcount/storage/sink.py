@@ -43,6 +43,7 @@ from ipcount.rules.errors import EpochFenced
 from ipcount.rules.finality import ChainCommit, finalized_below
 from ipcount.rules.publish import CHANGE_DATA_FEED
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
+from ipcount.rules.maintenance import log_properties
 from ipcount.storage.delta import (arrow_schema, latest, query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
                                    rs_concurrent_errors, rs_create_table, sql_timestamp, version_with_metadata)
 
@@ -133,7 +134,9 @@ class Sink:
         for path, columns in self.tables():
             # Publishing reads each counts version's changes from Delta's change data feed.
             counts = path == self.cfg.counts_path
-            wanted = {**TXN_RETENTION, **({CHANGE_DATA_FEED: "true"} if counts and self.cfg.publish else {})}
+            published = counts and self.cfg.publish
+            wanted = {**TXN_RETENTION, **log_properties(self.cfg.log_retention_hours, published),
+                      **({CHANGE_DATA_FEED: "true"} if published else {})}
             # Only a new table is partitioned: an older one keeps its layout (and gains the column).
             rs_create_table(path, arrow_schema(columns), wanted, partition_by=[COUNTS_PARTITION] if counts else None)
 

@@ -2,15 +2,19 @@
 row, and afterwards every table is packed and vacuumed (real broker, Spark and Delta)."""
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import Counter
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
 from ipcount.cli import main as cli_main
+from ipcount.jobs.epoch import run_epoch
 from ipcount.rules.maintenance import first_open_hour
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.maintenance import maintain
@@ -151,3 +155,44 @@ def test_maintenance_refuses_a_ledger_of_another_table_set(tmp_path):
         maintain(mixed)
     assert Sink(other).floors() == {path: 0 for path in Sink(other).paths()}
     assert not DeltaTable(other.counts_path).history(1)[0]["operation"].startswith("OPTIMIZE")
+
+
+def _log_versions(path: str) -> list[int]:
+    """The commit versions in a table's ``_delta_log``, oldest first."""
+    return sorted(int(p.name.split(".")[0]) for p in (Path(path) / "_delta_log").glob("*.json"))
+
+
+def _age_log(path: str, hours: float) -> None:
+    """Date every file of a table's log ``hours`` back (how delta-rs tells a commit's age)."""
+    when = time.time() - hours * 3600
+    for p in (Path(path) / "_delta_log").iterdir():
+        os.utime(p, (when, when))
+
+
+def test_every_log_keeps_its_retention_and_epochs_count_on_across_the_cleanup(cfg, spark):
+    """Commits older than log_retention_hours leave each table's log at its next checkpoint,
+    so what every commit lists stays short; the epochs after that chain on and count exactly."""
+    cfg = cfg.replace(max_records_per_epoch=100)
+    gen = TrafficGenerator(seed=29, events_per_second=0.5, late_share=0.1, malformed_share=0.05)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(3_000, BASE_MS), partition_of=lambda i, r: i % 3)
+    paths = (cfg.ledger_path, cfg.counts_path, cfg.dead_letter_path, cfg.late_path)
+    # Until every table is past its first checkpoint (every 10 commits): delta-rs keeps the
+    # commits from the checkpoint that the oldest version within the retention is read from.
+    first = []
+    while min(DeltaTable(p).version() if first else 0 for p in paths) < 11:
+        first.append(run_epoch(cfg, spark))
+        assert first[-1] is not None and len(first) < 20, [DeltaTable(p).version() for p in paths]
+    for path in paths:
+        assert _log_versions(path)[0] == 0
+        _age_log(path, 2)   # an hour past the retention (1 h)
+    rest = run_until_idle(cfg, spark, limit=30)
+    assert len(rest) >= 10   # each table past another checkpoint
+    for path in paths:
+        table = DeltaTable(path)
+        assert table.metadata().configuration["delta.logRetentionDuration"] == "interval 1 hours"
+        assert _log_versions(path)[0] > 0, path   # the aged commits are gone (at a checkpoint)
+    expected = expected_tables(produced, epoch_ranges(cfg))
+    assert counts(cfg) == expected.counts
+    assert dead_letters(cfg) == expected.dead
+    assert late_records(cfg) == expected.late
+    assert expected.dead and expected.late

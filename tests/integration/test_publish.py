@@ -370,3 +370,46 @@ def test_a_cursor_expired_over_an_emptied_sink_topic_does_not_start_again_from_v
     assert [(v, e, n) for v, e, n in report.published] == [(4, None, 7)]
     assert folded(sink(cfg)) == table_now(cfg) and read_cursor(cfg, cfg.publish_topic).next_version == 5
     assert publish_pending(cfg).published == []
+
+
+def test_the_counts_log_keeps_what_is_not_published_and_the_publisher_then_cleans_it(pub_cfg):
+    """With publishing on, no checkpoint deletes counts commits the publisher has not sent,
+    however old, nor does maintenance; once it has sent them, the publisher lets them go."""
+    from deltalake import DeltaTable
+
+    from ipcount.jobs.maintenance import run_maintenance
+    from ipcount.rules.maintenance import log_properties
+    from ipcount.storage.delta import CHECKPOINT_EVERY
+
+    cfg = pub_cfg
+    # What the sink's ensure() gives a published counts table (version 2).
+    DeltaTable(cfg.counts_path).alter.set_table_properties({**CHECKPOINT_EVERY, **log_properties(1, published=True)})
+    log_dir = os.path.join(cfg.counts_path, "_delta_log")
+
+    def versions() -> list[int]:
+        return sorted(int(n.split(".")[0]) for n in os.listdir(log_dir) if n.endswith(".json"))
+
+    merge_epoch(cfg, 1, {(0, "10.0.0.1"): 1})
+    assert publish_pending(cfg).cursor.next_version == 4   # version 3 sent whole; from 4 on, version by version
+    for epoch in range(2, 14):
+        merge_epoch(cfg, epoch, {(epoch % 4, f"10.0.0.{epoch % 3}"): epoch})
+    old = datetime.now().timestamp() - 3 * 3600   # three hours back: past the retention (1 h)
+    for name in os.listdir(log_dir):
+        os.utime(os.path.join(log_dir, name), (old, old))
+    for epoch in range(14, 26):
+        merge_epoch(cfg, epoch, {(epoch % 4, f"10.0.0.{epoch % 3}"): epoch})   # checkpoints on the way
+    assert versions()[0] == 0                  # no checkpoint deleted a commit
+    counts_run = {t.table: t for t in run_maintenance(cfg).tables}["counts"]
+    assert any("log kept" in n for n in counts_run.notes), counts_run.notes
+    assert versions()[0] == 0                  # nor did maintenance: versions 4.. are not sent
+
+    latest = DeltaTable(cfg.counts_path).version()   # (27, and maintenance's commits after it)
+    report = publish_pending(cfg)              # reads the change data feed of versions 4..latest
+    assert [v for v, _, _ in report.published] == list(range(4, latest + 1))
+    records = sink(cfg)
+    assert folded(records) == table_now(cfg)
+    assert set(per_version(records)) == {str(v) for v in range(3, 28)}   # the snapshot, then each MERGE
+    # Sent, then let go: aged commits below a checkpoint left the log (delta-rs keeps those from
+    # the checkpoint that a version still within the retention is read from: here 9).
+    assert versions()[0] > 3
+    assert publish_pending(cfg).published == [] and len(sink(cfg)) == len(records)

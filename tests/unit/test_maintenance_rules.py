@@ -8,8 +8,8 @@ import pytest
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
-from ipcount.rules.maintenance import (HOUR_MS, MaintenanceRun, TableMaintenance, first_open_hour, retirement_floor,
-                                       vacuum_retention_hours)
+from ipcount.rules.maintenance import (HOUR_MS, MaintenanceRun, TableMaintenance, first_open_hour, log_cleanup_due,
+                                       log_properties, retirement_floor, vacuum_retention_hours)
 
 T10 = int(datetime(2026, 11, 21, 10, tzinfo=timezone.utc).timestamp() * 1000)  # 10:00
 
@@ -91,3 +91,16 @@ def test_maintenance_settings_are_checked():
 ])
 def test_retirement_stops_at_the_first_epoch_that_is_planned_or_missing(floor, epochs, expected):
     assert retirement_floor(floor, epochs) == expected
+
+
+def test_a_published_log_is_cleaned_only_through_a_snapshot_whose_versions_are_all_sent():
+    assert log_cleanup_due(None, 500)          # not published: the retention alone decides
+    assert log_cleanup_due(501, 500)           # everything up to the snapshot sent
+    assert log_cleanup_due(500, 500)           # (delta-rs deletes only below the snapshot's checkpoint)
+    assert not log_cleanup_due(499, 500)
+    assert not log_cleanup_due(0, 500)         # never published: every version is still to send
+    assert log_properties(1) == {"delta.logRetentionDuration": "interval 1 hours",
+                                 "delta.enableExpiredLogCleanup": "true"}
+    assert log_properties(24, published=True)["delta.enableExpiredLogCleanup"] == "false"
+    with pytest.raises(ConfigError, match="log_retention_hours"):
+        PipelineConfig(log_retention_hours=0)
