@@ -23,5 +23,6 @@ its peer (Spark Structured Streaming).
 - :mod:`.bench_stats`        medians, spreads and round-by-round ratios
 - :mod:`.bench_profile`      where an epoch's read stage spends its time
 - :mod:`.bench_growth`       how the counts MERGE's cost grows with the table
+- :mod:`.bench_year`         real epochs on table sets a year old (synthesized), maintained or not
 - :mod:`.peer`               the Structured Streaming contender
 """

@@ -18,6 +18,8 @@ warm and cold against cold.
 * **history**: a long scheduled chain of whole epochs (one spark-submit), each a minute of
   event time, for what the history an epoch's tables, ledger and logs build up costs it.
 * **growth**: the counts MERGE alone over many more epochs (delta-rs, no Spark).
+* **year** (:mod:`ipcount_lab.bench_year`): real epochs on table sets as old as a year of
+  minute epochs (synthesized), maintained and not, stage by stage, in one spark-submit.
 
 Every figure is a median with its min and max (:mod:`ipcount_lab.bench_stats`), every
 ratio is taken run by run, and every total is read back from its Delta table and checked
@@ -47,7 +49,7 @@ from ipcount.storage.spark import DRIVER_ENV
 from ipcount_lab import bench_rounds, bench_stats
 from ipcount_lab.service import free_port
 
-MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth")
+MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth", "year")
 # The measurements that read the --records range (the others bring records of their own).
 READ_THE_RANGE = ("warm", "cold", "kafka_python", "profile")
 COLD = ("spark_count", "peer", "pipeline")
@@ -404,12 +406,65 @@ def measure_history(cfg: PipelineConfig, ending: dict[int, int], per_epoch: int,
             "tables": table_sizes(cfg.replace(warehouse=str(where)))}
 
 
+def measure_year(cfg: PipelineConfig, args: argparse.Namespace, logs: Path, workdir: Path) -> dict:
+    """Table sets of each age synthesized, maintained and not, then real epochs timed on all
+    of them in one spark-submit (:mod:`bench_year`); totals checked."""
+    from ipcount_lab import bench_year
+
+    ages = [int(a) for a in args.year_ages.split(",")]
+    end_ms = bench_year.history_end(int(time.time() * 1000))
+    epochs = args.year_warmup + args.year_rounds * args.year_epochs
+    sets, synthesis, produced = [], {}, {}
+    for age in ages:
+        topic_cfg = cfg.replace(topic=f"{cfg.topic}_year{age}")
+        say(f"year: {age:,} epochs: a topic of {age:,} records per partition the history owns, then "
+            f"{epochs * args.year_records:,} for {epochs} real epochs")
+        bench_year.fill_topic(topic_cfg, age, args.partitions)
+        ending = generate(topic_cfg, epochs * args.year_records, args.partitions, args.seed + 3,
+                          after=age * args.partitions, events_per_second=args.year_records / 60, start_ms=end_ms)
+        produced[age] = sum(ending.values()) - age * args.partitions
+        for maintained in (True, False):
+            if not maintained and age > args.year_unmaintained_max:
+                continue
+            ts = bench_year.TableSet(age, maintained, str(workdir / "year" / f"{age}-{'on' if maintained else 'off'}"),
+                                     topic_cfg.topic, end_ms, args.year_log_retention_hours)
+            synthesis[ts.name] = bench_year.synthesize(cfg, ts, args.partitions, say=say)
+            sets.append(ts)
+    say(f"year: timing {args.year_rounds} rounds of {args.year_epochs} epochs on {len(sets)} table sets "
+        f"(spark-submit bench_job.py year; log {logs / 'year.log'})")
+    command = spark_submit(cfg, BENCH_APPLICATION, [
+        *job_args("year", cfg, {}, workdir / "year"), "--sets", json.dumps([ts.to_dict() for ts in sets]),
+        "--rounds", str(args.year_rounds), "--epochs", str(args.year_epochs), "--warmup", str(args.year_warmup),
+        "--per-epoch", str(args.year_records)], "bench-year")
+    _, _, out = run_process(command, logs / "year.log", DRIVER_ENV)
+    result = _last_json(out)
+    summary = bench_year.summarize(result, sets)
+    for ts in sets:
+        read = result["records"][ts.name]
+        if read != produced[ts.age]:
+            raise RuntimeError(f"year: set {ts.name} read {read} records, not the {produced[ts.age]} produced")
+    for age in ages:
+        counted = {name: s["counted"] for name, s in summary.items() if s["age"] == age}
+        if len(set(counted.values())) > 1:
+            raise RuntimeError(f"year: the sets of age {age} counted differently: {counted}")
+    tables = {}
+    for ts in sets:
+        set_cfg = ts.config(cfg)
+        tables[ts.name] = {role: bench_year.table_state(path) for role, path in (
+            ("counts", set_cfg.counts_path), ("ledger", set_cfg.ledger_path),
+            ("dead_letter", set_cfg.dead_letter_path), ("late", set_cfg.late_path))}
+    return {"ages": ages, "log_retention_hours": args.year_log_retention_hours, "rounds": args.year_rounds,
+            "epochs_per_round": args.year_epochs,
+            "warmup": args.year_warmup, "records_per_epoch": args.year_records, "sets": summary,
+            "synthesis": synthesis, "tables": tables, "epochs": result["epochs"]}
+
+
 def job_main(argv: Sequence[str] | None = None) -> int:
     """The peer, the limits and the warm rounds as jobs (``spark_jobs/bench_job.py``);
     prints a JSON line."""
     p = argparse.ArgumentParser(prog="bench_job.py", description="one benchmark measurement (used by bin/benchmark)")
     p.add_argument("job", choices=("peer", "spark_count", "kafka_python", "idle_check", "rounds", "profile",
-                                   "history"))
+                                   "history", "year"))
     p.add_argument("--bootstrap-servers", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--ending", required=True, help="JSON: partition -> end offset")
@@ -422,7 +477,9 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--small-ending", default="{}", help="rounds: JSON, partition -> end offset of --small-topic")
     p.add_argument("--small-per-epoch", type=int, default=2000, help="rounds: records per small epoch")
     p.add_argument("--repeats", type=int, default=3, help="profile: runs per figure")
-    p.add_argument("--per-epoch", type=int, default=10_000, help="history: records per epoch")
+    p.add_argument("--per-epoch", type=int, default=10_000, help="history, year: records per epoch")
+    p.add_argument("--sets", default="[]", help="year: JSON, the table sets (bench_year.TableSet)")
+    p.add_argument("--warmup", type=int, default=2, help="year: untimed epochs on each set first")
     args = p.parse_args(argv)
     ending = {int(k): v for k, v in json.loads(args.ending).items()}
     cfg = PipelineConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic, window_seconds=args.window_seconds,
@@ -449,6 +506,14 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     if args.job == "history":
         say(f"history: {sum(ending.values()):,} records in epochs of {args.per_epoch:,}")
         print(json.dumps(bench_rounds.history(spark, cfg, ending, Path(args.workdir), args.per_epoch)), flush=True)
+        return 0
+    if args.job == "year":
+        from ipcount_lab import bench_year
+
+        sets = [bench_year.TableSet(**s) for s in json.loads(args.sets)]
+        result = bench_year.run_rounds(spark, cfg.replace(max_records_per_epoch=args.per_epoch), sets, args.rounds,
+                                       args.epochs, args.warmup, say=say)
+        print(json.dumps(result), flush=True)
         return 0
     if args.job == "profile":
         from ipcount_lab import bench_profile
@@ -483,10 +548,11 @@ def _rounds_job(spark, cfg: PipelineConfig, ending: dict[int, int], args: argpar
 
 
 def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, after: int = 0,
-             events_per_second: float = 2000) -> dict[int, int]:
+             events_per_second: float = 2000, start_ms: int | None = None) -> dict[int, int]:
     """``records`` generator records (JSON and NGINX lines, a few late and malformed) spread
     over the partitions, after the ``after`` records already there, ``events_per_second`` of
-    event time; the log end per partition."""
+    event time from ``start_ms`` (default: where ``after`` records of 2026-11-01 on end); the
+    log end per partition."""
     from kafka import KafkaProducer
 
     from ipcount.storage.broker import client_options, create_topic, partition_offsets
@@ -497,8 +563,9 @@ def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, afte
                              batch_size=512 * 1024, compression_type=None, **client_options(cfg))
     gen = TrafficGenerator(seed=seed + after, events_per_second=events_per_second)
     # Records that follow ``after`` others follow them in time, too.
-    start_ms = (int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000)
-                + int(after * 1000 / events_per_second))
+    if start_ms is None:
+        start_ms = (int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000)
+                    + int(after * 1000 / events_per_second))
     for i, rec in enumerate(gen.records(records, start_ms)):
         producer.send(cfg.topic, key=rec.key, value=rec.value, partition=(after + i) % partitions)
     producer.flush()
@@ -612,10 +679,36 @@ def render(report: dict) -> str:
         lines.append("  tables after it: " + ", ".join(
             f"{name} {t['rows']:,} rows in {t['files']} files (version {t['version']})"
             for name, t in history["tables"].items()))
+    lines += _render_year(report.get("year"))
     drain = report.get("kafka_python")
     if drain:
         lines.append(f"kafka_python: a plain consumer draining the range: {_range(drain['seconds'], ' s')}")
     return "\n".join(lines).rstrip("\n")
+
+
+def _render_year(year: dict | None) -> list[str]:
+    if not year:
+        return []
+    from ipcount_lab.bench_year import STAGES
+
+    lines = [f"year: real epochs of {year['records_per_epoch']:,} records on table sets of each age "
+             f"({year['rounds']} rounds of {year['epochs_per_round']} after {year['warmup']} untimed, logs kept "
+             f"{year['log_retention_hours']} h); median s "
+             f"(x the youngest maintained set's, round by round)",
+             f"{'set':<12} {'epoch':>14} " + " ".join(f"{s:>17}" for s in STAGES)]
+
+    def cell(c: dict) -> str:
+        return f"{c['median']:.3f}" + ("" if c["ratio"] is None else f" (x{c['ratio']:.2f})")
+    for name, s in year["sets"].items():
+        lines.append(f"{name:<12} {cell(s['stages']['epoch']):>14} "
+                     + " ".join(f"{cell(s['stages'][st]):>17}" for st in STAGES))
+    lines.append("  tables after (version; _delta_log entries and MB; checkpoint MB and transactions; data files, MB):")
+    for name, tables in year["tables"].items():
+        lines.append(f"  {name:<12} " + "; ".join(
+            f"{role} v{t['version']:,} log {t['log_entries']:,}/{(t['log_bytes'] or 0) / 2**20:.1f} "
+            f"cp {(t['checkpoint_bytes'] or 0) / 2**20:.2f}/{t['transactions'] or 0:,} "
+            f"files {t['files']:,}/{t['bytes'] / 2**20:.1f}" for role, t in tables.items()))
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -647,6 +740,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="growth: scheduled epochs' counts merged one after another (default 1000)")
     p.add_argument("--growth-ips", type=int, default=1000,
                    help="growth: clients per window in each epoch (default 1000: 7,000 counts rows an epoch)")
+    p.add_argument("--year-ages", default="10,10000,100000,525600",
+                   help="year: ages of the table sets, in minute epochs (default 10,10000,100000,525600)")
+    p.add_argument("--year-unmaintained-max", type=int, default=100_000,
+                   help="year: the oldest age also synthesized unmaintained (default 100000: a file per epoch "
+                        "in each side table)")
+    p.add_argument("--year-log-retention-hours", type=int, default=PipelineConfig.log_retention_hours,
+                   help="year: the sets' log_retention_hours (default the pipeline's, "
+                        f"{PipelineConfig.log_retention_hours}; Delta's own default is 720)")
+    p.add_argument("--year-rounds", type=int, default=4, help="year: rounds over every set (default 4)")
+    p.add_argument("--year-epochs", type=int, default=5, help="year: timed epochs per set and round (default 5)")
+    p.add_argument("--year-warmup", type=int, default=2, help="year: untimed epochs on each set first (default 2)")
+    p.add_argument("--year-records", type=int, default=2000, help="year: records per real epoch (default 2000)")
     p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=11)
@@ -656,10 +761,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                ("--paths-epochs", args.paths_epochs, 5), ("--paths-warmup", args.paths_warmup, 0),
                                ("--cold-repeats", args.cold_repeats, 1),
                                ("--growth-epochs", args.growth_epochs, 2), ("--history-epochs", args.history_epochs, 2),
-                               ("--growth-ips", args.growth_ips, 1)):
+                               ("--growth-ips", args.growth_ips, 1), ("--year-rounds", args.year_rounds, 1),
+                               ("--year-epochs", args.year_epochs, 1), ("--year-warmup", args.year_warmup, 1),
+                               ("--year-log-retention-hours", args.year_log_retention_hours, 1)):
         if value < least:
             p.error(f"{flag} must be at least {least}")
-    for flag, value in (("--epoch-records", args.epoch_records), ("--history-records", args.history_records)):
+    try:
+        ages = [int(a) for a in args.year_ages.split(",")]
+    except ValueError:
+        ages = []
+    if not ages or min(ages) < 1 or len(set(ages)) != len(ages):
+        p.error(f"--year-ages takes distinct whole numbers of at least 1, comma-separated; got {args.year_ages!r}")
+    for flag, value in (("--epoch-records", args.epoch_records), ("--history-records", args.history_records),
+                        ("--year-records", args.year_records)):
         if value < args.partitions:
             p.error(f"{flag} must be at least --partitions")
     if not 1 <= args.partitions <= 64:
@@ -738,6 +852,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             say(f"measuring growth: {args.growth_epochs} epochs' counts MERGEs (delta-rs, no Spark)")
             report["growth"] = bench_growth.growth(workdir, args.growth_epochs, args.growth_ips, args.seed, say=say)
+        if "year" in only:
+            say(f"measuring year: table sets of {args.year_ages} minute epochs, maintained and not")
+            report["year"] = measure_year(cfg, args, logs, workdir)
         check_totals(report)
         print(render(report), flush=True)
         out = args.json or STATE_DIR / "benchmark" / f"{datetime.now():%Y%m%d-%H%M%S}.json"

@@ -18,7 +18,8 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
                            "--paths-warmup", "2",
                            "--cold-repeats", "1",
                            "--growth-epochs", "12", "--growth-ips", "20", "--history-epochs", "3",
-                           "--history-records", "120",
+                           "--history-records", "120", "--year-ages", "5,40", "--year-unmaintained-max", "40",
+                           "--year-rounds", "2", "--year-epochs", "1", "--year-warmup", "1", "--year-records", "60",
                            "--bootstrap-servers", broker.bootstrap_servers, "--json", str(out),
                            "--workdir", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=900)
@@ -102,10 +103,23 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     grown = report["growth"]  # its total read back from the table equals what was merged (else it raises)
     assert grown["epochs"] == 12 and len(grown["seconds"]) == 12 and grown["rows_per_epoch"] == 7 * 20
     assert grown["requests"] > 12 * 7 * 20 and 0 < grown["table_rows"] <= 12 * 7 * 20 and grown["files"] >= 1
+    year = report["year"]  # real epochs on synthesized table sets, maintained and not
+    assert set(year["sets"]) == {"5-on", "5-off", "40-on", "40-off"}
+    for name, s in year["sets"].items():
+        assert s["epochs"] == 2 and s["stages"]["epoch"]["median"] > 0, name
+        assert {"plan", "read", "side_tables", "merge", "ledger", "group_commit", "idle_check", "monitor"} <= \
+            set(s["stages"]), name
+    # each age's sets read the same 180 records (checked, else it raises) and counted the same
+    assert year["sets"]["5-on"]["counted"] == year["sets"]["5-off"]["counted"] > 0
+    assert year["sets"]["40-on"]["stages"]["epoch"]["ratio"] > 0
+    assert year["sets"]["5-on"]["stages"]["epoch"]["ratio"] == 1   # (the base of the ratios)
+    tables = year["tables"]
+    assert tables["40-off"]["dead_letter"]["transactions"] >= 40 and tables["40-on"]["dead_letter"]["transactions"] < 10
+    assert tables["40-off"]["ledger"]["version"] > 80 and tables["40-on"]["counts"]["files"] >= 1
     for text in ("warm: one Spark session", "pipeline / peer", "cold: each contender",
                  "paths: Spark Connect server start", "warm, one process and remote session: a 150-record epoch",
                  "kafka_python: a plain consumer", "profile: 3,000 records", "history: 3 epochs of 120",
-                 "growth: 12 epochs"):
+                 "growth: 12 epochs", "year: real epochs of 60 records"):
         assert text in proc.stdout, text
 
 
@@ -115,7 +129,8 @@ def test_benchmark_refuses_bad_arguments():
                           (["--rounds", "1"], "--rounds must be at least 2"),
                           (["--small-epochs", "1"], "--small-epochs must be at least 2"),
                           (["--paths-epochs", "4"], "--paths-epochs must be at least 5"),
-                          (["--history-records", "2"], "--history-records must be at least --partitions")):
+                          (["--history-records", "2"], "--history-records must be at least --partitions"),
+                          (["--year-ages", "10,x"], "--year-ages takes distinct whole numbers")):
         proc = subprocess.run([sys.executable, "-m", "ipcount_lab.benchmark", *args], capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
