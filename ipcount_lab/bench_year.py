@@ -394,12 +394,13 @@ def run_rounds(spark, cfg: PipelineConfig, sets: list[TableSet], rounds: int, ep
 def monitor_reads(tables) -> None:
     """What the monitor's health line, first epochs page, lag page and counts page read of the
     tables (:class:`ipcount.orchestration.monitor.app.Monitor`, Airflow's run states aside)."""
-    refs = tables.epoch_index()
-    tables.epoch_rows([r.epoch for r in refs if r.planned])
+    kinds = ("scheduled", "backfill")
+    tables.epoch_rows([r.epoch for r in tables.unfinished()])
     tables.last_committed()
     tables.chain_positions()
     tables.last_maintenance()
-    tables.epoch_rows([r.epoch for r in refs[:50]])
+    total = tables.epoch_count(kinds)
+    tables.epoch_rows([r.epoch for r in tables.epoch_page(kinds, None, 0, min(50, total))])
     tables.lag_history(50)
     tables.latest_window_end()
 

@@ -213,32 +213,66 @@ class DeltaReader:
         self.refresh_seconds, self.cache_bytes = refresh_seconds, cache_bytes
         self._tables: dict[str, tuple[Any, float]] = {}
         self._table_locks: dict[str, threading.Lock] = {}
-        self._answers: OrderedDict[tuple[str, int, str], tuple[list[dict[str, Any]], int]] = OrderedDict()
+        self._answers: OrderedDict[tuple[str, int, str], tuple[Any, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # the answers and the table locks: held for no I/O
+
+    def _path_lock(self, path: str) -> threading.Lock:
+        with self._lock:
+            return self._table_locks.setdefault(path, threading.Lock())
+
+    def _refreshed(self, path: str):
+        """The table at ``path``, refreshed if due (None if there is none); under its path lock."""
+        now = time.monotonic()
+        held = self._tables.get(path)
+        if held is None:
+            table = open_table(path)
+            if table is None:
+                return None
+            self._tables[path] = (table, now)
+            return table
+        table, checked = held
+        if now - checked >= self.refresh_seconds:
+            table.update_incremental()
+            self._tables[path] = (table, now)
+        return table
 
     def _snapshot(self, path: str):
         """(version, a query builder over that version) of the table at ``path``, or None if
         there is no table yet. A path's open and refresh (a log read) hold only its own lock."""
         from deltalake import QueryBuilder
 
-        with self._lock:
-            lock = self._table_locks.setdefault(path, threading.Lock())
-        with lock:
-            now = time.monotonic()
-            held = self._tables.get(path)
-            if held is None:
-                table = open_table(path)
-                if table is None:
-                    return None
-                self._tables[path] = (table, now)
-            else:
-                table, checked = held
-                if now - checked >= self.refresh_seconds:
-                    table.update_incremental()
-                    self._tables[path] = (table, now)
+        with self._path_lock(path):
+            table = self._refreshed(path)
+            if table is None:
+                return None
             # The builder copies this snapshot: a refresh while the query runs changes nothing it reads.
             return table.version(), QueryBuilder().register("t", table)
+
+    def computed(self, path: str, name: str, compute: Callable[[Any], T], size: int = 64 << 10) -> T | None:
+        """``compute(table)`` over the table at ``path`` at its current version (None if there
+        is no table yet), kept per (path, version, name) like a query's answer, counted as
+        ``size`` bytes. It runs under the path's lock: no refresh moves the table meanwhile."""
+        with self._path_lock(path):
+            table = self._refreshed(path)
+            if table is None:
+                return None
+            key = (path, table.version(), "#" + name)
+            with self._lock:
+                if key in self._answers:
+                    self._answers.move_to_end(key)
+                    return self._answers[key][0]
+            value = compute(table)
+        self._keep(key, value, size)
+        return value
+
+    def _keep(self, key: tuple[str, int, str], value: Any, size: int) -> None:
+        with self._lock:
+            if key not in self._answers:  # (unless an identical query came first)
+                self._answers[key] = (value, size)
+                self._bytes += size
+            while self._bytes > self.cache_bytes:
+                self._bytes -= self._answers.popitem(last=False)[1][1]
 
     def query(self, path: str, sql: str, cache: bool = True) -> list[dict[str, Any]]:
         """Rows of ``sql`` over the table at ``path``, named ``t`` in the query ([] if there
@@ -257,12 +291,7 @@ class DeltaReader:
         rows = pa.table(builder.execute(sql).read_all()).to_pylist()
         size = self._size(rows)
         if cache and size <= self.cache_bytes:
-            with self._lock:
-                if key not in self._answers:  # (unless an identical query came first)
-                    self._answers[key] = (rows, size)
-                    self._bytes += size
-                while self._bytes > self.cache_bytes:
-                    self._bytes -= self._answers.popitem(last=False)[1][1]
+            self._keep(key, rows, size)
         return rows
 
     @staticmethod

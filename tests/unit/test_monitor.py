@@ -395,3 +395,70 @@ def test_the_run_note_listener_reads_no_ledger_inside_the_scheduler(monkeypatch,
     assert notes.wait_idle(60)          # then the read fails: no note, a line in the log
     assert "no epoch note for run scheduled__stalled: reading its ledger rows failed: OSError" in caplog.text
     store.shutdown()
+
+
+def test_the_monitor_reads_an_old_ledger_by_its_summary_and_its_newest_ids(tmp_path, monkeypatch):
+    """A ledger of 3,000 epochs (a summary folded over them), then real plans and commits: a
+    backfill, an epoch left planned, chain epochs. Every answer of the bounded reads equals
+    the one read from every row, and a first page reads only the newest ids."""
+    from deltalake import DeltaTable
+
+    from ipcount.orchestration.monitor import data
+    from ipcount.orchestration.monitor.data import PipelineTables
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.rules.ledger import BACKFILL, EpochPlan, PartitionMetrics
+    from ipcount.rules.offsets import OffsetRange
+    from ipcount.storage.delta import DeltaReader
+    from ipcount.storage.ledger import Ledger
+    from ipcount_lab import bench_year
+
+    cfg = PipelineConfig(warehouse=str(tmp_path / "w"), topic="t", pipeline_id="p")
+    end_ms = bench_year.history_end(int(time.time() * 1000))
+    ledger = Ledger(cfg.ledger_path)
+    ledger.ensure()
+    bench_year._ledger(cfg, bench_year.TableSet(3000, True, cfg.warehouse, "t", end_ms), 2, end_ms - 3000 * 60_000)
+
+    def plan(epoch: int, kind: str = "scheduled", at: int | None = None) -> EpochPlan:
+        at = epoch - 1 if at is None else at
+        return EpochPlan(epoch, tuple(OffsetRange("t", p, at, at + 1) for p in range(2)), kind=kind,
+                         request_id="req" if kind == BACKFILL else None)
+    for epoch, p in ((3001, plan(3001)), (3002, plan(3002, BACKFILL, 9000)), (3003, plan(3003)),
+                     (3004, plan(3004, at=3003)), (3005, plan(3005, BACKFILL, 9001))):
+        ledger.record_plan(p, f"run-{epoch}")
+        if epoch != 3005:   # the second backfill epoch stays planned
+            ledger.commit(p, {0: PartitionMetrics(1, 1), 1: PartitionMetrics(1, 1)}, end_ms + epoch, epoch, 1.0,
+                          f"run-{epoch}", lag_after={0: 7, 1: 8})
+
+    rows = DeltaTable(cfg.ledger_path).to_pyarrow_table().to_pylist()
+    rows = [r for r in rows if r["topic"] == "t"]
+    every = sorted({r["epoch"] for r in rows}, reverse=True)
+    kind = {r["epoch"]: r["kind"] or "scheduled" for r in rows}
+    planned = {r["epoch"] for r in rows if r["status"] == "planned"}
+    chain = [r for r in rows if r["status"] == "committed" and (r["kind"] or "scheduled") == "scheduled"]
+
+    reader = DeltaReader()
+    tables = PipelineTables(cfg, reader)
+    assert tables.view().summary is not None and tables.view().summary.through >= 2990
+    assert [r.epoch for r in tables.unfinished()] == [3005] == sorted(planned)
+    assert tables.epoch_count(("scheduled", BACKFILL)) == len(every) == 3005
+    assert tables.epoch_count((BACKFILL,)) == 2 and tables.epoch_count(("scheduled",), "run-3004") == 1
+    assert tables.epoch_count(()) == 0 and tables.epoch_page((), None, 0, 50) == []   # no kind it may see
+    page = tables.epoch_page(("scheduled", BACKFILL), None, 0, 50)
+    assert [r.epoch for r in page] == every[:50] and page[0].planned and page[0].kind == BACKFILL
+    assert [r.epoch for r in tables.epoch_page(("scheduled",), None, 40, 20, committed_only=True)] == \
+        [e for e in every if kind[e] == "scheduled" and e not in planned][40:60]
+    far = tables.epoch_page(("scheduled", BACKFILL), None, 2990, 50)   # reaches back to epoch 1
+    assert [r.epoch for r in far] == every[2990:3040]
+    assert tables.chain_positions() == {p: max(r["until_offset"] for r in chain if r["partition"] == p)
+                                        for p in range(2)} == {0: 3004, 1: 3004}
+    epoch, committed_at, watermark = tables.last_committed()
+    assert (epoch, watermark) == (3004, end_ms + 3004) and committed_at is not None
+    assert [e for e, _ in tables.lag_history(3)] == [3001, 3003, 3004]
+
+    # Every read so far was bounded by epoch ids (the view's own, and one count of the epochs
+    # the summary holds, aside): none read every row.
+    ledger_sql = [sql for path, _, sql in reader._answers if path == cfg.ledger_path and not sql.startswith("#")]
+    unbounded = [sql for sql in ledger_sql if "epoch" not in sql.split("WHERE", 1)[-1]]
+    assert unbounded == [], unbounded
+    monkeypatch.setattr(data, "DEEP_PAGE", 100)   # a page that far back reads every row: the same epochs
+    assert [r.epoch for r in tables.epoch_page(("scheduled", BACKFILL), None, 2990, 50)] == every[2990:3040]

@@ -86,18 +86,23 @@ class Monitor:
         _, tables = self.target(target, access)
         status = model.check_choice("status", status, model.STATUSES)
         kind = model.check_choice("kind", kind, model.KINDS)
-        refs = access.visible(tables.epoch_index())
-        if run_id:
-            refs = [r for r in refs if r.run_id == run_id]
-        if kind:
-            refs = [r for r in refs if r.kind == kind]
-        # Only unfinished epochs need Airflow to tell running from failed.
-        planned_states = run_states(r.run_id for r in refs if r.planned)
-        if status:
-            refs = [r for r in refs if model.epoch_status(r.planned, planned_states.get(r.run_id or "", (None, None))[1])
-                    == status]
-        pg = model.page_of(len(refs), page, page_size)
-        shown = refs[pg.start:pg.start + pg.size]
+        kinds = access.kinds((kind,) if kind else model.KINDS)
+        run_id = run_id or None
+
+        def mine(ref) -> bool:
+            return ref.kind in kinds and (run_id is None or ref.run_id == run_id)
+        if status in (model.RUNNING, model.FAILED):  # planned epochs: Airflow tells running from failed
+            refs = [r for r in tables.unfinished() if mine(r)]
+            states = run_states(r.run_id for r in refs)
+            refs = [r for r in refs if model.epoch_status(True, states.get(r.run_id or "", (None, None))[1]) == status]
+            pg = model.page_of(len(refs), page, page_size)
+            shown = refs[pg.start:pg.start + pg.size]
+        else:  # counted and paged in the ledger: the newest ids, or every row for a page far back
+            committed = status == model.COMMITTED
+            total = tables.epoch_count(kinds, run_id) - (sum(1 for r in tables.unfinished() if mine(r))
+                                                         if committed else 0)
+            pg = model.page_of(total, page, page_size)
+            shown = tables.epoch_page(kinds, run_id, pg.start, pg.size, committed_only=committed)
         rows = tables.epoch_rows([r.epoch for r in shown])
         epochs = model.epoch_rows(rows, run_states(r.run_id for r in shown))
         published_until = self.broker.published_until(self.cfg) if target == MAIN_TARGET else None  # (replays: never)
@@ -107,8 +112,7 @@ class Monitor:
 
     def health(self, target: str, access: model.Access) -> model.Health:
         cfg, tables = self.target(target, access)
-        refs = access.visible(tables.epoch_index())
-        planned = [r for r in refs if r.planned]
+        planned = access.visible(tables.unfinished())
         unfinished = model.epoch_rows(tables.epoch_rows([r.epoch for r in planned]),
                                       run_states(r.run_id for r in planned)) if planned else []
         last = tables.last_committed()

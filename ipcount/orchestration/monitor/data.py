@@ -20,11 +20,14 @@ from typing import Any, Callable
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.monitor.model import epoch_blocks, time_blocks
 from ipcount.rules.config import PipelineConfig, join_location
-from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED
+from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED, Folded, newest_chain_epoch
+from ipcount.rules.ledger_summary import committed_chain
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage import broker
-from ipcount.storage.delta import (DeltaReader, has_table, sql_identifier, sql_literal, subdirectory_names,
-                                   table_metadata)
+from ipcount.storage.delta import (DeltaReader, has_table, query_table, sql_identifier, sql_literal,
+                                   subdirectory_names, table_metadata)
+from ipcount.storage.ledger import SUMMARY_TXN, Ledger, LedgerView
+from ipcount.storage.sink import COUNTS_PARTITION
 from ipcount.storage.publisher import committed_cursor, publisher_id
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,12 @@ log = logging.getLogger(__name__)
 KIND_SQL = f"coalesce(kind, {sql_literal(SCHEDULED)})"
 PLANNED_SQL = sql_literal(PLANNED)
 CHAIN_COMMITTED_SQL = f"status = {sql_literal(COMMITTED)} AND {KIND_SQL} = {sql_literal(SCHEDULED)}"
+# The epochs page reads the newest NEWEST_WINDOW ids (or twice a page) and widens from there;
+# a page past the newest DEEP_PAGE epochs reads every row.
+NEWEST_WINDOW, DEEP_PAGE = 256, 5_000
+# Epochs counted among those a ledger summary holds, by (ledger, table id, summary version, filter).
+_FOLDED_COUNTS: dict[tuple, int] = {}
+_FOLDED_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -50,13 +59,89 @@ class PipelineTables:
     def __init__(self, cfg: PipelineConfig, reader: DeltaReader) -> None:
         self.cfg, self.reader = cfg, reader
 
-    def epoch_index(self) -> list[EpochRef]:
-        """Every epoch of the topic, newest first: id, unfinished or not, kind, run."""
+    def view(self) -> LedgerView:
+        """The ledger's summary and the rows it does not hold, from one snapshot, kept per
+        version: what the health line, the positions and the counts of epochs start from."""
+        return self._view()[0]
+
+    def _view(self) -> tuple[LedgerView, tuple]:
+        """The view, and a key naming its summary (the ledger's table id and the summary's
+        version): the final epochs a summary holds never change, so what is counted of them
+        is kept by that key (a rebuild's out-of-order epoch comes with a new summary)."""
+        def compute(table) -> tuple[LedgerView, tuple]:
+            return (Ledger(self.cfg.ledger_path).view(table),
+                    (self.cfg.ledger_path, table.metadata().id, table.transaction_version(SUMMARY_TXN)))
+        return self.reader.computed(self.cfg.ledger_path, "ledger-view", compute) or (LedgerView(None, []), ())
+
+    def _index(self, where: str) -> list[EpochRef]:
+        """The topic's epochs matching ``where`` (SQL), newest first: id, unfinished or not, kind, run."""
         rows = self.reader.query(self.cfg.ledger_path, (
             f"SELECT epoch, bool_or(status = {PLANNED_SQL}) AS planned, min({KIND_SQL}) AS kind, "
-            f"min(run_id) AS run_id FROM t WHERE topic = {sql_literal(self.cfg.topic)} "
+            f"min(run_id) AS run_id FROM t WHERE topic = {sql_literal(self.cfg.topic)}{where} "
             "GROUP BY epoch ORDER BY epoch DESC"))
         return [EpochRef(r["epoch"], bool(r["planned"]), r["kind"], r["run_id"]) for r in rows]
+
+    def unfinished(self) -> list[EpochRef]:
+        """The topic's epochs still planned, newest first (their ids from the ledger's view)."""
+        epochs = self.view().state(self.cfg.topic).unfinished
+        return self._index(f" AND epoch IN ({', '.join(str(int(e)) for e in epochs)})") if epochs else []
+
+    def newest_epochs(self, count: int, keep: Callable[[EpochRef], bool] = lambda ref: True) -> list[EpochRef]:
+        """The ``count`` newest epochs ``keep`` keeps, newest first: read from a window of ids
+        below the newest (Delta's statistics skip the files of older ones), widened until it
+        holds them or reaches the first epoch."""
+        view = self.view()
+        newest = max([view.summary.last_epoch if view.summary else 0, *(r["epoch"] for r in view.tail)])
+        width = max(NEWEST_WINDOW, 2 * count)
+        while True:
+            low = newest - width
+            refs = [ref for ref in self._index(f" AND epoch > {low}") if keep(ref)]
+            if len(refs) >= count or low <= 0:
+                return refs[:count]
+            width *= 4
+
+    def epoch_count(self, kinds: tuple[str, ...], run_id: str | None = None) -> int:
+        """How many of the topic's epochs are of ``kinds`` (and, if given, ran in ``run_id``):
+        those the ledger's summary holds counted once per summary, the others per version."""
+        if not kinds:   # (a user who may see none of the kinds asked for)
+            return 0
+        view, summary_key = self._view()
+        where = f" AND {KIND_SQL} IN ({', '.join(sql_literal(k) for k in kinds)})"
+        if run_id is not None:
+            where += f" AND run_id = {sql_literal(run_id)}"
+        if view.summary is None:
+            return self._count(where)
+        open_epochs = ", ".join(str(int(e)) for e in view.summary.open)
+        in_tail = f"(epoch > {int(view.summary.through)}" + (f" OR epoch IN ({open_epochs})" if open_epochs else "") + ")"
+        key = (*summary_key, where)
+        with _FOLDED_LOCK:
+            folded = _FOLDED_COUNTS.get(key)
+        if folded is None:
+            folded = self._count(f"{where} AND NOT {in_tail}")
+            with _FOLDED_LOCK:
+                _FOLDED_COUNTS[key] = folded
+                while len(_FOLDED_COUNTS) > 256:
+                    _FOLDED_COUNTS.pop(next(iter(_FOLDED_COUNTS)))
+        return folded + self._count(f"{where} AND {in_tail}")
+
+    def _count(self, where: str) -> int:
+        rows = self.reader.query(self.cfg.ledger_path, (
+            f"SELECT count(DISTINCT epoch) AS n FROM t WHERE topic = {sql_literal(self.cfg.topic)}{where}"))
+        return int(rows[0]["n"]) if rows else 0
+
+    def epoch_page(self, kinds: tuple[str, ...], run_id: str | None, start: int, size: int,
+                   committed_only: bool = False) -> list[EpochRef]:
+        """Epochs ``start``..``start + size`` (newest first) of ``kinds`` and ``run_id`` (and no
+        longer planned): from a window of the newest ids, or (a page far back) from every row."""
+        if not kinds:
+            return []
+
+        def keep(ref: EpochRef) -> bool:
+            return (ref.kind in kinds and (run_id is None or ref.run_id == run_id)
+                    and not (committed_only and ref.planned))
+        if start + size <= DEEP_PAGE:
+            return self.newest_epochs(start + size, keep)[start:]
+        return [ref for ref in self._index("") if keep(ref)][start:start + size]
 
     def epoch_rows(self, epochs: list[int]) -> list[dict[str, Any]]:
         """The ledger rows of the given epochs (one range query, of whole blocks: Delta's
@@ -71,17 +156,20 @@ class PipelineTables:
 
     def chain_positions(self) -> dict[int, int]:
         """partition -> next offset of the scheduled chain (what the consumer group follows)."""
-        rows = self.reader.query(self.cfg.ledger_path, (
-            "SELECT partition, max(until_offset) AS until FROM t "
-            f"WHERE topic = {sql_literal(self.cfg.topic)} AND {CHAIN_COMMITTED_SQL} GROUP BY partition"))
-        return {r["partition"]: r["until"] for r in rows}
+        view = self.view()
+        return committed_chain(view.summary, self.cfg.topic, view.tail)[1]
 
     def last_committed(self) -> tuple[int, datetime, int | None] | None:
         """(epoch, committed at, watermark after it) of the chain's last committed epoch."""
+        view = self.view()
+        folded = view.summary.folded(self.cfg.topic) if view.summary is not None else Folded()
+        newest = newest_chain_epoch((r for r in view.tail if r["topic"] == self.cfg.topic), folded)
+        if newest is None:
+            return None
         rows = self.reader.query(self.cfg.ledger_path, (
-            "SELECT epoch, committed_at, watermark_after_ms FROM t "
-            f"WHERE topic = {sql_literal(self.cfg.topic)} AND {CHAIN_COMMITTED_SQL} ORDER BY epoch DESC LIMIT 1"))
-        return (rows[0]["epoch"], rows[0]["committed_at"], rows[0]["watermark_after_ms"]) if rows else None
+            f"SELECT committed_at FROM t WHERE topic = {sql_literal(self.cfg.topic)} AND epoch = {int(newest[0])} "
+            f"AND {CHAIN_COMMITTED_SQL} LIMIT 1"))
+        return (newest[0], rows[0]["committed_at"], newest[1]) if rows else None
 
     def last_maintenance(self) -> list[dict[str, Any]]:
         """The maintenance log's rows of its newest run ([] if maintenance never ran)."""
@@ -94,7 +182,7 @@ class PipelineTables:
     def lag_history(self, last: int) -> list[tuple[int, dict[int, int]]]:
         """(epoch, partition -> lag after it) of the chain's last ``last`` committed epochs,
         oldest first."""
-        chain = [e.epoch for e in self.epoch_index() if e.kind == SCHEDULED and not e.planned][:last]
+        chain = [e.epoch for e in self.newest_epochs(last, lambda e: e.kind == SCHEDULED and not e.planned)]
         by_epoch: dict[int, dict[int, int]] = {}
         for r in self.epoch_rows(chain):
             if r["status"] == COMMITTED and r.get("lag_after") is not None:
@@ -102,8 +190,18 @@ class PipelineTables:
         return sorted(by_epoch.items())
 
     def latest_window_end(self) -> datetime | None:
-        rows = self.reader.query(self.cfg.counts_path, "SELECT max(window_end) AS m FROM t")
-        return rows[0]["m"] if rows else None
+        """The newest window's end: read from the newest hour partition when every file has
+        its hour (the snapshot's file list says so), else from the whole table."""
+        def compute(table) -> datetime | None:
+            import pyarrow as pa
+
+            files = pa.table(table.get_add_actions(flatten=True))
+            column = f"partition.{COUNTS_PARTITION}"
+            hours = files.column(column).to_pylist() if column in files.column_names else [None]
+            where = "" if None in hours or not hours else f" WHERE {COUNTS_PARTITION} = {sql_literal(max(hours))}"
+            rows = query_table(table, f"SELECT max(window_end) AS m FROM t{where}")
+            return rows[0]["m"] if rows else None
+        return self.reader.computed(self.cfg.counts_path, "latest-window-end", compute)
 
     def top_ips(self, start: datetime, until: datetime, limit: int, cache: bool = True) -> list[dict[str, Any]]:
         """IPs by requests counted in the windows inside [start, until). (A top list cannot be

@@ -45,6 +45,10 @@ class Access:
         """The epochs (anything with a ``kind``) this user may see."""
         return [r for r in refs if self.backfills or r.kind != BACKFILL]
 
+    def kinds(self, kinds: Iterable[str]) -> tuple[str, ...]:
+        """Those of the epoch ``kinds`` this user may see."""
+        return tuple(k for k in kinds if self.backfills or k != BACKFILL)
+
     def check_target(self, target: str, main: str) -> None:
         if target != main and not self.backfills:
             raise ForbiddenError(f"replay target {target!r} is made by backfills: reading it needs read access to "
