@@ -112,7 +112,8 @@ class PipelineTables:
         if view.summary is None:
             return self._count(where)
         open_epochs = ", ".join(str(int(e)) for e in view.summary.open)
-        in_tail = f"(epoch > {int(view.summary.through)}" + (f" OR epoch IN ({open_epochs})" if open_epochs else "") + ")"
+        in_tail = f"(epoch > {int(view.summary.through)}" + (f" OR epoch IN ({open_epochs})" if open_epochs else "")
+        in_tail += ")"
         key = (*summary_key, where)
         with _FOLDED_LOCK:
             folded = _FOLDED_COUNTS.get(key)
