@@ -9,13 +9,16 @@ from ipcount.rules.config import PipelineConfig
 from ipcount.rules.maintenance import MaintenanceRun
 from ipcount.storage.maintenance import maintain
 from ipcount.storage.publisher import committed_cursor
+from ipcount.storage.sink import is_published
 
 log = logging.getLogger(__name__)
 
 
 def run_maintenance(cfg: PipelineConfig, run_id: str | None = None) -> MaintenanceRun:
     """Maintain ``cfg``'s table set once (see :func:`ipcount.storage.maintenance.maintain`)."""
-    run = maintain(cfg, run_id, next_unpublished=(lambda: next_unpublished_version(cfg)) if cfg.publish else None)
+    # A counts table published once keeps its log for the publisher, publish on here or not.
+    published = cfg.publish or is_published(cfg.counts_path)
+    run = maintain(cfg, run_id, next_unpublished=(lambda: next_unpublished_version(cfg)) if published else None)
     log.info("maintenance %s done in %.1f s", run.run_id, (run.finished_at - run.started_at).total_seconds())
     return run
 

@@ -242,7 +242,7 @@ class PipelineConfig:
         minimum=1)
     log_retention_hours: int = setting(
         1,
-        "every table's commits older than this leave its _delta_log at the next checkpoint (Delta's "
+        "every table's commits older than this are deleted from its _delta_log, below its last checkpoint (Delta's "
         "delta.logRetentionDuration): time travel and streaming readers of a table reach back this far, and every "
         "commit lists the log, so a longer one costs each epoch; versions not yet published are kept",
         minimum=1)

@@ -32,10 +32,11 @@ EXPIRED_LOG_CLEANUP = "delta.enableExpiredLogCleanup"
 
 def log_properties(retention_hours: int, published: bool = False) -> dict[str, str]:
     """The table properties that keep a table's ``_delta_log`` to ``retention_hours`` of
-    commits: delta-rs deletes older ones at each checkpoint (every commit lists the log, so
-    its length is a cost of every epoch). A ``published`` table (the counts table, with
-    publishing on) keeps its log until the publisher has sent the versions in it: the
-    publisher and maintenance clean it (:func:`log_cleanup_due`), never a writer's checkpoint."""
+    commits: delta-rs deletes older ones after commits, below the last checkpoint (every
+    commit lists the log, so its length is a cost of every epoch). A ``published`` table (a
+    counts table with its change data feed on) keeps its log until the publisher has sent the
+    versions in it: the publisher and maintenance clean it (:func:`log_cleanup_due`), never a
+    writer's commit."""
     return {LOG_RETENTION: f"interval {int(retention_hours)} hours",
             EXPIRED_LOG_CLEANUP: "false" if published else "true"}
 

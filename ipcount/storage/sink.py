@@ -44,8 +44,9 @@ from ipcount.rules.finality import ChainCommit, finalized_below
 from ipcount.rules.publish import CHANGE_DATA_FEED
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
 from ipcount.rules.maintenance import log_properties
-from ipcount.storage.delta import (arrow_schema, latest, query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
-                                   rs_concurrent_errors, rs_create_table, sql_timestamp, version_with_metadata)
+from ipcount.storage.delta import (arrow_schema, latest, open_table, query_arrow, retry_on_conflict, rs_append_once,
+                                   rs_commit_once, rs_concurrent_errors, rs_create_table, sql_timestamp,
+                                   version_with_metadata)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -132,9 +133,11 @@ class Sink:
 
     def ensure(self) -> None:
         for path, columns in self.tables():
-            # Publishing reads each counts version's changes from Delta's change data feed.
+            # Publishing reads each counts version's changes from Delta's change data feed. A
+            # table ever published keeps its log for the publisher even in a run with publish
+            # off: turning the cleanup on would delete the versions it has yet to send.
             counts = path == self.cfg.counts_path
-            published = counts and self.cfg.publish
+            published = counts and (self.cfg.publish or is_published(path))
             wanted = {**TXN_RETENTION, **log_properties(self.cfg.log_retention_hours, published),
                       **({CHANGE_DATA_FEED: "true"} if published else {})}
             # Only a new table is partitioned: an older one keeps its layout (and gains the column).
@@ -371,6 +374,13 @@ class Sink:
         for path in (self.cfg.dead_letter_path, self.cfg.late_path):
             retry_on_conflict(lambda path=path: latest(path).delete(f"epoch = {int(epoch)}"),
                               f"removing epoch {epoch} from {path}")
+
+
+def is_published(counts_path: str) -> bool:
+    """Whether a counts table is (or was) published: its change data feed is on, which only
+    a run with publish on turns on."""
+    table = open_table(counts_path)
+    return table is not None and table.metadata().configuration.get(CHANGE_DATA_FEED) == "true"
 
 
 def _every_row_has_hour(table) -> bool:

@@ -373,13 +373,15 @@ def test_a_cursor_expired_over_an_emptied_sink_topic_does_not_start_again_from_v
 
 
 def test_the_counts_log_keeps_what_is_not_published_and_the_publisher_then_cleans_it(pub_cfg):
-    """With publishing on, no checkpoint deletes counts commits the publisher has not sent,
-    however old, nor does maintenance; once it has sent them, the publisher lets them go."""
+    """Once published, no checkpoint deletes counts commits the publisher has not sent, however
+    old, nor does maintenance, nor a run with publishing off; once it has sent them, the
+    publisher lets them go."""
     from deltalake import DeltaTable
 
     from ipcount.jobs.maintenance import run_maintenance
     from ipcount.rules.maintenance import log_properties
     from ipcount.storage.delta import CHECKPOINT_EVERY
+    from ipcount.storage.sink import Sink
 
     cfg = pub_cfg
     # What the sink's ensure() gives a published counts table (version 2).
@@ -399,9 +401,13 @@ def test_the_counts_log_keeps_what_is_not_published_and_the_publisher_then_clean
     for epoch in range(14, 26):
         merge_epoch(cfg, epoch, {(epoch % 4, f"10.0.0.{epoch % 3}"): epoch})   # checkpoints on the way
     assert versions()[0] == 0                  # no checkpoint deleted a commit
-    counts_run = {t.table: t for t in run_maintenance(cfg).tables}["counts"]
+    # A run with publishing off (reconfigured, or just without IPCOUNT_PUBLISH) neither turns
+    # the cleanup on nor cleans: the table was published, and versions 4.. are not sent yet.
+    Sink(cfg.replace(publish=False)).ensure()
+    assert DeltaTable(cfg.counts_path).metadata().configuration["delta.enableExpiredLogCleanup"] == "false"
+    counts_run = {t.table: t for t in run_maintenance(cfg.replace(publish=False)).tables}["counts"]
     assert any("log kept" in n for n in counts_run.notes), counts_run.notes
-    assert versions()[0] == 0                  # nor did maintenance: versions 4.. are not sent
+    assert versions()[0] == 0                  # nor did maintenance
 
     latest = DeltaTable(cfg.counts_path).version()   # (27, and maintenance's commits after it)
     report = publish_pending(cfg)              # reads the change data feed of versions 4..latest

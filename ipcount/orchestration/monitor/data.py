@@ -107,8 +107,11 @@ class PipelineTables:
             return 0
         view, summary_key = self._view()
         where = f" AND {KIND_SQL} IN ({', '.join(sql_literal(k) for k in kinds)})"
-        if run_id is not None:
-            where += f" AND run_id = {sql_literal(run_id)}"
+        if run_id is not None:   # an epoch belongs to the least run id of its rows, as on the page
+            rows = self.reader.query(self.cfg.ledger_path, (
+                f"SELECT count(*) AS n FROM (SELECT epoch FROM t WHERE topic = {sql_literal(self.cfg.topic)}{where} "
+                f"GROUP BY epoch HAVING min(run_id) = {sql_literal(run_id)})"))
+            return int(rows[0]["n"]) if rows else 0
         if view.summary is None:
             return self._count(where)
         open_epochs = ", ".join(str(int(e)) for e in view.summary.open)
