@@ -20,14 +20,14 @@ from typing import Callable
 from ipcount.rules.config import PipelineConfig, location_scheme
 from ipcount.rules.ledger import PLANNED, SUMMARY
 from ipcount.rules.errors import MaintenanceFailed
-from ipcount.rules.maintenance import (EXPIRED_LOG_CLEANUP, MAINTENANCE_COLUMNS, TOMBSTONE_MARGIN_HOURS,
-                                       MaintenanceRun, TableMaintenance, first_open_hour, log_cleanup_due,
-                                       log_properties, retirement_floor, vacuum_retention_hours)
+from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, TOMBSTONE_MARGIN_HOURS, MaintenanceRun, TableMaintenance,
+                                       first_open_hour, log_cleanup_due, log_properties, retirement_floor,
+                                       vacuum_retention_hours)
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, retry_on_conflict,
                                    rs_concurrent_errors, rs_create_table)
 from ipcount.storage.ledger import LEDGER_FILE_BYTES, Ledger
-from ipcount.storage.sink import COUNTS_PARTITION, Sink
+from ipcount.storage.sink import COUNTS_PARTITION, Sink, is_published
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,7 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
             notes.append("no hour partition final yet (or a table older than them): not compacted")
         retention: int | None = retention_hours
         unsent: int | None = None   # the counts log keeps the commits from this version on
-        if role == "counts" and next_unpublished is None and \
-                latest(path).metadata().configuration.get(EXPIRED_LOG_CLEANUP) == "false":
+        if role == "counts" and next_unpublished is None and is_published(path):
             unsent = 0   # a published table, and no publisher's position to go by: keep its log
         if role == "counts" and next_unpublished is not None:
             try:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Sequence
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import EpochFenced
 from ipcount.rules.finality import ChainCommit, finalized_below
-from ipcount.rules.publish import CHANGE_DATA_FEED
+from ipcount.rules.publish import CHANGE_DATA_FEED, has_change_feed
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
 from ipcount.rules.maintenance import log_properties
 from ipcount.storage.delta import (arrow_schema, latest, open_table, query_arrow, retry_on_conflict, rs_append_once,
@@ -380,7 +380,7 @@ def is_published(counts_path: str) -> bool:
     """Whether a counts table is (or was) published: its change data feed is on, which only
     a run with publish on turns on."""
     table = open_table(counts_path)
-    return table is not None and table.metadata().configuration.get(CHANGE_DATA_FEED) == "true"
+    return table is not None and has_change_feed(table.metadata().configuration)
 
 
 def _every_row_has_hour(table) -> bool:

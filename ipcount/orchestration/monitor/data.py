@@ -90,8 +90,7 @@ class PipelineTables:
         """The ``count`` newest epochs ``keep`` keeps, newest first: read from a window of ids
         below the newest (Delta's statistics skip the files of older ones), widened until it
         holds them or reaches the first epoch."""
-        view = self.view()
-        newest = max([view.summary.last_epoch if view.summary else 0, *(r["epoch"] for r in view.tail)])
+        newest = self.view().state(self.cfg.topic).last_epoch
         width = max(NEWEST_WINDOW, 2 * count)
         while True:
             low = newest - width
