@@ -4,8 +4,8 @@
 Keeps what an epoch costs flat as the pipeline ages. Each run, for every table of the set
 (counts, ledger, dead letters, late records, and this DAG's own log):
 
-1. packs small files into big ones - the counts table only in hour partitions whose
-   windows are all final, which no scheduled epoch rewrites any more;
+1. packs small files into big ones - the counts table only in its final partitions, which
+   scheduled epochs add to but never rewrite;
 2. retires the Delta transactions of epochs the ledger holds as final (a floor transaction
    covers them), writes a checkpoint and deletes log files older than the table's log
    retention;

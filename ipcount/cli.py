@@ -328,7 +328,7 @@ def _publish(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 def _maintain_arguments(sub) -> None:
     p = sub.add_parser("maintain", help="compact, checkpoint and vacuum every table of the set",
                        description="Maintain every table of the pipeline's set once: pack small files into big "
-                                   "ones (the counts table only in hour partitions whose windows are all final), "
+                                   "ones (the counts table only in its final partitions), "
                                    "retire the transactions of epochs the ledger holds as final, write a "
                                    "checkpoint, delete log files older than the table's log retention, and "
                                    "delete data files no version has referenced for vacuum_retention_hours. Safe "

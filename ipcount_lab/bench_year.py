@@ -13,9 +13,11 @@ What is synthesized, table by table (``maintained``: as a daily maintenance leav
   partition, ``[e-1, e)``, and its counts commit is version ``e``), in files of up to
   1 MiB as the ledger compacts itself either way, and the summary the product's ``fold``
   makes of them;
-* counts: one file per hour partition (as the MERGEs leave an hour, and compaction too), of
-  a few rows: an epoch reads only the hours it touches, so the old hours' rows do not
-  matter to it, their files in the snapshot do;
+* counts: a few rows an hour, in a file per hour and finality (a new table's partitions are
+  the day and finality; the epochs leave a file per epoch in the final ones, so an
+  unmaintained set has fewer files than the pipeline would leave); maintained, the final
+  partitions are packed by the maintenance run: an epoch reads only the windows it touches,
+  so old rows do not matter to it, their files in the snapshot do;
 * dead letters and late records: one row per epoch; unmaintained, a file and a transaction
   per epoch; maintained, compacted, with no transaction;
 * transactions: unmaintained, every epoch's (its own, its counts version and watermark);
@@ -33,6 +35,7 @@ history's ends. Every set of an age reads the same records, so they must count t
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -49,6 +52,7 @@ AGES = (10, 10_000, 100_000, 525_600)
 QUICK_AGES = (10, 1_000, 10_000)
 MINUTE_MS = 60_000
 SYNTH_BATCH = 20_000      # epochs per synthesized commit
+SYNTH_FILES = 2_000       # counts files per synthesized commit
 COMMITS_PER_EPOCH = {"counts": 1.0, "ledger": 2 + 1 / 16, "dead_letter": 1.0, "late": 1.0}
 HOUR_ROWS = 10            # rows of each synthesized hour of counts
 STAGES = ("plan", "read", "aggregate", "side_tables", "merge", "ledger", "group_commit", "run_summary", "idle_check",
@@ -190,28 +194,51 @@ def _ledger(cfg: PipelineConfig, ts: TableSet, partitions: int, first_ms: int) -
 
 
 def _counts(cfg: PipelineConfig, ts: TableSet, first_ms: int) -> None:
-    """A few rows in each hour of the history, one file per hour; final where the
-    watermark at its end has passed their windows' end and lateness."""
+    """A few rows in each hour of the history, one file per hour (and finality); final where
+    the watermark at its end has passed their windows' end and lateness."""
     import pyarrow as pa
-    from deltalake import write_deltalake
+    import pyarrow.parquet as pq
+    from deltalake.transaction import AddAction
 
-    from ipcount.storage.sink import COUNTS_COLUMNS, COUNTS_PARTITION
-    from ipcount.storage.delta import arrow_schema
+    from ipcount.rules.maintenance import COUNTS_PARTITIONS, partition_value
+    from ipcount.storage.delta import arrow_schema, latest
+    from ipcount.storage.sink import COUNTS_COLUMNS, COUNTS_PARTITION_BY
 
     window, lateness = cfg.window_ms, cfg.allowed_lateness_ms
-    starts = []
-    for minute in range(0, ts.age, max(1, 60 // HOUR_ROWS)):
-        starts.append(first_ms + minute * MINUTE_MS)
+    starts = list(range(first_ms, first_ms + ts.age * MINUTE_MS, max(1, 60 // HOUR_ROWS) * MINUTE_MS))
     schema = arrow_schema(COUNTS_COLUMNS)
     epoch = [(s - first_ms) // MINUTE_MS + 1 for s in starts]
     rows = {"window_start": [s * 1000 for s in starts], "window_end": [(s + window) * 1000 for s in starts],
             "ip": [f"10.0.{e % 256}.{e // 256 % 256}" for e in epoch], "count": [1] * len(starts),
             "first_epoch": epoch, "last_epoch": epoch,
             "is_final": [s + window + lateness <= ts.history_end_ms for s in starts],
-            COUNTS_PARTITION: [datetime.fromtimestamp(s / 1000, timezone.utc).strftime("%Y-%m-%dT%H") for s in starts]}
+            **{column: [partition_value(column, s) for s in starts] for column in COUNTS_PARTITIONS}}
     table = pa.table({f.name: pa.array(rows[f.name], f.type) for f in schema}, schema=schema)
-    for lo in range(0, table.num_rows, SYNTH_BATCH):
-        write_deltalake(cfg.counts_path, table.slice(lo, SYNTH_BATCH), mode="append", partition_by=[COUNTS_PARTITION])
+    stored = [f.name for f in schema if f.name not in COUNTS_PARTITION_BY]   # (partition values live in the log)
+
+    def iso(ms: int) -> str:
+        return datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+
+    adds, lo = [], 0
+    for n in (len(list(group)) for _, group in itertools.groupby(zip(rows["window_hour"], rows["is_final"]))):
+        part = {c: str(rows[c][lo]).lower() for c in COUNTS_PARTITION_BY}   # ("true"/"false": Delta's)
+        name = "/".join(f"{c}={v}" for c, v in part.items()) + f"/part-00000-{uuid.uuid4()}-c000.snappy.parquet"
+        os.makedirs(os.path.join(cfg.counts_path, os.path.dirname(name)), exist_ok=True)
+        pq.write_table(table.slice(lo, n).select(stored), os.path.join(cfg.counts_path, name), compression="snappy")
+        first, last = starts[lo], starts[lo + n - 1]
+        stats = {"numRecords": n,
+                 "minValues": {"window_start": iso(first), "window_end": iso(first + window),
+                               "first_epoch": epoch[lo], "last_epoch": epoch[lo]},
+                 "maxValues": {"window_start": iso(last), "window_end": iso(last + window),
+                               "first_epoch": epoch[lo + n - 1], "last_epoch": epoch[lo + n - 1]},
+                 "nullCount": {"window_start": 0, "window_end": 0, "ip": 0, "count": 0}}
+        adds.append(AddAction(name, os.path.getsize(os.path.join(cfg.counts_path, name)), part,
+                              last + MINUTE_MS, True, json.dumps(stats)))
+        if len(adds) == SYNTH_FILES or lo + n == table.num_rows:
+            now = latest(cfg.counts_path)
+            now.create_write_transaction(adds, mode="append", schema=now.schema())
+            adds = []
+        lo += n
 
 
 def _side_rows(cfg: PipelineConfig, epochs: range, late: bool, first_ms: int):

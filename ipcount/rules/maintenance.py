@@ -6,8 +6,9 @@ data files no version has referenced for the retention. None of it changes a row
 every step is a commit that loses to a concurrent epoch's commit (the epoch retries on the
 new version; maintenance tries again on its next run).
 
-Two things here need care. The counts table is compacted only in hour partitions whose
-windows are all final: the chain's MERGEs still rewrite the others every epoch, so packing
+Two things here need care. The counts table is compacted only in partitions whose windows
+are all final (a new table keeps final rows in partitions of their own; an older one, in
+the hours the watermark has passed): the chain's MERGEs still rewrite the others every epoch, so packing
 them would be undone at once and make epochs retry. And a vacuum must not delete a file
 the publisher still reads: the change data feed of a version that only appended reads that
 version's data files, which a later MERGE may have replaced.
@@ -20,12 +21,19 @@ from datetime import datetime, timezone
 from typing import Any, Iterable
 
 HOUR_MS = 3_600_000
+DAY_MS = 24 * HOUR_MS
 # How much longer than the vacuum's retention checkpoints keep a removed file's tombstone
 # (delta.deletedFileRetentionDuration): a vacuum deletes only files that still have one, so
 # a maintenance run late by up to this much still meets every file that came due.
 TOMBSTONE_MARGIN_HOURS = 48
-# The format of the counts table's partition column (``window_hour``), which sorts as time does.
-HOUR_FORMAT = "%Y-%m-%dT%H"
+# The counts table's partition columns: the span of event time a partition holds (from UTC
+# midnight on), and the format of its values, which sort as time does. A new table is
+# partitioned by the window's day, one made before that by its hour: a snapshot lists every
+# live file, so a year of hours (8,760 files after compaction) was a cost of every commit.
+COUNTS_PARTITIONS: dict[str, tuple[int, str]] = {
+    "window_day": (DAY_MS, "%Y-%m-%d"),
+    "window_hour": (HOUR_MS, "%Y-%m-%dT%H"),
+}
 LOG_RETENTION = "delta.logRetentionDuration"
 EXPIRED_LOG_CLEANUP = "delta.enableExpiredLogCleanup"
 
@@ -49,17 +57,24 @@ def log_cleanup_due(next_unpublished: int | None, version: int) -> bool:
     return next_unpublished is None or version <= next_unpublished
 
 
-def first_open_hour(watermark_ms: int | None, window_ms: int, lateness_ms: int) -> str | None:
-    """The counts partition (``window_hour``) from which on windows may still change: every
-    partition that sorts before it holds only final windows. None: no watermark, none is final.
+def partition_value(column: str, ms: int) -> str:
+    """The value of the counts partition ``column`` (a key of :data:`COUNTS_PARTITIONS`) for
+    windows starting at ``ms``."""
+    span, fmt = COUNTS_PARTITIONS[column]
+    return datetime.fromtimestamp((ms // span) * span / 1000, timezone.utc).strftime(fmt)
 
-    A window starting at ``s`` is final once ``s + window + lateness <= watermark``; an hour's
-    windows start before its end, so the hour is final once its end is at most
-    ``watermark - lateness - window`` (windows need not align to hours)."""
+
+def first_open_partition(column: str, watermark_ms: int | None, window_ms: int, lateness_ms: int) -> str | None:
+    """The counts partition (a value of ``column``) from which on windows may still change:
+    every partition that sorts before it holds only final windows. None: no watermark, none
+    is final.
+
+    A window starting at ``s`` is final once ``s + window + lateness <= watermark``; a
+    partition's windows start before its end, so it is final once its end is at most
+    ``watermark - lateness - window`` (windows need not align to hours or days)."""
     if watermark_ms is None:
         return None
-    limit = watermark_ms - lateness_ms - window_ms
-    return datetime.fromtimestamp((limit // HOUR_MS) * HOUR_MS / 1000, timezone.utc).strftime(HOUR_FORMAT)
+    return partition_value(column, watermark_ms - lateness_ms - window_ms)
 
 
 def vacuum_retention_hours(retention_hours: int, now_ms: int, oldest_unpublished_ms: int | None) -> int:

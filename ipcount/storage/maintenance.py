@@ -21,13 +21,13 @@ from ipcount.rules.config import PipelineConfig, location_scheme
 from ipcount.rules.ledger import PLANNED, SUMMARY
 from ipcount.rules.errors import MaintenanceFailed
 from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, TOMBSTONE_MARGIN_HOURS, MaintenanceRun, TableMaintenance,
-                                       first_open_hour, log_cleanup_due, log_properties, retirement_floor,
+                                       first_open_partition, log_cleanup_due, log_properties, retirement_floor,
                                        vacuum_retention_hours)
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, retry_on_conflict,
                                    rs_concurrent_errors, rs_create_table)
 from ipcount.storage.ledger import LEDGER_FILE_BYTES, Ledger
-from ipcount.storage.sink import COUNTS_PARTITION, Sink, is_published
+from ipcount.storage.sink import Sink, counts_partition, is_published
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
         notes: list[str] = list(retired) if path in sink.paths() else []
         partitions = _final_partitions(cfg) if role == "counts" else None
         if role == "counts" and partitions is None:
-            notes.append("no hour partition final yet (or a table older than them): not compacted")
+            notes.append("no counts partition final yet (or an unpartitioned older table): not compacted")
         retention: int | None = retention_hours
         unsent: int | None = None   # the counts log keeps the commits from this version on
         if role == "counts" and next_unpublished is None and is_published(path):
@@ -133,14 +133,19 @@ def _retire(cfg: PipelineConfig, sink: Sink) -> tuple[str, ...]:
 
 
 def _final_partitions(cfg: PipelineConfig) -> list[tuple[str, str, str]] | None:
-    """The counts partitions compaction may pack (``window_hour`` before the first open
-    hour of the chain's watermark), as a delta-rs partition filter; None: none."""
-    watermark = Ledger(cfg.ledger_path).state(cfg.topic).watermark_ms
-    hour = first_open_hour(watermark, cfg.window_ms, cfg.allowed_lateness_ms)
+    """The counts partitions compaction may pack, as a delta-rs partition filter (None: none):
+    every final partition (:data:`~ipcount.storage.sink.COUNTS_PARTITION_BY`: scheduled epochs
+    only add to them, the open day's included); in an older table, the hours before the first
+    open one of the chain's watermark."""
     table = latest(cfg.counts_path)
-    if hour is None or COUNTS_PARTITION not in table.metadata().partition_columns:
+    column = counts_partition(table)
+    if column is None:
         return None
-    return [(COUNTS_PARTITION, "<", hour)]
+    if "is_final" in table.metadata().partition_columns:
+        return [("is_final", "=", "true")]
+    watermark = Ledger(cfg.ledger_path).state(cfg.topic).watermark_ms
+    first_open = first_open_partition(column, watermark, cfg.window_ms, cfg.allowed_lateness_ms)
+    return None if first_open is None else [(column, "<", first_open)]
 
 
 def _commit_ms_from(path: str, first: int) -> int | None:

@@ -43,7 +43,7 @@ from ipcount.rules.errors import EpochFenced
 from ipcount.rules.finality import ChainCommit, finalized_below
 from ipcount.rules.publish import CHANGE_DATA_FEED, has_change_feed
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
-from ipcount.rules.maintenance import log_properties
+from ipcount.rules.maintenance import COUNTS_PARTITIONS, log_properties, partition_value
 from ipcount.storage.delta import (arrow_schema, latest, open_table, query_arrow, retry_on_conflict, rs_append_once,
                                    rs_commit_once, rs_concurrent_errors, rs_create_table, sql_timestamp,
                                    version_with_metadata)
@@ -63,13 +63,20 @@ COUNTS_COLUMNS: Columns = (
     ("first_epoch", "bigint", False),
     ("last_epoch", "bigint", False),
     ("is_final", "boolean", True),
-    # The window's hour (UTC, "2026-11-24T10"), by which counts tables are partitioned since
-    # it was added: a MERGE then rewrites the files of the hours it touches, not the table.
+    # The window's hour (UTC, "2026-11-24T10"): the partition of counts tables made between
+    # its addition and window_day's. Each new row carries both.
     ("window_hour", "string", True),
+    ("window_day", "string", True),    # the window's day (UTC, "2026-11-24")
 )
-COUNTS_PARTITION = "window_hour"
+# A new counts table's partitions: a MERGE rewrites whole files, so the rows it may still
+# update (not final) are kept apart from the rest, and a row moves once final (the MERGE
+# that makes it final writes it into its day's final partition). An epoch then rewrites
+# only rows within the allowed lateness, and a year of days packs into 365 files, where an
+# hour partition made each MERGE rewrite the hour so far and a year 8,760 files (a snapshot
+# lists every live file: their number is a cost of every commit).
+COUNTS_PARTITION_BY = ("window_day", "is_final")
 # A counts MERGE's source: the epoch's counts, and (``touched`` false) rows it makes final.
-MERGE_SOURCE_COLUMNS: Columns = (*COUNTS_COLUMNS[:4], (COUNTS_PARTITION, "string", False),
+MERGE_SOURCE_COLUMNS: Columns = (*COUNTS_COLUMNS[:4], *((c, "string", False) for c in COUNTS_PARTITIONS),
                                  ("touched", "boolean", False))
 # Which record of which epoch a side-table row is: both side tables start with these.
 RECORD_COLUMNS: Columns = (
@@ -141,7 +148,8 @@ class Sink:
             wanted = {**TXN_RETENTION, **log_properties(self.cfg.log_retention_hours, published),
                       **({CHANGE_DATA_FEED: "true"} if published else {})}
             # Only a new table is partitioned: an older one keeps its layout (and gains the column).
-            rs_create_table(path, arrow_schema(columns), wanted, partition_by=[COUNTS_PARTITION] if counts else None)
+            rs_create_table(path, arrow_schema(columns), wanted,
+                            partition_by=list(COUNTS_PARTITION_BY) if counts else None)
 
     def paths(self) -> tuple[str, ...]:
         return tuple(path for path, _ in self.tables())
@@ -257,7 +265,7 @@ class Sink:
         import pyarrow.compute as pc
 
         path, lateness_ms = self.cfg.counts_path, self.cfg.allowed_lateness_ms
-        touched = _conform(_with_window_hour(counts).append_column("touched", pa.repeat(True, counts.num_rows)),
+        touched = _conform(_with_partitions(counts).append_column("touched", pa.repeat(True, counts.num_rows)),
                            MERGE_SOURCE_COLUMNS)
         final_until = None if watermark_ms is None else sql_timestamp(watermark_ms - lateness_ms)
 
@@ -266,20 +274,22 @@ class Sink:
 
         def merge(table, properties) -> None:
             source, full_pass = touched, False
+            # Where every row has its partition value, delta-rs reads and rewrites only the
+            # partitions the source's rows name (outside a full pass). An older table's rows may
+            # lack it, and so may rows a writer of an older version put into a partitioned table.
+            column = partition_of(table)
             if watermark_ms is not None and finalize_untouched:
                 below = finalized_below(chain, table.version())
                 full_pass = below is None
                 if below is not None and below < watermark_ms:
-                    source = pa.concat_tables([source, self._newly_final(table, touched, below, watermark_ms)])
+                    source = pa.concat_tables([source, self._newly_final(table, column, touched, below,
+                                                                         watermark_ms)])
             bounds = pc.min_max(source["window_start"])
             lo, hi = (sql_timestamp(b.value // 1000) for b in (bounds["min"], bounds["max"]))  # us -> ms
             log.info("epoch %d: merging counts into windows %s..%s%s", epoch, lo, hi,
                      ", finalizing untouched rows in a full pass" if full_pass else "")
-            # Where every row has its hour, delta-rs reads and rewrites only the partitions the
-            # source's hours name (outside a full pass). An older table's rows may lack it, and
-            # so may rows a writer of an older version put into a partitioned table.
-            same_hour = f"t.{COUNTS_PARTITION} = s.{COUNTS_PARTITION} AND " if _every_row_has_hour(table) else ""
-            merger = (table.merge(source, f"{same_hour}t.window_start = s.window_start AND t.ip = s.ip AND "
+            same_partition = f"t.{column} = s.{column} AND " if column else ""
+            merger = (table.merge(source, f"{same_partition}t.window_start = s.window_start AND t.ip = s.ip AND "
                                   f"t.window_start BETWEEN {lo} AND {hi}", source_alias="s", target_alias="t",
                                   streamed_exec=False, commit_properties=properties)
                       .when_matched_update({
@@ -292,7 +302,8 @@ class Sink:
                       .when_not_matched_insert({
                           "window_start": "s.window_start", "window_end": "s.window_end", "ip": "s.ip",
                           "count": "s.count", "first_epoch": str(epoch), "last_epoch": str(epoch),
-                          "is_final": final("s.window_end"), "window_hour": "s.window_hour"}, predicate="s.touched"))
+                          "is_final": final("s.window_end"),
+                          **{c: f"s.{c}" for c in COUNTS_PARTITIONS}}, predicate="s.touched"))
             if full_pass:
                 merger = merger.when_not_matched_by_source_update(
                     {"is_final": "true"}, predicate=f"NOT coalesce(t.is_final, false) AND {final('t.window_end')}")
@@ -301,20 +312,25 @@ class Sink:
                               markers=lambda version: self._facts(epoch, version, watermark_after_ms),
                               floor=self.floor_id)
 
-    def _newly_final(self, table, touched: pa.Table, below_ms: int, watermark_ms: int) -> pa.Table:
-        """The rows of ``table`` (the counts snapshot merged into) not yet final that the
-        watermark's move from ``below_ms`` to ``watermark_ms`` makes final and ``touched``
-        (the epoch's counts) does not hold, as source rows that add nothing."""
+    def _newly_final(self, table, column: str | None, touched: pa.Table, below_ms: int,
+                     watermark_ms: int) -> pa.Table:
+        """The rows of ``table`` (the counts snapshot merged into; ``column``: its partition
+        column, if every row has its value) not yet final that the watermark's move from
+        ``below_ms`` to ``watermark_ms`` makes final and ``touched`` (the epoch's counts) does
+        not hold, as source rows that add nothing."""
         import pyarrow as pa
 
-        lateness_ms = self.cfg.allowed_lateness_ms
+        lateness_ms, window_ms = self.cfg.allowed_lateness_ms, self.cfg.window_ms
+        # (such windows start after below - lateness - window: partitions before are pruned)
+        since = "" if column is None else \
+            f"{column} >= '{partition_value(column, below_ms - lateness_ms - window_ms)}' AND "
         rows = query_arrow(table, "SELECT window_start, window_end, ip FROM t "
-                                  f"WHERE window_end > {sql_timestamp(below_ms - lateness_ms)} AND "
+                                  f"WHERE {since}window_end > {sql_timestamp(below_ms - lateness_ms)} AND "
                                   f"window_end <= {sql_timestamp(watermark_ms - lateness_ms)} AND "
                                   "NOT coalesce(is_final, false)")
         rows = _conform(rows, MERGE_SOURCE_COLUMNS[:3])
         rows = rows.join(touched.select(["window_start", "ip"]), ["window_start", "ip"], join_type="left anti")
-        return _conform(_with_window_hour(rows)
+        return _conform(_with_partitions(rows)
                         .append_column("count", pa.repeat(pa.scalar(0, pa.int64()), rows.num_rows))
                         .append_column("touched", pa.repeat(False, rows.num_rows)), MERGE_SOURCE_COLUMNS)
 
@@ -383,24 +399,36 @@ def is_published(counts_path: str) -> bool:
     return table is not None and has_change_feed(table.metadata().configuration)
 
 
-def _every_row_has_hour(table) -> bool:
-    """Whether the counts snapshot ``table`` is partitioned by :data:`COUNTS_PARTITION` and no
-    file of it lacks the hour (from the snapshot's file list: no data is read)."""
+def counts_partition(table) -> str | None:
+    """The column of :data:`~ipcount.rules.maintenance.COUNTS_PARTITIONS` by which the counts
+    snapshot ``table`` is partitioned in time: ``window_day`` (:data:`COUNTS_PARTITION_BY`),
+    ``window_hour`` (an older table), or None (older still, unpartitioned)."""
+    column = next(iter(table.metadata().partition_columns), None)
+    return column if column in COUNTS_PARTITIONS else None
+
+
+def partition_of(table) -> str | None:
+    """The counts snapshot's partition column if no file of it lacks its value (from the
+    snapshot's file list: no data is read), else None."""
     import pyarrow as pa
 
-    if COUNTS_PARTITION not in table.metadata().partition_columns:
-        return False
+    column = counts_partition(table)
+    if column is None:
+        return None
     files = pa.table(table.get_add_actions(flatten=True))
-    return files.num_rows == 0 or files.column(f"partition.{COUNTS_PARTITION}").null_count == 0
+    return column if files.num_rows == 0 or files.column(f"partition.{column}").null_count == 0 else None
 
 
-def _with_window_hour(rows: pa.Table) -> pa.Table:
-    """``rows`` with the partition column :data:`COUNTS_PARTITION`, from ``window_start``."""
+def _with_partitions(rows: pa.Table) -> pa.Table:
+    """``rows`` with every partition column of :data:`~ipcount.rules.maintenance.COUNTS_PARTITIONS`,
+    from ``window_start`` in UTC."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     start = rows["window_start"].cast(pa.timestamp("us", tz="UTC"))
-    return rows.append_column(COUNTS_PARTITION, pc.strftime(start, format="%Y-%m-%dT%H"))
+    for column, (_, fmt) in COUNTS_PARTITIONS.items():
+        rows = rows.append_column(column, pc.strftime(start, format=fmt))
+    return rows
 
 
 def _conform(rows: pa.Table, columns: Columns) -> pa.Table:

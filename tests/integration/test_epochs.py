@@ -61,12 +61,13 @@ def test_epochs_count_exactly_what_was_produced(cfg, spark):
     # a window is final once the last watermark passed its end plus the allowed lateness
     want_final = {key: key[0] + 5_000 + 5_000 <= expected.watermark_ms for key in expected.counts}
     assert finality(cfg) == want_final
-    # a new counts table is partitioned by the window's hour, which every row carries
+    # a new counts table is partitioned by the window's day and finality; every row carries its
+    # day and hour
     table = DeltaTable(cfg.counts_path)
-    assert table.metadata().partition_columns == ["window_hour"]
-    hours = {(r["window_start"].strftime("%Y-%m-%dT%H"), r["window_hour"])
-             for r in table.to_pyarrow_table(columns=["window_start", "window_hour"]).to_pylist()}
-    assert hours and all(want == got for want, got in hours)
+    assert table.metadata().partition_columns == ["window_day", "is_final"]
+    rows = table.to_pyarrow_table(columns=["window_start", "window_day", "window_hour"]).to_pylist()
+    assert rows and all((r["window_start"].strftime("%Y-%m-%d"), r["window_start"].strftime("%Y-%m-%dT%H"))
+                        == (r["window_day"], r["window_hour"]) for r in rows)
     assert 0 < sum(want_final.values()) < len(want_final)
     # the first two counts commits finalize in a full pass; from the third on, back to back
     # with the chain's last two, a read bounded by the last watermark is enough
@@ -249,9 +250,10 @@ def test_tables_from_an_older_schema_and_from_spark_gain_the_new_columns(cfg, sp
     assert epoch_mod.run_epoch(cfg, spark).records_read == 20
     assert [r["status"] for r in ledger_rows(cfg)].count("committed") >= 2
     assert counts(cfg) == expected_tables(first + second, epoch_ranges(cfg)).counts
-    # the counts table keeps its layout, unpartitioned, and gains the window_hour column
+    # the counts table keeps its layout, unpartitioned, and gains the partition columns
     counts_table = RsDeltaTable(cfg.counts_path)
-    assert counts_table.metadata().partition_columns == [] and "window_hour" in counts_table.schema().to_arrow().names
+    assert counts_table.metadata().partition_columns == []
+    assert {"window_hour", "window_day"} <= set(counts_table.schema().to_arrow().names)
 
 
 def test_one_record_from_a_bad_clock_does_not_stop_the_counting(cfg, spark):

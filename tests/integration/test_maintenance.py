@@ -15,7 +15,6 @@ from deltalake import DeltaTable
 
 from ipcount.cli import main as cli_main
 from ipcount.jobs.epoch import run_epoch
-from ipcount.rules.maintenance import first_open_hour
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.maintenance import maintain
 from ipcount_lab.generator import TrafficGenerator, produce
@@ -23,21 +22,21 @@ from tests.conftest import run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, last_maintenance, late_records
 
-BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
+BASE_MS = 1_795_302_000_000  # 2026-11-21T23:00:00Z
 
 
 def datetime_us(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, timezone.utc)
 
 
-def files_per_hour(path: str) -> Counter:
-    files = pa.table(DeltaTable(path).get_add_actions(flatten=True))
-    return Counter(files.column("partition.window_hour").to_pylist())
+def files_per_partition(path: str) -> Counter:
+    files = pa.table(DeltaTable(path).get_add_actions(flatten=True)).to_pylist()
+    return Counter((f["partition.window_day"], f["partition.is_final"]) for f in files)
 
 
 def test_maintenance_racing_epochs_changes_no_row_and_packs_every_table(cfg, spark, capsys):
     cfg = cfg.replace(max_records_per_epoch=150)
-    # ~100 minutes of event time: hour 10's windows are final by the last epoch, hour 11's are not
+    # ~100 minutes of event time: day 21's windows (from 23:00) are final by the last epoch, day 22's not
     gen = TrafficGenerator(seed=23, events_per_second=0.25, late_share=0.04, malformed_share=0.04)
     produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(1_500, BASE_MS), partition_of=lambda i, r: i % 3)
 
@@ -70,15 +69,13 @@ def test_maintenance_racing_epochs_changes_no_row_and_packs_every_table(cfg, spa
     assert expected.dead and expected.late
 
     # Once more with the epochs done, through the command, deleting whatever no version holds.
-    before = files_per_hour(cfg.counts_path)
+    before = files_per_partition(cfg.counts_path)
     run = maintain(cfg, retention_hours=0)
     tables = {t.table: t for t in run.tables}
-    watermark = Ledger(cfg.ledger_path).state(cfg.topic).watermark_ms
-    open_hour = first_open_hour(watermark, cfg.window_ms, cfg.allowed_lateness_ms)
-    after = files_per_hour(cfg.counts_path)
-    assert open_hour == "2026-11-21T11" and before["2026-11-21T10"] >= 1
-    assert {h: n for h, n in after.items() if h < open_hour} == {"2026-11-21T10": 1}  # final hours: one file
-    assert after["2026-11-21T11"] == before["2026-11-21T11"]                        # the open hour: untouched
+    after = files_per_partition(cfg.counts_path)
+    assert set(before) == {("2026-11-21", True), ("2026-11-22", True), ("2026-11-22", False)}, before
+    assert {p: n for p, n in after.items() if p[1]} == {("2026-11-21", True): 1, ("2026-11-22", True): 1}  # final
+    assert after[("2026-11-22", False)] == before[("2026-11-22", False)]   # rows epochs still update: untouched
     for role, path in (("dead_letters", cfg.dead_letter_path), ("late_records", cfg.late_path)):
         assert tables[role].files_after == 1 == len(DeltaTable(path).file_uris())
     assert sum(t.vacuumed_files for t in run.tables) > 0

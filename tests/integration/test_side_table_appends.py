@@ -4,6 +4,8 @@ however often it is replayed, and a table is created once, however many create i
 from __future__ import annotations
 
 import multiprocessing
+from collections import Counter
+from datetime import datetime, timedelta, timezone
 
 from deltalake import DeltaTable
 
@@ -108,9 +110,9 @@ def test_processes_merging_one_epoch_s_counts_at_once_commit_it_once(tmp_path):
     assert sorted(counts(cfg).values()) == [3, 4]
 
 
-def test_a_row_without_its_hour_in_a_partitioned_counts_table_is_merged_into_not_doubled(tmp_path):
-    """A writer of an older version puts rows without window_hour into a partitioned counts
-    table; the next MERGE must still find them (one row per window and client)."""
+def test_a_row_without_its_partition_value_in_a_partitioned_counts_table_is_merged_into_not_doubled(tmp_path):
+    """A writer of an older version puts rows without their partition value into a partitioned
+    counts table; the next MERGE must still find them (one row per window and client)."""
     from datetime import datetime, timezone
 
     import pyarrow as pa
@@ -122,11 +124,11 @@ def test_a_row_without_its_hour_in_a_partitioned_counts_table_is_merged_into_not
     cfg = PipelineConfig(warehouse=str(tmp_path), window_seconds=10)
     sink = Sink(cfg)
     sink.ensure()
-    assert DeltaTable(cfg.counts_path).metadata().partition_columns == ["window_hour"]
+    assert DeltaTable(cfg.counts_path).metadata().partition_columns == ["window_day", "is_final"]
     start = datetime(2026, 11, 24, 10, 0, 10, tzinfo=timezone.utc)
     end = datetime(2026, 11, 24, 10, 0, 20, tzinfo=timezone.utc)
     old = {"window_start": [start], "window_end": [end], "ip": ["1.2.3.4"], "count": [2], "first_epoch": [1],
-           "last_epoch": [1], "is_final": [False], "window_hour": [None]}
+           "last_epoch": [1], "is_final": [False], "window_hour": [None], "window_day": [None]}
     write_deltalake(cfg.counts_path, pa.table(old, schema=arrow_schema(COUNTS_COLUMNS)), mode="append")
     counts = pa.table({"window_start": [start, start], "window_end": [end, end], "ip": ["1.2.3.4", "5.6.7.8"],
                        "count": [3, 1]})
@@ -134,6 +136,90 @@ def test_a_row_without_its_hour_in_a_partitioned_counts_table_is_merged_into_not
     got = sorted((r["ip"], r["count"], r["first_epoch"], r["last_epoch"])
                  for r in DeltaTable(cfg.counts_path).to_pyarrow_table().to_pylist())
     assert got == [("1.2.3.4", 5, 1, 2), ("5.6.7.8", 1, 2, 2)]
+
+
+BASE = datetime(2026, 11, 24, 10, tzinfo=timezone.utc)
+
+
+def chain_epoch(sink, chain: list, epoch: int, want: Counter, ips: int = 50) -> None:
+    """A scheduled epoch's counts commit, counting the end of window ``epoch - 1`` (10 clients)
+    and the start of window ``epoch`` (``ips`` clients), its watermark at the next window's end."""
+    import pyarrow as pa
+
+    from ipcount.rules.finality import ChainCommit
+
+    windows = [BASE + timedelta(seconds=10 * (epoch - 1))] * 10 + [BASE + timedelta(seconds=10 * epoch)] * ips
+    clients = [f"10.0.0.{i}" for i in range(10)] + [f"10.0.0.{i}" for i in range(ips)]
+    want.update(zip(windows, clients))
+    watermark_ms = int((BASE + timedelta(seconds=10 * epoch + 10)).timestamp() * 1000)
+    counts = pa.table({"window_start": windows, "window_end": [w + timedelta(seconds=10) for w in windows],
+                       "ip": clients, "count": [1] * len(windows)})
+    version = sink._merge_counts(epoch, counts, watermark_ms, finalize_untouched=True, chain=chain[:2])  # noqa: SLF001
+    chain.insert(0, ChainCommit(version, watermark_ms))
+
+
+def check_counts(cfg, want: Counter, last_epoch: int) -> list[dict]:
+    """The counts table holds ``want``, one row each, final where the last watermark says."""
+    rows = DeltaTable(cfg.counts_path).to_pyarrow_table().to_pylist()
+    assert Counter({(r["window_start"], r["ip"]): r["count"] for r in rows}) == want
+    watermark = BASE + timedelta(seconds=10 * last_epoch + 10)
+    for r in rows:
+        assert r["is_final"] == (r["window_end"] + timedelta(seconds=10) <= watermark), r
+    return rows
+
+
+def test_a_merge_rewrites_only_rows_not_yet_final_and_moves_rows_once_final(tmp_path):
+    """Scheduled epochs, each counting the end of one window and the start of the next: a
+    row moves to its day's final partition with the MERGE that makes it final, so a MERGE
+    rewrites only rows within the lateness (an hour partition rewrote the hour so far)."""
+    import pyarrow as pa
+
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.storage.sink import Sink
+
+    cfg = PipelineConfig(warehouse=str(tmp_path), window_seconds=10, allowed_lateness_seconds=10)
+    sink, chain, want = Sink(cfg), [], Counter()
+    sink.ensure()
+    for epoch in range(1, 31):
+        chain_epoch(sink, chain, epoch, want)
+    check_counts(cfg, want, 30)
+    table = DeltaTable(cfg.counts_path)
+    files = pa.table(table.get_add_actions(flatten=True)).to_pylist()
+    assert {f["partition.is_final"] for f in files} == {True, False}
+    merges = [h["operationMetrics"] for h in table.history(10) if h["operation"] == "MERGE"]
+    # each of the last MERGEs read one window's rows at most (an hour partition: every row so far)
+    assert merges and all(m["num_target_rows_copied"] + m["num_target_rows_updated"] <= 50 for m in merges)
+
+
+def test_a_counts_table_partitioned_by_hour_keeps_its_layout_and_a_merge_reads_its_hours_only(tmp_path):
+    """A counts table made by a version that partitioned by window_hour keeps that layout: it
+    gains window_day, which every new row carries, and a MERGE reads only the hours it names."""
+    from datetime import datetime, timedelta, timezone
+
+    import pyarrow as pa
+
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.storage.sink import COUNTS_COLUMNS, Sink, partition_of
+
+    cfg = PipelineConfig(warehouse=str(tmp_path), window_seconds=10)
+    older = tuple(c for c in COUNTS_COLUMNS if c[0] != "window_day")
+    rs_create_table(cfg.counts_path, arrow_schema(older), partition_by=["window_hour"])
+    sink = Sink(cfg)
+    sink.ensure()
+    table = DeltaTable(cfg.counts_path)
+    assert table.metadata().partition_columns == ["window_hour"] and "window_day" in table.schema().to_arrow().names
+    for epoch, (hour, n) in enumerate([(10, 1), (11, 2), (10, 3)], start=1):
+        start = datetime(2026, 11, 24, hour, 0, 10, tzinfo=timezone.utc)
+        counts = pa.table({"window_start": [start], "window_end": [start + timedelta(seconds=10)],
+                           "ip": ["1.2.3.4"], "count": [n]})
+        sink._merge_counts(epoch, counts, None, finalize_untouched=False)  # noqa: SLF001
+    table = DeltaTable(cfg.counts_path)
+    rows = sorted((r["window_hour"], r["window_day"], r["count"], r["first_epoch"], r["last_epoch"])
+                  for r in table.to_pyarrow_table().to_pylist())
+    assert rows == [("2026-11-24T10", "2026-11-24", 4, 1, 3), ("2026-11-24T11", "2026-11-24", 2, 2, 2)]
+    assert partition_of(table) == "window_hour"
+    metrics = table.history(1)[0]["operationMetrics"]   # epoch 3's MERGE: hour 10's file, not hour 11's
+    assert (metrics["num_target_files_scanned"], metrics["num_target_files_skipped_during_scan"]) == (1, 1)
 
 
 def test_in_one_epoch_s_scope_a_table_is_loaded_once_and_another_writer_s_commit_is_seen(tmp_path, table_loads):

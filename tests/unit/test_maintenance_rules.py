@@ -8,14 +8,20 @@ import pytest
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
-from ipcount.rules.maintenance import (HOUR_MS, MaintenanceRun, TableMaintenance, first_open_hour, log_cleanup_due,
+from ipcount.rules.maintenance import (DAY_MS, HOUR_MS, MaintenanceRun, TableMaintenance, first_open_partition,
+                                       log_cleanup_due,
                                        log_properties, retirement_floor, vacuum_retention_hours)
 
 T10 = int(datetime(2026, 11, 21, 10, tzinfo=timezone.utc).timestamp() * 1000)  # 10:00
 
 
-def test_no_watermark_makes_no_hour_final():
+def first_open_hour(watermark_ms, window_ms, lateness_ms):
+    return first_open_partition("window_hour", watermark_ms, window_ms, lateness_ms)
+
+
+def test_no_watermark_makes_no_partition_final():
     assert first_open_hour(None, 5_000, 5_000) is None
+    assert first_open_partition("window_day", None, 5_000, 5_000) is None
 
 
 @pytest.mark.parametrize("watermark, first_open", [
@@ -40,6 +46,23 @@ def test_windows_longer_than_the_lateness_push_the_first_open_hour_back():
 def test_hour_partitions_sort_as_time_does():
     hours = [first_open_hour(T10 + k * HOUR_MS + 10_000, 5_000, 5_000) for k in range(0, 30)]
     assert hours == sorted(hours) and len(set(hours)) == 30
+
+
+@pytest.mark.parametrize("watermark, first_open", [
+    # day 21 (UTC) is final once its last window, 23:59:55-00:00:00, is: at 00:00:05 on the
+    # 22nd with 5 s of lateness, and a window more
+    (T10 + 14 * HOUR_MS + 10_000, "2026-11-22"),
+    (T10 + 14 * HOUR_MS + 9_999, "2026-11-21"),
+    (T10, "2026-11-21"),
+    (T10 + 14 * HOUR_MS + 40 * DAY_MS, "2026-12-31"),
+])
+def test_a_day_is_final_once_its_last_window_is(watermark, first_open):
+    assert first_open_partition("window_day", watermark, 5_000, 5_000) == first_open
+
+
+def test_day_partitions_sort_as_time_does():
+    days = [first_open_partition("window_day", T10 + k * DAY_MS, 5_000, 5_000) for k in range(0, 400)]
+    assert days == sorted(days) and len(set(days)) == 400
 
 
 def test_the_vacuum_keeps_what_the_oldest_unpublished_version_reads():
