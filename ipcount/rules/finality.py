@@ -15,6 +15,11 @@ W < window_end + lateness <= its own watermark. Anything else (a foreign commit,
 than two chain commits) asks for a full pass, which reads the whole table and so conflicts
 with any commit racing it: after it the invariant holds again.
 
+Commits that add, remove and change no row leave the invariant as it was, so they may lie in
+those gaps (:func:`adds_no_rows`): maintenance's compaction, empty appends (a fence, a
+retirement), a vacuum's and table properties' commits. Which ones they were is read from
+their commit infos; a version whose commit info is gone from the log counts as foreign.
+
 Why two commits and not one: a MERGE whose commit let another writer's land between its
 read and its own (as Spark's did, for a commit on windows it did not read) would leave that
 writer's rows unchecked; that commit sits between the chain's two, so the next epoch sees
@@ -46,15 +51,43 @@ def chain_commits(rows: Iterable[Mapping[str, Any]]) -> list[ChainCommit]:
     return [commits[v] for v in sorted(commits, reverse=True)]
 
 
-def finalized_below(chain: Sequence[ChainCommit], latest_version: int | None) -> int | None:
+# Operations whose commits change no row of a table (delta-rs's names): OPTIMIZE rewrites
+# files with dataChange=false; the others add no data file.
+ROW_NEUTRAL_OPERATIONS = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END", "SET TBLPROPERTIES", "ADD COLUMN"})
+
+
+def adds_no_rows(commit_info: Mapping[str, Any]) -> bool:
+    """Whether a commit (its commit info, as ``DeltaTable.history()`` gives it) added,
+    removed and changed no row: a :data:`ROW_NEUTRAL_OPERATIONS` one, or an append that
+    wrote no row. Anything else, or a commit info that does not say, is taken to have."""
+    operation = commit_info.get("operation")
+    if operation in ROW_NEUTRAL_OPERATIONS:
+        return True
+    metrics = commit_info.get("operationMetrics") or {}
+    return (operation == "WRITE" and (commit_info.get("operationParameters") or {}).get("mode") == "Append"
+            and metrics.get("num_added_rows") == 0 and metrics.get("num_removed_files") == 0)
+
+
+def gap_versions(chain: Sequence[ChainCommit], latest_version: int | None) -> range:
+    """The versions :func:`finalized_below` needs to know of (those between the chain's last
+    two commits and after the newest; empty if it needs none)."""
+    if len(chain) < 2 or latest_version is None:
+        return range(0)
+    return range(chain[1].version + 1, latest_version + 1)
+
+
+def finalized_below(chain: Sequence[ChainCommit], latest_version: int | None,
+                    row_neutral: Iterable[int] = ()) -> int | None:
     """The watermark below which every row of the counts table is already final, or None
     when the next scheduled commit must take a full pass. ``chain``: the chain's counts
-    commits, newest first (two are enough); ``latest_version``: the table's version now."""
+    commits, newest first (two are enough); ``latest_version``: the table's version now;
+    ``row_neutral``: versions known to have changed no row (:func:`adds_no_rows`)."""
     if len(chain) < 2 or latest_version is None:
         return None
     newest, before = chain[0], chain[1]
-    if newest.watermark_ms is None:
+    if newest.watermark_ms is None or not before.version < newest.version <= latest_version:
         return None
-    if latest_version != newest.version or newest.version != before.version + 1:
+    neutral = set(row_neutral)
+    if any(v not in neutral for v in gap_versions(chain, latest_version) if v != newest.version):
         return None
     return newest.watermark_ms

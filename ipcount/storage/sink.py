@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import EpochFenced
-from ipcount.rules.finality import ChainCommit, finalized_below
+from ipcount.rules.finality import ChainCommit, adds_no_rows, finalized_below, gap_versions
 from ipcount.rules.publish import CHANGE_DATA_FEED, has_change_feed
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
 from ipcount.rules.maintenance import COUNTS_PARTITIONS, log_properties, partition_value
@@ -75,6 +75,9 @@ COUNTS_COLUMNS: Columns = (
 # hour partition made each MERGE rewrite the hour so far and a year 8,760 files (a snapshot
 # lists every live file: their number is a cost of every commit).
 COUNTS_PARTITION_BY = ("window_day", "is_final")
+# How many commits since the chain's last but one a MERGE reads to see whether they changed
+# rows (:func:`_row_neutral`); beyond, it takes a full pass.
+NEUTRAL_LOOKBACK = 64
 # A counts MERGE's source: the epoch's counts, and (``touched`` false) rows it makes final.
 MERGE_SOURCE_COLUMNS: Columns = (*COUNTS_COLUMNS[:4], *((c, "string", False) for c in COUNTS_PARTITIONS),
                                  ("touched", "boolean", False))
@@ -279,7 +282,7 @@ class Sink:
             # lack it, and so may rows a writer of an older version put into a partitioned table.
             column = partition_of(table)
             if watermark_ms is not None and finalize_untouched:
-                below = finalized_below(chain, table.version())
+                below = finalized_below(chain, table.version(), _row_neutral(table, chain))
                 full_pass = below is None
                 if below is not None and below < watermark_ms:
                     source = pa.concat_tables([source, self._newly_final(table, column, touched, below,
@@ -397,6 +400,17 @@ def is_published(counts_path: str) -> bool:
     a run with publish on turns on."""
     table = open_table(counts_path)
     return table is not None and has_change_feed(table.metadata().configuration)
+
+
+def _row_neutral(table, chain: Sequence[ChainCommit]) -> list[int]:
+    """The versions of the snapshot ``table`` that :func:`~ipcount.rules.finality.finalized_below`
+    asks about and that changed no row (maintenance's, a fence's), from their commit infos:
+    none are read when the chain's commits are the only ones (an epoch a minute apart, a
+    maintenance run's few commits in between)."""
+    gap = gap_versions(chain, table.version())
+    if len(gap) <= 1 or len(gap) > NEUTRAL_LOOKBACK:
+        return []
+    return [h["version"] for h in table.history(len(gap)) if adds_no_rows(h)]
 
 
 def counts_partition(table) -> str | None:

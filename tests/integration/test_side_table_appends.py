@@ -191,6 +191,39 @@ def test_a_merge_rewrites_only_rows_not_yet_final_and_moves_rows_once_final(tmp_
     assert merges and all(m["num_target_rows_copied"] + m["num_target_rows_updated"] <= 50 for m in merges)
 
 
+def test_maintenance_s_commits_leave_the_finalizing_read_bounded_and_another_writer_s_rows_do_not(tmp_path):
+    """The chain's bounded finalizing read is kept across commits that change no row (a
+    compaction, an empty append, a vacuum); after a commit that adds rows, the next epochs
+    take a full pass (the rule: ipcount.rules.finality)."""
+    import pyarrow as pa
+
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.storage.sink import Sink
+    from tests.tables import counts_merges
+
+    cfg = PipelineConfig(warehouse=str(tmp_path), window_seconds=10, allowed_lateness_seconds=10)
+    sink, chain, want = Sink(cfg), [], Counter()
+    sink.ensure()
+    for epoch in range(1, 6):
+        chain_epoch(sink, chain, epoch, want)
+    DeltaTable(cfg.counts_path).optimize.compact(partition_filters=[("is_final", "=", "true")])
+    sink.fence(1000)   # an empty append
+    DeltaTable(cfg.counts_path).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    chain_epoch(sink, chain, 6, want)
+    chain_epoch(sink, chain, 7, want)
+    assert [m["full_pass"] for m in counts_merges(cfg)] == [True, True, False, False, False, False, False]
+    # another writer's rows (a backfill's, below the watermark), then the chain again
+    late_window = BASE + timedelta(seconds=10)
+    backfilled = pa.table({"window_start": [late_window], "window_end": [late_window + timedelta(seconds=10)],
+                           "ip": ["10.9.9.9"], "count": [1]})
+    sink._merge_counts(2000, backfilled, None, finalize_untouched=False)  # noqa: SLF001
+    want[(late_window, "10.9.9.9")] += 1
+    for epoch in (8, 9, 10):
+        chain_epoch(sink, chain, epoch, want)
+    assert [m["full_pass"] for m in counts_merges(cfg)][-3:] == [True, True, False]
+    check_counts(cfg, want, 10)   # the backfilled row too is final
+
+
 def test_a_counts_table_partitioned_by_hour_keeps_its_layout_and_a_merge_reads_its_hours_only(tmp_path):
     """A counts table made by a version that partitioned by window_hour keeps that layout: it
     gains window_day, which every new row carries, and a MERGE reads only the hours it names."""
