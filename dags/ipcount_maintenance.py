@@ -15,7 +15,7 @@ Keeps what an epoch costs flat as the pipeline ages. Each run, for every table o
 Safe beside running epochs: nothing changes a row, and a step that loses to an epoch's
 commit is left for the next run. What each run did is logged, returned to XCom, and kept a
 row per table in the maintenance table (`ipcount maintain` does the same by hand).
-Scheduled by `maintenance_schedule` (default `@daily`; `none`: only when triggered).
+Scheduled by `maintenance_schedule` (default `@hourly`; `none`: only when triggered).
 """
 from __future__ import annotations
 

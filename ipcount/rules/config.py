@@ -232,9 +232,10 @@ class PipelineConfig:
         "the Kafka topic the counts are published to, made if missing; an existing one must have "
         "cleanup.policy=compact only (keyed by window and IP; read it with isolation.level=read_committed)")
     maintenance_schedule: str = setting(
-        "@daily",
+        "@hourly",
         "the maintenance DAG's schedule (a cron expression or preset), or none: it then runs only when triggered; "
-        "each run compacts, checkpoints and vacuums every table of the set")
+        "each run compacts, checkpoints and vacuums every table of the set (every epoch adds a file to the counts "
+        "table, which the next run packs)")
     vacuum_retention_hours: int = setting(
         168,
         "maintenance deletes a data file once no table version has referenced it for this long (Delta's VACUUM "
@@ -266,7 +267,7 @@ class PipelineConfig:
             raise ConfigError("warehouse is empty; expected a directory or an s3:// URI for the Delta tables")
         if not self.maintenance_schedule.strip():
             raise ConfigError("maintenance_schedule is empty; expected a cron expression or preset such as "
-                              "'@daily', or 'none' to run maintenance only when triggered")
+                              "'@hourly', or 'none' to run maintenance only when triggered")
         for name in ("warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table",
                      "maintenance_table"):
             scheme = location_scheme(getattr(self, name))

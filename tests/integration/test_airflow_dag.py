@@ -76,7 +76,7 @@ def test_dag_folder_imports_without_errors(airflow_environ):
     from ipcount.orchestration.dags import BACKFILL_PARAMS, RUN_PARAMS
 
     assert info.pop("ipcount_maintenance") == {
-        "tasks": ["maintain"], "max_active_runs": 1, "catchup": False, "retries": 1, "schedule": "@daily",
+        "tasks": ["maintain"], "max_active_runs": 1, "catchup": False, "retries": 1, "schedule": "@hourly",
         "periodic": False, "timetable": "CronTriggerTimetable", "params": []}
     assert info == {
         "errors": {},

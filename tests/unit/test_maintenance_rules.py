@@ -92,7 +92,7 @@ def test_a_run_reports_each_table_in_a_line_and_a_row():
 
 
 def test_maintenance_settings_are_checked():
-    assert PipelineConfig().maintenance_schedule == "@daily"
+    assert PipelineConfig().maintenance_schedule == "@hourly"
     assert PipelineConfig(warehouse="/w").maintenance_path == "/w/maintenance"
     assert PipelineConfig(warehouse="/w").for_target("audit").maintenance_path == "/w/replays/audit/maintenance"
     with pytest.raises(ConfigError, match="maintenance_schedule is empty"):
