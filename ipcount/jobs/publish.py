@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 from ipcount.jobs.crash import Crash, no_crash
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import ConfigError
+from ipcount.rules.errors import CommitContention, ConfigError
 from ipcount.rules.ledger import BACKFILL as BACKFILL_EPOCH
 from ipcount.rules.ledger import SUMMARY
 from ipcount.rules.maintenance import EXPIRED_LOG_CLEANUP, log_cleanup_due
 from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, LIVE, SNAPSHOT, Cursor, changed_rows,
                                    check_never_published, epoch_of_commit, has_change_feed, sink_records,
                                    snapshot_rows)
-from ipcount.storage.delta import has_table, read_rows, table_metadata
+from ipcount.storage.delta import commit_infos, has_table, read_rows, table_metadata
 from ipcount.storage.publisher import Publisher, create_sink_topic, log_starts, publisher_id
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,9 @@ def _publish_versions(cfg: PipelineConfig, publisher: Publisher, table, cursor: 
     import pyarrow
 
     first = cursor.next_version
-    infos = {h["version"]: h for h in table.history(latest - first + 1)}
+    infos = commit_infos(cfg.counts_path, first)   # (table.history() would misnumber them)
+    if infos is None:
+        raise CommitContention(f"commits to {cfg.counts_path} kept landing while its log was read; run again")
     missing = [v for v in range(first, latest + 1) if v not in infos]
     if missing:
         raise ConfigError(f"the counts table's log lacks the commit info of version(s) {missing[:5]}; publishing "

@@ -315,12 +315,38 @@ def table_metadata(path: str) -> tuple[str, dict[str, str]]:
     return metadata.id, dict(metadata.configuration)
 
 
+def commit_infos(path: str, first: int, attempts: int = 5,
+                 load: Callable[[], DeltaTable] | None = None) -> dict[int, dict[str, Any]] | None:
+    """The commit infos of the table's versions from ``first`` to its latest, by version (a
+    version the log no longer holds is missing); None if commits kept landing while it read.
+
+    delta-rs's ``history(n)`` numbers what it lists down from the snapshot's version, but
+    lists the log from ``version - n + 1`` with no upper bound: a commit made after the
+    snapshot was loaded shifts every number. So a listing counts only if no commit came
+    before it was checked. ``load`` gives the table: by default objects of its own, never
+    the epoch scope's (which :func:`latest` moves: not while a commit to it is being made).
+    A commit without commit info (none of delta-rs's or Spark's) would shift the older ones:
+    callers take a missing version as unknown."""
+    from deltalake import DeltaTable
+
+    load = load or (lambda: DeltaTable(path))
+    for _ in range(attempts):
+        table = load()
+        version = table.version()
+        if first > version:
+            return {}
+        listed = table.history(version - first + 1)
+        if load().version() == version:
+            return {h["version"]: h for h in listed if h["version"] >= first}
+    return None
+
+
 def version_with_metadata(path: str, user_metadata: str, search: int = 50) -> int | None:
     """The table version whose commit carries ``user_metadata`` (None if none of the last
-    ``search`` commits does). From the log's commit infos, read with delta-rs: Spark's
-    history() would be a query of its own."""
-    return next((h["version"] for h in latest(path).history(search)
-                 if h.get("userMetadata") == user_metadata), None)
+    ``search`` commits does, or their commit infos cannot be read). From the log's commit
+    infos (:func:`commit_infos`): Spark's history() would be a query of its own."""
+    infos = commit_infos(path, max(0, latest(path).version() - search + 1), load=lambda: latest(path)) or {}
+    return next((v for v, h in sorted(infos.items(), reverse=True) if h.get("userMetadata") == user_metadata), None)
 
 
 # -- the tables delta-rs writes ------------------------------------------------------------

@@ -24,7 +24,7 @@ from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, TOMBSTONE_MARGIN_HOU
                                        first_open_partition, log_cleanup_due, log_properties, retirement_floor,
                                        vacuum_retention_hours)
 from ipcount.storage import tableset as tableset_io
-from ipcount.storage.delta import (arrow_schema, latest, open_table, query_table, retry_on_conflict,
+from ipcount.storage.delta import (arrow_schema, commit_infos, latest, open_table, query_table, retry_on_conflict,
                                    rs_concurrent_errors, rs_create_table)
 from ipcount.storage.ledger import LEDGER_FILE_BYTES, Ledger
 from ipcount.storage.sink import Sink, counts_partition, is_published
@@ -151,11 +151,11 @@ def _final_partitions(cfg: PipelineConfig) -> list[tuple[str, str, str]] | None:
 def _commit_ms_from(path: str, first: int) -> int | None:
     """When the oldest of the table's versions from ``first`` on was committed (None: there is
     none; 0: its commit info is no longer in the log, so it may be as old as any)."""
-    table = latest(path)
-    if first > table.version():
+    if first > latest(path).version():
         return None
-    times = [int(h["timestamp"]) for h in table.history(table.version() - first + 1) if h["version"] >= first]
-    return min(times) if len(times) == table.version() - first + 1 else 0
+    infos = commit_infos(path, first) or {}
+    versions = range(first, max(infos, default=first) + 1)
+    return min(int(infos[v]["timestamp"]) for v in versions) if infos and all(v in infos for v in versions) else 0
 
 
 def _maintain_table(role: str, path: str, partitions, retention_hours: int | None, tombstone_hours: int,

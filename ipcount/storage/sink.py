@@ -44,9 +44,9 @@ from ipcount.rules.finality import ChainCommit, adds_no_rows, finalized_below, g
 from ipcount.rules.publish import CHANGE_DATA_FEED, has_change_feed
 from ipcount.rules.ledger import SCHEDULED, EpochPlan
 from ipcount.rules.maintenance import COUNTS_PARTITIONS, log_properties, partition_value
-from ipcount.storage.delta import (arrow_schema, latest, open_table, query_arrow, retry_on_conflict, rs_append_once,
-                                   rs_commit_once, rs_concurrent_errors, rs_create_table, sql_timestamp,
-                                   version_with_metadata)
+from ipcount.storage.delta import (arrow_schema, commit_infos, latest, open_table, query_arrow, retry_on_conflict,
+                                   rs_append_once, rs_commit_once, rs_concurrent_errors, rs_create_table,
+                                   sql_timestamp, version_with_metadata)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -282,7 +282,7 @@ class Sink:
             # lack it, and so may rows a writer of an older version put into a partitioned table.
             column = partition_of(table)
             if watermark_ms is not None and finalize_untouched:
-                below = finalized_below(chain, table.version(), _row_neutral(table, chain))
+                below = finalized_below(chain, table.version(), _row_neutral(path, table, chain))
                 full_pass = below is None
                 if below is not None and below < watermark_ms:
                     source = pa.concat_tables([source, self._newly_final(table, column, touched, below,
@@ -402,15 +402,16 @@ def is_published(counts_path: str) -> bool:
     return table is not None and has_change_feed(table.metadata().configuration)
 
 
-def _row_neutral(table, chain: Sequence[ChainCommit]) -> list[int]:
-    """The versions of the snapshot ``table`` that :func:`~ipcount.rules.finality.finalized_below`
-    asks about and that changed no row (maintenance's, a fence's), from their commit infos:
-    none are read when the chain's commits are the only ones (an epoch a minute apart, a
-    maintenance run's few commits in between)."""
+def _row_neutral(path: str, table, chain: Sequence[ChainCommit]) -> list[int]:
+    """The versions of the snapshot ``table`` (of the table at ``path``) that
+    :func:`~ipcount.rules.finality.finalized_below` asks about and that changed no row
+    (maintenance's, a fence's), from their commit infos (:func:`commit_infos`): none are
+    read when the chain's commits are the only ones in between."""
     gap = gap_versions(chain, table.version())
     if len(gap) <= 1 or len(gap) > NEUTRAL_LOOKBACK:
         return []
-    return [h["version"] for h in table.history(len(gap)) if adds_no_rows(h)]
+    infos = commit_infos(path, gap.start) or {}
+    return [v for v in gap if v in infos and adds_no_rows(infos[v])]
 
 
 def counts_partition(table) -> str | None:

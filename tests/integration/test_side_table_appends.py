@@ -299,3 +299,23 @@ def test_in_one_epoch_s_scope_a_deleted_table_is_gone_and_threads_load_their_own
         assert read_rows(path) == []
         rs_create_table(path, SCHEMA)             # a new table, not the scope's old object
         assert latest(path).version() == 0 and read_rows(path) == []
+
+
+def test_commit_infos_are_numbered_as_the_log_numbers_them(tmp_path):
+    """delta-rs's history(n) on a loaded snapshot numbers the commits it lists down from that
+    snapshot's version, and lists the ones made since too: read so, the publisher took a
+    later epoch's commit info for a version (and maintenance another commit's time).
+    commit_infos numbers them as the log does."""
+    from ipcount.storage.delta import commit_infos
+
+    path = str(tmp_path / "late_records")
+    rs_create_table(path, SCHEMA)
+    for epoch in (1, 2, 3):
+        rs_append_once(path, rows(epoch), f"p/epoch-{epoch}", epoch, f"epoch={epoch}")   # versions 1-3
+    loaded = DeltaTable(path)
+    for epoch in (4, 5):
+        rs_append_once(path, rows(epoch), f"p/epoch-{epoch}", epoch, f"epoch={epoch}")   # since it was loaded
+    assert {h["version"]: h.get("userMetadata") for h in loaded.history(3)}[1] == "epoch=3"   # (why)
+    infos = commit_infos(path, 1)
+    assert {v: h.get("userMetadata") for v, h in infos.items()} == {v: f"epoch={v}" for v in range(1, 6)}
+    assert commit_infos(path, 6) == {} and set(commit_infos(path, 4)) == {4, 5}
