@@ -7,7 +7,7 @@ minute of event time ending an hour ago; then real epochs run on it through the 
 own code (:func:`ipcount.jobs.epoch.run_epoch`, the group commit, the idle check and the
 monitor's reads), all sets side by side in one Spark session, round after round.
 
-What is synthesized, table by table (``maintained``: as a daily maintenance leaves it):
+What is synthesized, table by table (``maintained``: as maintenance leaves it):
 
 * ledger: a committed row per partition and epoch (each epoch owns one offset of each
   partition, ``[e-1, e)``, and its counts commit is version ``e``), in files of up to

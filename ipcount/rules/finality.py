@@ -7,9 +7,9 @@ every epoch; this rule says when a bounded look is enough.
 
 The invariant a counts commit of the chain leaves: every row the table held when the
 commit read it, whose window_end + lateness <= the commit's watermark W, is final. If the
-chain's last counts commit (version v, watermark W) was the table's only commit since the
-chain's commit before it (version v - 1), and nothing committed since v, then no other
-writer (a backfill, a fence, a hand-made change) can have added a not-final row below W
+chain's last counts commit (version v, watermark W) was the table's only commit that may
+have changed rows since the chain's commit before it, and none since v did either, then no
+other writer (a backfill, a hand-made change) can have added a not-final row below W
 behind the chain's back, so the next commit needs only the rows with
 W < window_end + lateness <= its own watermark. Anything else (a foreign commit, or fewer
 than two chain commits) asks for a full pass, which reads the whole table and so conflicts
