@@ -8,8 +8,8 @@ new version; maintenance tries again on its next run).
 
 Two things here need care. The counts table is compacted only in partitions whose windows
 are all final (a new table keeps final rows in partitions of their own; an older one, in
-the hours the watermark has passed): the chain's MERGEs still rewrite the others every epoch, so packing
-them would be undone at once and make epochs retry. And a vacuum must not delete a file
+the hours the watermark has passed): the chain's MERGEs still rewrite the others every
+epoch, so packing them would be undone at once and make epochs retry. And a vacuum must not delete a file
 the publisher still reads: the change data feed of a version that only appended reads that
 version's data files, which a later MERGE may have replaced.
 """

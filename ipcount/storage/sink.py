@@ -422,16 +422,22 @@ def counts_partition(table) -> str | None:
     return column if column in COUNTS_PARTITIONS else None
 
 
-def partition_of(table) -> str | None:
-    """The counts snapshot's partition column if no file of it lacks its value (from the
-    snapshot's file list: no data is read), else None."""
+def partition_values(table) -> tuple[str, pa.ChunkedArray] | None:
+    """The counts snapshot's partition column and each live file's value of it, if no file
+    lacks one (from the snapshot's file list: no data is read); else None."""
     import pyarrow as pa
 
     column = counts_partition(table)
     if column is None:
         return None
-    files = pa.table(table.get_add_actions(flatten=True))
-    return column if files.num_rows == 0 or files.column(f"partition.{column}").null_count == 0 else None
+    values = pa.table(table.get_add_actions(flatten=True)).column(f"partition.{column}")
+    return (column, values) if values.null_count == 0 else None
+
+
+def partition_of(table) -> str | None:
+    """The counts snapshot's partition column if no file of it lacks its value, else None."""
+    found = partition_values(table)
+    return found[0] if found else None
 
 
 def _with_partitions(rows: pa.Table) -> pa.Table:

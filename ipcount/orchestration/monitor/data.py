@@ -27,7 +27,7 @@ from ipcount.storage import broker
 from ipcount.storage.delta import (DeltaReader, has_table, query_table, sql_identifier, sql_literal,
                                    subdirectory_names, table_metadata)
 from ipcount.storage.ledger import SUMMARY_TXN, Ledger, LedgerView
-from ipcount.storage.sink import partition_of
+from ipcount.storage.sink import partition_values
 from ipcount.storage.publisher import committed_cursor, publisher_id
 
 log = logging.getLogger(__name__)
@@ -196,12 +196,12 @@ class PipelineTables:
         """The newest window's end: read from the newest partition when every file has its
         partition value (the snapshot's file list says so), else from the whole table."""
         def compute(table) -> datetime | None:
-            import pyarrow as pa
             import pyarrow.compute as pc
 
-            column, where = partition_of(table), ""
-            if column is not None:
-                newest = pc.max(pa.table(table.get_add_actions(flatten=True)).column(f"partition.{column}")).as_py()
+            found, where = partition_values(table), ""
+            if found is not None:
+                column, values = found
+                newest = pc.max(values).as_py()
                 where = "" if newest is None else f" WHERE {column} = {sql_literal(newest)}"
             rows = query_table(table, f"SELECT max(window_end) AS m FROM t{where}")
             return rows[0]["m"] if rows else None
