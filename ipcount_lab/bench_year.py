@@ -197,8 +197,6 @@ def _counts(cfg: PipelineConfig, ts: TableSet, first_ms: int) -> None:
     """A few rows in each hour of the history, one file per hour (and finality); final where
     the watermark at its end has passed their windows' end and lateness."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
-    from deltalake.transaction import AddAction
 
     from ipcount.rules.maintenance import COUNTS_PARTITIONS, partition_value
     from ipcount.storage.delta import arrow_schema, latest
@@ -222,9 +220,6 @@ def _counts(cfg: PipelineConfig, ts: TableSet, first_ms: int) -> None:
     adds, lo = [], 0
     for n in (len(list(group)) for _, group in itertools.groupby(zip(rows["window_hour"], rows["is_final"]))):
         part = {c: str(rows[c][lo]).lower() for c in COUNTS_PARTITION_BY}   # ("true"/"false": Delta's)
-        name = "/".join(f"{c}={v}" for c, v in part.items()) + f"/part-00000-{uuid.uuid4()}-c000.snappy.parquet"
-        os.makedirs(os.path.join(cfg.counts_path, os.path.dirname(name)), exist_ok=True)
-        pq.write_table(table.slice(lo, n).select(stored), os.path.join(cfg.counts_path, name), compression="snappy")
         first, last = starts[lo], starts[lo + n - 1]
         stats = {"numRecords": n,
                  "minValues": {"window_start": iso(first), "window_end": iso(first + window),
@@ -232,13 +227,25 @@ def _counts(cfg: PipelineConfig, ts: TableSet, first_ms: int) -> None:
                  "maxValues": {"window_start": iso(last), "window_end": iso(last + window),
                                "first_epoch": epoch[lo + n - 1], "last_epoch": epoch[lo + n - 1]},
                  "nullCount": {"window_start": 0, "window_end": 0, "ip": 0, "count": 0}}
-        adds.append(AddAction(name, os.path.getsize(os.path.join(cfg.counts_path, name)), part,
-                              last + MINUTE_MS, True, json.dumps(stats)))
+        adds.append(_data_file(cfg.counts_path, table.slice(lo, n).select(stored), stats, part, last + MINUTE_MS))
         if len(adds) == SYNTH_FILES or lo + n == table.num_rows:
             now = latest(cfg.counts_path)
             now.create_write_transaction(adds, mode="append", schema=now.schema())
             adds = []
         lo += n
+
+
+def _data_file(path: str, rows, stats: dict, partition: dict[str, str], modified_ms: int):
+    """``rows`` written as a new data file of the table at ``path``, in ``partition``'s
+    directory: the add action that commits it (``stats``: Delta's statistics of it)."""
+    import pyarrow.parquet as pq
+    from deltalake.transaction import AddAction
+
+    name = "".join(f"{c}={v}/" for c, v in partition.items()) + f"part-00000-{uuid.uuid4()}-c000.snappy.parquet"
+    full = os.path.join(path, name)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    pq.write_table(rows, full, compression="snappy")
+    return AddAction(name, os.path.getsize(full), partition, modified_ms, True, json.dumps(stats))
 
 
 def _side_rows(cfg: PipelineConfig, epochs: range, late: bool, first_ms: int):
@@ -264,9 +271,7 @@ def _side_rows(cfg: PipelineConfig, epochs: range, late: bool, first_ms: int):
 def _side_table(cfg: PipelineConfig, ts: TableSet, path: str, late: bool, first_ms: int) -> None:
     """A row per epoch: maintained, in compacted files; unmaintained, a file per epoch, added
     (with its epoch's transaction) a batch of epochs per commit."""
-    import pyarrow.parquet as pq
     from deltalake import CommitProperties, Transaction, write_deltalake
-    from deltalake.transaction import AddAction
 
     from ipcount.storage.delta import latest
     from ipcount.storage.sink import Sink
@@ -281,13 +286,9 @@ def _side_table(cfg: PipelineConfig, ts: TableSet, path: str, late: bool, first_
         epochs = range(lo, min(ts.age, lo + SYNTH_BATCH - 1) + 1)
         rows, adds = _side_rows(cfg, epochs, late, first_ms), []
         for i, e in enumerate(epochs):
-            name = f"part-00000-{uuid.uuid4()}-c000.snappy.parquet"
-            one = rows.slice(i, 1)
-            pq.write_table(one, os.path.join(path, name), compression="snappy")
             stats = {"numRecords": 1, "minValues": {"epoch": e, "offset": e - 1, "partition": 0},
                      "maxValues": {"epoch": e, "offset": e - 1, "partition": 0}, "nullCount": {"epoch": 0}}
-            adds.append(AddAction(name, os.path.getsize(os.path.join(path, name)), {},
-                                  (first_ms + e * MINUTE_MS), True, json.dumps(stats)))
+            adds.append(_data_file(path, rows.slice(i, 1), stats, {}, first_ms + e * MINUTE_MS))
         latest(path).create_write_transaction(
             adds, mode="append", schema=latest(path).schema(),
             commit_properties=CommitProperties(app_transactions=[Transaction(sink.txn_app_id(e), e) for e in epochs]))
