@@ -25,7 +25,9 @@ from typing import Any, Iterable, Mapping
 from ipcount.rules.errors import ConfigError
 
 CHANGE_DATA_FEED = "delta.enableChangeDataFeed"  # the counts table's property publishing needs
-INSERT, PREIMAGE, POSTIMAGE = "insert", "update_preimage", "update_postimage"
+INSERT, PREIMAGE, POSTIMAGE, DELETE = "insert", "update_preimage", "update_postimage", "delete"
+# What a published record says of a row: a change to any of these is published.
+PUBLISHED_COLUMNS = ("window_end", "count", "is_final")
 # A record's kind: the scheduled chain; a backfill request; the table as it was when
 # publishing started (or restarted after a rebuild), before any change was published.
 LIVE, BACKFILL, SNAPSHOT = "live", "backfill", "snapshot"
@@ -88,20 +90,35 @@ def _utc_iso(value: Any) -> str:
 def changed_rows(cdf_rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The rows one version inserted or updated, as they are after it, in (window, ip) order.
     ``correction``: the row was final before the change (a backfill counted into a closed
-    window); consumers that act once per final window should treat it as such."""
+    window); consumers that act once per final window should treat it as such.
+
+    A version that replaced whole files without change data of its own (an epoch merged by
+    Spark's executors: :mod:`ipcount.storage.table_files`) reads as every row of the files it
+    removed deleted and every row of the files it added inserted: a row deleted and inserted
+    again is an update when it differs, and no change when it does not."""
     before: dict[tuple[Any, str], bool] = {}
+    removed: dict[tuple[Any, str], Mapping[str, Any]] = {}
     after: list[Mapping[str, Any]] = []
     for row in cdf_rows:
-        change = row["_change_type"]
+        change, key = row["_change_type"], (row["window_start"], row["ip"])
         if change == PREIMAGE:
-            before[(row["window_start"], row["ip"])] = bool(row.get("is_final"))
+            before[key] = bool(row.get("is_final"))
+        elif change == DELETE:
+            removed[key] = row
         elif change in (INSERT, POSTIMAGE):
             after.append(row)
-        # (deletes: the pipeline never deletes counts rows)
+    for key, row in removed.items():  # (the pipeline never deletes a counts row for good)
+        before.setdefault(key, bool(row.get("is_final")))
+    after = [r for r in after if not _same_row(removed.get((r["window_start"], r["ip"])), r)]
     out = [{"window_start": _utc_iso(r["window_start"]), "window_end": _utc_iso(r["window_end"]), "ip": r["ip"],
             "count": int(r["count"]), "is_final": bool(r.get("is_final")),
             "correction": before.get((r["window_start"], r["ip"]), False)} for r in after]
     return sorted(out, key=lambda r: (r["window_start"], r["ip"]))
+
+
+def _same_row(removed: Mapping[str, Any] | None, inserted: Mapping[str, Any]) -> bool:
+    """Whether a row deleted and inserted by one version came back as it was."""
+    return removed is not None and all(removed.get(c) == inserted.get(c) for c in PUBLISHED_COLUMNS)
 
 
 def snapshot_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

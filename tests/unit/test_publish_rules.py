@@ -38,6 +38,20 @@ def test_a_count_added_to_a_final_window_is_a_correction():
     assert row["correction"] and row["count"] == 3
 
 
+def test_files_replaced_whole_publish_only_the_rows_that_changed():
+    # A Spark-merged version: every row of the removed files deleted, every row of the added ones inserted.
+    rows = changed_rows([
+        cdf("delete", W0, "10.0.0.1", 4, False), cdf("insert", W0, "10.0.0.1", 4, False),   # rewritten as it was
+        cdf("delete", W0, "10.0.0.2", 3, False), cdf("insert", W0, "10.0.0.2", 5, False),   # counted into
+        cdf("delete", W0, "10.0.0.3", 1, False), cdf("insert", W0, "10.0.0.3", 1, True),    # finalized
+        cdf("insert", W1, "10.0.0.4", 2, False),                                             # new
+        cdf("insert", W1, "10.0.0.9", 7, True), cdf("delete", W1, "10.0.0.9", 6, True),      # a correction
+    ])
+    assert [(r["ip"], r["count"], r["is_final"], r["correction"]) for r in rows] == [
+        ("10.0.0.2", 5, False, False), ("10.0.0.3", 1, True, False), ("10.0.0.4", 2, False, False),
+        ("10.0.0.9", 7, True, True)]
+
+
 def test_records_are_keyed_by_window_and_ip_and_the_same_every_time():
     rows = changed_rows([cdf("insert", W0, "10.0.0.1", 2, False, end=datetime(2026, 11, 21, 10, 0, 5))])
     first = sink_records(rows, table_id="tbl-1", version=7, epoch=3, kind=LIVE)
