@@ -12,6 +12,9 @@ log = logging.getLogger(__name__)
 
 # An epoch's step boundaries (tests SIGKILL the process there).
 CRASH_POINTS = ("after_plan", "after_sink", "after_ledger", "before_kafka_commit")
+# Between the files Spark's executors wrote for an epoch's counts and the commit that makes
+# them part of the table (an epoch whose tally Spark writes: ipcount.storage.table_files).
+FILE_CRASH_POINTS = ("after_counts_files",)
 # Each epoch step logs a marker, worded for machines: chaos reads the last one in a killed
 # process's log to tell where its epoch had got to. Reading the ledger to plan is a step too
 # (no crash point: nothing is written yet).
@@ -33,8 +36,9 @@ def no_crash(point: str) -> None:
 
 def crash_hook(crash_at: str | None) -> Crash:
     """A hook that kills this process with SIGKILL at the named step boundary."""
-    if crash_at is not None and crash_at not in (*CRASH_POINTS, *PUBLISH_CRASH_POINTS):
-        raise ValueError(f"crash point must be one of {', '.join((*CRASH_POINTS, *PUBLISH_CRASH_POINTS))}; "
+    points = (*CRASH_POINTS, *FILE_CRASH_POINTS, *PUBLISH_CRASH_POINTS)
+    if crash_at is not None and crash_at not in points:
+        raise ValueError(f"crash point must be one of {', '.join(points)}; "
                          f"found {crash_at!r}")
 
     def hook(point: str) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ipcount.jobs import transform
 from ipcount.jobs.crash import PLANNING, Crash, no_crash, step_line
-from ipcount.jobs.tally import EpochTally
+from ipcount.jobs.tally import EpochTally, SparkTally
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import CommitContention, PlanConflict
 from ipcount.rules.kafka_security import read_group_id, sasl_password, spark_kafka_options
@@ -205,20 +205,34 @@ class EpochRunner:
         self.ledger.release(plan, lost)
         return False
 
-    def _write(self, plan: EpochPlan, tally: EpochTally, watermark_after: int | None,
+    def _write(self, plan: EpochPlan, tally: EpochTally | SparkTally, watermark_after: int | None,
                stages: dict[str, float]) -> int | None:
         """Write the epoch's rows to the sink; the counts table's version."""
+        if self.yields_to_chain:
+            self._let_the_chain_commit(plan)
+        # What the chain's last counts commits left final, so the MERGE reads only what it must.
+        chain = self.ledger.chain_commits(self.cfg.topic) if plan.kind == SCHEDULED else ()
+        if isinstance(tally, SparkTally):
+            t = time.monotonic()
+            try:
+                window_ms, metrics = self.cfg.window_ms, tally.metrics().values()
+                sizes = PartitionMetrics(*(sum(getattr(m, f.name) for m in metrics) for f in fields(PartitionMetrics)))
+                sink_version = self.sink.write_from_spark(
+                    plan, tally.counts(window_ms), tally.dead_letters(plan.epoch),
+                    tally.late_records(plan.epoch, window_ms, plan.watermark_ms), sizes,
+                    watermark_after_ms=watermark_after, chain=chain, stages=stages,
+                    before_commit=lambda: self.step("after_counts_files", plan.epoch))
+            finally:
+                tally.rows.unpersist()
+            # Spark's read and merge of the open files, its file writes, and the commit.
+            stages["merge"] = time.monotonic() - t - stages.get("side_tables", 0.0)
+            return sink_version
         t = time.monotonic()
         window_ms = self.cfg.window_ms
         counts, dead_letters = tally.counts(window_ms), tally.dead_letters(plan.epoch)
         late = tally.late_records(plan.epoch, window_ms, plan.watermark_ms)
         stages["aggregate"] = time.monotonic() - t  # the tally split into the sink's rows (Arrow)
-
-        if self.yields_to_chain:
-            self._let_the_chain_commit(plan)
         t = time.monotonic()
-        # What the chain's last counts commits left final, so the MERGE reads only what it must.
-        chain = self.ledger.chain_commits(self.cfg.topic) if plan.kind == SCHEDULED else ()
         sink_version = self.sink.write(plan, counts, dead_letters, late, watermark_after_ms=watermark_after,
                                        chain=chain, stages=stages)
         # The chain's commits read, and the MERGE into counts (the appends are side_tables).
@@ -354,7 +368,21 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
     parsed = transform.parse(raw, cfg.max_value_bytes, cfg.event_time, cfg.max_event_time_ahead_ms, plan.planned_at_ms,
                              plan.watermark_ms)
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
-    return EpochTally(transform.tally(classified, dead_letter_prefix_bytes(cfg.max_value_bytes)).toArrow())
+    tally = transform.tally(classified, dead_letter_prefix_bytes(cfg.max_value_bytes))
+    if plan.size <= cfg.max_driver_tally_rows:  # (a tally has at most a row per record)
+        return EpochTally(tally.toArrow())
+    # Possibly too large for this process: kept in Spark, measured, and collected only if small.
+    from pyspark import StorageLevel
+
+    tally = tally.persist(StorageLevel.MEMORY_AND_DISK)
+    measured = SparkTally.measure(tally)
+    if measured.size <= cfg.max_driver_tally_rows:
+        rows = tally.toArrow()
+        tally.unpersist()
+        return EpochTally(rows)
+    log.info("epoch %d: its tally has %d rows (max_driver_tally_rows %d): Spark's executors write them", plan.epoch,
+             measured.size, cfg.max_driver_tally_rows)
+    return measured
 
 
 def read_options(spark: SparkSession, records: int, partitions: int) -> dict[str, str]:

@@ -16,6 +16,7 @@ from ipcount.rules.ledger import PartitionMetrics
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from pyspark.sql import DataFrame
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,73 @@ def _timestamps(ms):
     import pyarrow as pa
 
     return ms.cast(pa.int64()).cast(pa.timestamp("ms", tz="UTC"))
+
+
+@dataclass(frozen=True)
+class SparkTally:
+    """An epoch's tally too large to collect (:data:`~ipcount.rules.config.PipelineConfig.max_driver_tally_rows`):
+    the same split as :class:`EpochTally`, as DataFrames over the persisted tally, which
+    Spark's executors write to the tables (:meth:`ipcount.storage.sink.Sink.write_from_spark`).
+    Its metrics and newest event time are computed once, as the size was."""
+
+    rows: DataFrame
+    partition_metrics: dict[int, PartitionMetrics]
+    newest_event_ms: int | None
+    size: int  # the tally's rows
+
+    @classmethod
+    def measure(cls, rows: DataFrame) -> SparkTally:
+        """The tally ``rows`` (persisted by the caller) with its metrics, in one small job."""
+        from pyspark.sql import functions as F
+
+        records, late, bad = F.col("records"), F.coalesce(F.col("late"), F.lit(False)), F.col("reason").isNotNull()
+        zero = F.lit(0).cast("long")
+        sums = rows.groupBy("partition").agg(
+            F.sum(records).alias("read"), F.sum(F.when(bad | late, zero).otherwise(records)).alias("counted"),
+            F.sum(F.when(late, records).otherwise(zero)).alias("late"),
+            F.sum(F.when(bad, records).otherwise(zero)).alias("malformed"),
+            F.max("max_event_ms").alias("max_event_ms"), F.count(F.lit(1)).alias("rows")).collect()
+        metrics = {r["partition"]: PartitionMetrics(r["read"], r["counted"], r["late"], r["malformed"]) for r in sums}
+        newest = max((r["max_event_ms"] for r in sums if r["max_event_ms"] is not None), default=None)
+        return cls(rows, metrics, newest, sum(r["rows"] for r in sums))
+
+    def metrics(self) -> dict[int, PartitionMetrics]:
+        return self.partition_metrics
+
+    def max_event_ms(self) -> int | None:
+        return self.newest_event_ms
+
+    def counts(self, window_ms: int) -> DataFrame:
+        """Counts per window and client (as :meth:`EpochTally.counts`)."""
+        from pyspark.sql import functions as F
+
+        sums = (self.rows.where(F.col("late") == F.lit(False))
+                .groupBy("window_start_ms", "ip").agg(F.sum("records").alias("count")))
+        return sums.select(F.timestamp_millis("window_start_ms").alias("window_start"),
+                           F.timestamp_millis(F.col("window_start_ms") + F.lit(window_ms)).alias("window_end"),
+                           "ip", "count")
+
+    def dead_letters(self, epoch: int) -> DataFrame:
+        """The dead-letter rows (as :meth:`EpochTally.dead_letters`)."""
+        from pyspark.sql import functions as F
+
+        bad = self.rows.where(F.col("reason").isNotNull())
+        return bad.select(*_spark_record(epoch), F.col("timestamp").alias("kafka_timestamp"), "key", "value",
+                          "reason", "value_bytes", "value_sha256")
+
+    def late_records(self, epoch: int, window_ms: int, watermark_ms: int | None) -> DataFrame:
+        """The late-record rows (as :meth:`EpochTally.late_records`)."""
+        from pyspark.sql import functions as F
+
+        late = self.rows.where(F.col("late") == F.lit(True))
+        start = F.col("window_start_ms")
+        return late.select(*_spark_record(epoch), "ip", F.timestamp_millis("event_ms").alias("event_time"),
+                           F.timestamp_millis(start).alias("window_start"),
+                           F.timestamp_millis(start + F.lit(window_ms)).alias("window_end"),
+                           F.timestamp_millis(F.lit(watermark_ms).cast("long")).alias("watermark"))
+
+
+def _spark_record(epoch: int) -> list:
+    from pyspark.sql import functions as F
+
+    return [F.lit(epoch).cast("long").alias("epoch"), "topic", "partition", "offset"]

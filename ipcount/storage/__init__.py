@@ -5,6 +5,7 @@ decides what an epoch is (that is :mod:`ipcount.rules`).
 - :mod:`.delta`   Delta table helpers: delta-rs reads, table creation, conflict retries
 - :mod:`.ledger`  the offset ledger: write-ahead and commit MERGEs, reads
 - :mod:`.sink`    the counts, dead-letter and late-record tables, written idempotently per epoch
+- :mod:`.table_files`  data files Spark's executors write into (and read from) a table's location
 - :mod:`.spark`   the Spark session and the settings spark-submit needs for the same
 - :mod:`.connect_server`  the Spark Connect server epochs run on, with those settings
 - :mod:`.publisher`  the sink topic's transactional producer (one transaction per counts version)

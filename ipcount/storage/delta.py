@@ -54,15 +54,25 @@ def subdirectory_names(location: str) -> list[str]:
         return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     from pyarrow import fs
 
+    store, prefix = arrow_filesystem(location)
+    found = store.get_file_info(fs.FileSelector(prefix, allow_not_found=True))
+    return sorted(info.base_name for info in found if info.type == fs.FileType.Directory)
+
+
+def arrow_filesystem(location: str):
+    """pyarrow's file system of ``location`` (a local path, or ``s3://`` with the AWS_*
+    variables delta-rs reads) and the path of ``location`` in it, without a trailing slash."""
+    from pyarrow import fs
+
+    if not location_scheme(location):
+        return fs.LocalFileSystem(), str(Path(location).absolute())
     # pyarrow reads the credentials and region from the environment itself; an endpoint
     # other than AWS's (and whether it speaks plain HTTP) comes from AWS_ENDPOINT_URL.
     options: dict[str, Any] = {"region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")}
     if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
         scheme, _, host = endpoint.rpartition("://")
         options.update(endpoint_override=host.rstrip("/"), scheme=scheme or "https")
-    store = fs.S3FileSystem(**options)
-    found = store.get_file_info(fs.FileSelector(location.split("://", 1)[1].rstrip("/"), allow_not_found=True))
-    return sorted(info.base_name for info in found if info.type == fs.FileType.Directory)
+    return fs.S3FileSystem(**options), location.split("://", 1)[1].rstrip("/")
 
 
 # -- SQL text for delta-rs queries ---------------------------------------------------------

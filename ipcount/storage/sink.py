@@ -36,20 +36,24 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import EpochFenced
 from ipcount.rules.finality import ChainCommit, adds_no_rows, finalized_below, gap_versions
 from ipcount.rules.publish import CHANGE_DATA_FEED, has_change_feed
-from ipcount.rules.ledger import SCHEDULED, EpochPlan
-from ipcount.rules.maintenance import COUNTS_PARTITIONS, log_properties, partition_value
+from ipcount.rules.ledger import SCHEDULED, EpochPlan, PartitionMetrics
+from ipcount.rules.maintenance import COUNTS_PARTITIONS, DAY_MS, log_properties, partition_value
 from ipcount.storage.delta import (arrow_schema, commit_infos, latest, open_table, query_arrow, retry_on_conflict,
                                    rs_append_once, rs_commit_once, rs_concurrent_errors, rs_create_table,
                                    sql_timestamp, version_with_metadata)
+from ipcount.storage.spark import spark_ddl, task_slots
+from ipcount.storage.table_files import (TableFile, WrittenFile, add_actions, live_files, read_files,
+                                         remove_actions, write_files)
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +194,7 @@ class Sink:
         if stages is not None:
             stages["side_tables"] = time.monotonic() - started
         if not counts.num_rows:
-            facts = self._facts(epoch, None, watermark_after_ms)
-            committed = rs_append_once(self.cfg.counts_path, arrow_schema(COUNTS_COLUMNS).empty_table(),
-                                       self.txn_app_id(epoch), epoch, f"epoch={epoch}", markers=lambda _: facts,
-                                       floor=self.floor_id)
+            committed = self._commit_nothing_counted(epoch, watermark_after_ms)
         elif plan.kind == SCHEDULED:
             committed = self._merge_counts(epoch, counts, watermark_after_ms, finalize_untouched=True, chain=chain,
                                            watermark_after_ms=watermark_after_ms)
@@ -204,8 +205,13 @@ class Sink:
             # them as its watermark moves on.
             committed = self._merge_counts(epoch, counts, plan.chain_watermark_ms, finalize_untouched=False,
                                            watermark_after_ms=watermark_after_ms)
+        return self._outcome(epoch, committed, counts.num_rows > 0)
+
+    def _outcome(self, epoch: int, committed: int | None, counted: bool) -> int | None:
+        """The counts version holding ``epoch`` after its counts commit was tried (``committed``:
+        the version this run committed, None if the table held the transaction already)."""
         if committed is not None:  # this call's commit: its version holds the counts, if any
-            return committed if counts.num_rows else None
+            return committed if counted else None
         # An earlier attempt's commit, or a settling run's fence, holds the transaction.
         done = self.epoch_commit(epoch)
         if done is not None and done.retired:
@@ -216,6 +222,123 @@ class Sink:
                               f"out): {self.cfg.counts_path} holds that run's fence, so nothing more of the epoch "
                               "is written and this run leaves the ledger to it")
         return done.version
+
+    def write_from_spark(self, plan: EpochPlan, counts: DataFrame, dead_letters: DataFrame, late_records: DataFrame,
+                         sizes: PartitionMetrics, watermark_after_ms: int | None = None,
+                         chain: Sequence[ChainCommit] = (), stages: dict[str, float] | None = None,
+                         before_commit: Callable[[], None] = lambda: None) -> int | None:
+        """:meth:`write` for rows left in Spark (:class:`ipcount.jobs.tally.SparkTally`; ``sizes``:
+        the epoch's records counted, late and malformed): Spark's executors write the epoch's
+        files into the tables and delta-rs commits them (:mod:`ipcount.storage.table_files`),
+        each commit as idempotent as :meth:`write`'s. ``before_commit`` is called between the
+        counts files' writes and their commit."""
+        epoch = plan.epoch
+        started = time.monotonic()
+        for path, columns, rows, size in ((self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, dead_letters,
+                                           sizes.records_malformed),
+                                          (self.cfg.late_path, LATE_COLUMNS, late_records, sizes.records_late)):
+            if size:
+                self._append_files(path, columns, rows, epoch)
+        if stages is not None:
+            stages["side_tables"] = time.monotonic() - started
+        if not sizes.records_counted:
+            committed = self._commit_nothing_counted(epoch, watermark_after_ms)
+        else:
+            scheduled = plan.kind == SCHEDULED
+            committed = self._merge_counts_in_spark(
+                epoch, counts, watermark_after_ms if scheduled else plan.chain_watermark_ms,
+                finalize_untouched=scheduled, watermark_after_ms=watermark_after_ms, before_commit=before_commit)
+        return self._outcome(epoch, committed, sizes.records_counted > 0)
+
+    def _commit_nothing_counted(self, epoch: int, watermark_after_ms: int | None) -> int | None:
+        """The counts commit of an epoch that counted nothing: no rows, its facts."""
+        facts = self._facts(epoch, None, watermark_after_ms)
+        return rs_append_once(self.cfg.counts_path, arrow_schema(COUNTS_COLUMNS).empty_table(),
+                              self.txn_app_id(epoch), epoch, f"epoch={epoch}", markers=lambda _: facts,
+                              floor=self.floor_id)
+
+    def _append_files(self, path: str, columns: Columns, rows: DataFrame, epoch: int) -> int | None:
+        """Append ``rows`` to the table at ``path`` once per epoch: Spark writes the files
+        (only on the first try, and not at all if the table has the epoch already), delta-rs
+        commits them."""
+        written: list[list[WrittenFile]] = []
+
+        def append(table, properties) -> None:
+            if not written:
+                written.append(write_files(rows, path, arrow_schema(columns), tag=f"epoch-{epoch}"))
+            table.create_write_transaction(add_actions(written[0]), mode="append", schema=table.schema(),
+                                           partition_by=list(table.metadata().partition_columns),
+                                           commit_properties=properties)
+        return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", append, floor=self.floor_id)
+
+    def _merge_counts_in_spark(self, epoch: int, counts: DataFrame, watermark_ms: int | None,
+                               finalize_untouched: bool, watermark_after_ms: int | None = None,
+                               before_commit: Callable[[], None] = lambda: None) -> int | None:
+        """:meth:`_merge_counts` done by Spark's executors: they read the files the epoch's
+        rows can change, at exactly the snapshot the commit follows, merge the counts into
+        them and write the merged rows as new files; the commit removes the files read and
+        adds those written. Those are the open partitions (``is_final=false``: all of them
+        where untouched rows are to be finalized, else the epoch's days) and any final file
+        holding a row the epoch counts into (a backfill correcting a closed window; the
+        files' statistics rule out the rest without reading them). Another commit first means
+        a new snapshot and a new merge (the lost one's files are never referenced: vacuum
+        removes them). A table in an older layout (:func:`counts_partition`) takes the
+        MERGE of :meth:`_merge_counts`, with the counts collected here."""
+        from pyspark.sql import functions as F
+
+        spark = counts.sparkSession
+        path = self.cfg.counts_path
+        if not has_open_partitions(latest(path)):
+            log.warning("epoch %d: %s predates the (window_day, is_final) partitions, so its counts are merged by "
+                        "this process; a rebuild gives it that layout", epoch, path)
+            return self._merge_counts(epoch, counts.toArrow(), watermark_ms, finalize_untouched,
+                                      watermark_after_ms=watermark_after_ms)
+        counts = counts.persist()
+        try:
+            bounds = counts.agg(F.min("window_start").alias("lo"), F.max("window_start").alias("hi")).first()
+            lo_ms, hi_ms = (int(b.timestamp() * 1000) for b in (bounds["lo"], bounds["hi"]))
+            days = {partition_value("window_day", ms) for ms in range(lo_ms - lo_ms % DAY_MS, hi_ms + 1, DAY_MS)}
+
+            def merge(table, properties) -> None:
+                files = live_files(table, bounds_of="window_start")
+                if not all(f.partition_values.get(c) is not None for f in files for c in COUNTS_PARTITION_BY):
+                    raise RuntimeError(f"{path} version {table.version()} has a file without its partition values")
+                rewrite = [f for f in files if f.partition_values["is_final"] == "false"
+                           and (finalize_untouched or f.partition_values["window_day"] in days)]
+                closed = [f for f in files if f.partition_values["is_final"] == "true"
+                          and f.partition_values["window_day"] in days and _may_hold(f, lo_ms, hi_ms)]
+                rewrite += self._files_with_rows_of(spark, closed, counts)
+                log.info("epoch %d: merging counts into windows %s..%s in Spark: rewriting %d of %d files", epoch,
+                         sql_timestamp(lo_ms), sql_timestamp(hi_ms), len(rewrite), len(files))
+                merged = _merged_counts(self._read_counts(spark, rewrite), counts, epoch, watermark_ms,
+                                        self.cfg.allowed_lateness_ms, finalize_untouched)
+                written = write_files(merged, path, arrow_schema(_unpartitioned(COUNTS_COLUMNS)),
+                                      partition_by=COUNTS_PARTITION_BY, tag=f"epoch-{epoch}")
+                before_commit()
+                table.create_write_transaction([*remove_actions(rewrite), *add_actions(written)], mode="append",
+                                               schema=table.schema(), partition_by=list(COUNTS_PARTITION_BY),
+                                               commit_properties=properties)
+            return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge,
+                                  markers=lambda version: self._facts(epoch, version, watermark_after_ms),
+                                  floor=self.floor_id)
+        finally:
+            counts.unpersist()
+
+    def _read_counts(self, spark: SparkSession, files: Sequence[TableFile], with_path: bool = False) -> DataFrame:
+        """The rows of the counts table's ``files``, read by Spark's tasks."""
+        schema = (*COUNTS_COLUMNS, *((("_file", "string", False),) if with_path else ()))
+        return read_files(spark, self.cfg.counts_path, files, arrow_schema(COUNTS_COLUMNS), spark_ddl(schema),
+                          tasks=task_slots(spark) or 2, with_path=with_path)
+
+    def _files_with_rows_of(self, spark: SparkSession, files: Sequence[TableFile], counts: DataFrame
+                            ) -> list[TableFile]:
+        """Those of ``files`` that hold a (window, client) of ``counts``."""
+        if not files:
+            return []
+        keys = self._read_counts(spark, files, with_path=True).select("window_start", "ip", "_file")
+        hit = {r["_file"] for r in keys.join(counts.select("window_start", "ip"), ["window_start", "ip"], "left_semi")
+               .select("_file").distinct().collect()}
+        return [f for f in files if f.path in hit]
 
     def _facts(self, epoch: int, counts_version: int | None, watermark_after_ms: int | None) -> dict[str, int]:
         """The transactions an epoch's counts commit records beside its own."""
@@ -432,6 +555,62 @@ def partition_values(table) -> tuple[str, pa.ChunkedArray] | None:
         return None
     values = pa.table(table.get_add_actions(flatten=True)).column(f"partition.{column}")
     return (column, values) if values.null_count == 0 else None
+
+
+def has_open_partitions(table) -> bool:
+    """Whether the counts snapshot ``table`` is partitioned by :data:`COUNTS_PARTITION_BY` and
+    every live file has its values: the layout whose open rows Spark can merge apart."""
+    import pyarrow as pa
+
+    if tuple(table.metadata().partition_columns) != COUNTS_PARTITION_BY:
+        return False
+    actions = pa.table(table.get_add_actions(flatten=True))
+    return all(actions.column(f"partition.{c}").null_count == 0 for c in COUNTS_PARTITION_BY)
+
+
+def _may_hold(file: TableFile, lo_ms: int, hi_ms: int) -> bool:
+    """Whether a counts file may hold windows starting in ``lo_ms..hi_ms`` (by its statistics)."""
+    if file.bounds is None:
+        return True
+    low, high = (int(b.timestamp() * 1000) if hasattr(b, "timestamp") else int(b) // 1000 for b in file.bounds)
+    return low <= hi_ms and high >= lo_ms
+
+
+def _unpartitioned(columns: Columns) -> Columns:
+    """The columns a counts data file holds (the partition columns are in its path)."""
+    return tuple(c for c in columns if c[0] not in COUNTS_PARTITION_BY)
+
+
+def _merged_counts(old: DataFrame, counts: DataFrame, epoch: int, watermark_ms: int | None, lateness_ms: int,
+                   finalize_untouched: bool) -> DataFrame:
+    """The rows of ``old`` (counts rows) with the epoch's ``counts`` merged in, as the MERGE
+    of :meth:`Sink._merge_counts` leaves them: counts added, ``first_epoch``/``last_epoch``
+    the least/greatest epoch counted into the row, final once the watermark passed the
+    window's end plus the lateness (untouched rows too, if ``finalize_untouched``); new rows
+    for windows and clients not in ``old``. Partition columns from ``window_start``."""
+    from pyspark.sql import functions as F
+
+    t, s = old.alias("t"), counts.alias("s")
+    joined = t.join(s, (F.col("t.window_start") == F.col("s.window_start")) & (F.col("t.ip") == F.col("s.ip")),
+                    "full_outer")
+    had, touched = F.col("t.count").isNotNull(), F.col("s.count").isNotNull()
+    start = F.coalesce(F.col("t.window_start"), F.col("s.window_start"))
+    end = F.coalesce(F.col("t.window_end"), F.col("s.window_end"))
+    final_now = F.lit(False) if watermark_ms is None else \
+        end <= F.timestamp_millis(F.lit(watermark_ms - lateness_ms).cast("long"))
+    was_final = F.coalesce(F.col("t.is_final"), F.lit(False))
+    epoch_lit = F.lit(epoch).cast("long")
+    return joined.select(
+        start.alias("window_start"), end.alias("window_end"), F.coalesce(F.col("t.ip"), F.col("s.ip")).alias("ip"),
+        (F.coalesce(F.col("t.count"), F.lit(0)) + F.coalesce(F.col("s.count"), F.lit(0))).cast("long").alias("count"),
+        F.when(~had | (touched & (F.col("t.first_epoch") > epoch_lit)), epoch_lit)
+         .otherwise(F.col("t.first_epoch")).alias("first_epoch"),
+        F.when(~had | (touched & (F.col("t.last_epoch") < epoch_lit)), epoch_lit)
+         .otherwise(F.col("t.last_epoch")).alias("last_epoch"),
+        F.when(~had, final_now).otherwise(was_final | (final_now if finalize_untouched else touched & final_now))
+         .alias("is_final"),
+        F.date_format(start, "yyyy-MM-dd'T'HH").alias("window_hour"),
+        F.date_format(start, "yyyy-MM-dd").alias("window_day"))
 
 
 def partition_of(table) -> str | None:

@@ -103,6 +103,9 @@ def get_spark(cfg: PipelineConfig, app_name: str = "ipcount-epoch") -> SparkSess
     if cfg.spark_remote:
         return remote_session(cfg)
     builder = SparkSession.builder.appName(app_name)
+    # The Python of the tasks that write and read table files (ipcount.storage.table_files):
+    # one with pyarrow and this package, as this one (pyspark's default is any python3).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
         builder = builder.master(cfg.spark_master).config("spark.jars", ",".join(spark_jars()))
         for key, value in spark_conf(cfg).items():
@@ -287,3 +290,8 @@ def task_slots(spark: SparkSession) -> int | None:
         value = spark.conf.get("spark.default.parallelism", None)
         _SLOTS[spark] = int(value) if value else None
     return _SLOTS[spark]
+
+
+def spark_ddl(columns) -> str:
+    """A DataFrame schema in DDL from (name, Spark SQL type, nullable) columns."""
+    return ", ".join(f"`{name}` {kind}" for name, kind, _ in columns)

@@ -1,0 +1,220 @@
+"""Data files that Spark's executors write into a Delta table's location, and read from it.
+
+An epoch too large for one process (:data:`ipcount.rules.config.PipelineConfig.max_driver_tally_rows`)
+has its rows written where they are computed: each Spark task writes Parquet files straight
+into the table's directory (its partition directories, as delta-rs lays them out) and
+hands back one row per file - its path, size, partition values and statistics. Only that
+metadata reaches the process that commits, which makes the files part of the table with
+delta-rs (:func:`add_actions`, committed by :func:`ipcount.storage.delta.rs_commit_once`):
+the commit stays put-if-absent on any store, and no row of the epoch passes through it.
+
+A file no commit names is not part of the table: an attempt that dies (or loses its commit
+to another writer) before committing leaves files that no reader sees, and vacuum removes
+them once older than its retention. The writers use pyarrow's file systems, which read the
+same ``AWS_*`` variables as delta-rs, so executors need no Hadoop connector for object
+storage; they do need access to the tables' location.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+from ipcount.rules.file_stats import FileStats, partition_path, partition_text
+from ipcount.storage.delta import arrow_filesystem
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from deltalake.transaction import AddAction, RemoveAction
+    from pyspark.sql import DataFrame, SparkSession
+
+# What a writing task returns per file.
+WRITTEN_FILE_SCHEMA = "path string, size long, partition_values string, records long, stats string"
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A data file written into a table's location, not yet committed."""
+
+    path: str                                 # relative to the table's root
+    size: int
+    partition_values: Mapping[str, str | None]
+    records: int
+    stats: str                                # Delta's statistics JSON (:mod:`ipcount.rules.file_stats`)
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """A live file of a table snapshot: what a commit that replaces it must name."""
+
+    path: str
+    size: int
+    partition_values: Mapping[str, str | None]
+    bounds: tuple[Any, Any] | None = None  # a column's minimum and maximum, if asked for and recorded
+
+
+def write_files(rows: DataFrame, location: str, schema: pa.Schema, partition_by: Sequence[str] = (),
+                tag: str = "part") -> list[WrittenFile]:
+    """Have Spark's tasks write ``rows`` as Parquet files into the table at ``location``:
+    ``schema`` is the files' (the table's columns but its partition columns, which the rows
+    also carry and the files do not), ``partition_by`` the table's partition columns. Each
+    task writes one file per partition value it holds; a file is named ``<tag>-<uuid>``.
+    Returns the files written, none for no rows."""
+    written = rows.mapInArrow(_file_writer(location, schema.serialize().to_pybytes(), tuple(partition_by), tag),
+                              WRITTEN_FILE_SCHEMA).collect()
+    return [WrittenFile(r["path"], r["size"], json.loads(r["partition_values"]), r["records"], r["stats"])
+            for r in written]
+
+
+def read_files(spark: SparkSession, location: str, files: Sequence[TableFile], schema: pa.Schema,
+               spark_schema: str, tasks: int, with_path: bool = False) -> DataFrame:
+    """The rows of ``files`` of the table at ``location`` as a DataFrame of ``spark_schema``,
+    read by Spark's tasks (at most ``tasks``): exactly what those files hold, so read at the
+    snapshot that listed them. ``schema``: the table's columns in Arrow; a partition
+    column's values come from each file's partition values, as the files do not hold them.
+    ``with_path``: each row also says which file it came from (``_file``, a string column
+    that ``spark_schema`` must end with)."""
+    import pyspark.sql.types as T
+
+    listing = spark.createDataFrame([(f.path, json.dumps(dict(f.partition_values))) for f in files],
+                                    T.StructType([T.StructField("path", T.StringType(), False),
+                                                  T.StructField("partition_values", T.StringType(), False)]))
+    reader = _file_reader(location, schema.serialize().to_pybytes(), with_path)
+    return listing.repartition(max(1, min(tasks, len(files)))).mapInArrow(reader, spark_schema)
+
+
+def add_actions(files: Sequence[WrittenFile]) -> list[AddAction]:
+    from deltalake.transaction import AddAction
+
+    now = int(time.time() * 1000)
+    return [AddAction(f.path, f.size, dict(f.partition_values), now, True, f.stats) for f in files]
+
+
+def remove_actions(files: Sequence[TableFile]) -> list[RemoveAction]:
+    from deltalake.transaction import RemoveAction
+
+    now = int(time.time() * 1000)
+    return [RemoveAction(f.path, True, now, f.size, dict(f.partition_values)) for f in files]
+
+
+def live_files(table, bounds_of: str | None = None) -> list[TableFile]:
+    """The live files of the delta-rs snapshot ``table`` (from its file list: no data is
+    read), with the statistics' minimum and maximum of the column ``bounds_of``."""
+    import pyarrow as pa
+
+    actions = pa.table(table.get_add_actions(flatten=True))
+    columns = [c for c in actions.column_names if c.startswith("partition.")]
+    stats = [f"min.{bounds_of}", f"max.{bounds_of}"] if bounds_of else []
+    stats = stats if all(s in actions.column_names for s in stats) else []
+    out = []
+    for row in actions.select(["path", "size_bytes", *columns, *stats]).to_pylist():
+        values = {c.removeprefix("partition."): partition_text(row[c]) for c in columns}
+        low, high = (row[s] for s in stats) if stats else (None, None)
+        out.append(TableFile(row["path"], row["size_bytes"], values,
+                             (low, high) if low is not None and high is not None else None))
+    return out
+
+
+# -- what runs in Spark's tasks (pickled by reference: the package is on the executors) -----
+
+def _file_writer(location: str, schema_bytes: bytes, partition_by: tuple[str, ...], tag: str):
+    def write(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
+        fs, root = arrow_filesystem(location)
+        open_files: dict[tuple, tuple[Any, Any, str, FileStats]] = {}
+        for batch in batches:
+            if not batch.num_rows:
+                continue
+            table = pa.Table.from_batches([batch])
+            for key, part in _split(table, partition_by):
+                if key not in open_files:
+                    values = {c: partition_text(v) for c, v in zip(partition_by, key)}
+                    directory = partition_path(values)
+                    relative = f"{directory}/{tag}-{uuid.uuid4().hex}.parquet" if directory \
+                        else f"{tag}-{uuid.uuid4().hex}.parquet"
+                    fs.create_dir(f"{root}/{directory}" if directory else root, recursive=True)
+                    stream = fs.open_output_stream(f"{root}/{relative}")
+                    open_files[key] = (pq.ParquetWriter(stream, schema, compression="snappy"), stream, relative,
+                                       FileStats())
+                writer, _, _, stats = open_files[key]
+                data = pa.table([part.column(f.name).cast(f.type) for f in schema], schema=schema)
+                writer.write_table(data)
+                stats.add(data.num_rows, _column_stats(data, pc))
+        for key, (writer, stream, relative, stats) in open_files.items():
+            writer.close()
+            stream.close()
+            size = fs.get_file_info(f"{root}/{relative}").size
+            values = {c: partition_text(v) for c, v in zip(partition_by, key)}
+            yield pa.RecordBatch.from_pylist([{"path": relative, "size": size, "partition_values": json.dumps(values),
+                                               "records": stats.records, "stats": stats.json()}])
+    return write
+
+
+def _split(table, partition_by: tuple[str, ...]):
+    """(partition key, rows) of each partition value in ``table``."""
+    if not partition_by:
+        yield (), table
+        return
+    import pyarrow.compute as pc
+
+    keys = table.select(list(partition_by)).group_by(list(partition_by)).aggregate([]).to_pylist()
+    for key in keys:
+        mask = None
+        for column in partition_by:
+            value = key[column]
+            match = pc.is_null(table[column]) if value is None else pc.equal(table[column], value)
+            mask = match if mask is None else pc.and_(mask, match)
+        yield tuple(key[c] for c in partition_by), table.filter(mask)
+
+
+def _column_stats(data, pc) -> Iterator[tuple[str, Any, Any, int]]:
+    import pyarrow as pa
+
+    for name in data.column_names:
+        column = data[name]
+        if pa.types.is_binary(column.type) or pa.types.is_nested(column.type):
+            continue
+        bounds = pc.min_max(column)
+        yield name, bounds["min"].as_py(), bounds["max"].as_py(), column.null_count
+
+
+def _file_reader(location: str, schema_bytes: bytes, with_path: bool):
+    def read(listings: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
+        out_schema = schema.append(pa.field("_file", pa.string(), False)) if with_path else schema
+        fs, root = arrow_filesystem(location)
+        for listing in listings:
+            for path, values in zip(listing["path"].to_pylist(), listing["partition_values"].to_pylist()):
+                values = json.loads(values)
+                with fs.open_input_file(f"{root}/{path}") as source:
+                    for batch in pq.ParquetFile(source).iter_batches(batch_size=65536):
+                        columns = []
+                        for f in schema:
+                            if f.name in values:
+                                columns.append(_constant(values[f.name], f.type, batch.num_rows))
+                            elif f.name in batch.schema.names:
+                                columns.append(batch.column(f.name).cast(f.type))
+                            else:  # a column the file predates
+                                columns.append(pa.nulls(batch.num_rows, f.type))
+                        if with_path:
+                            columns.append(pa.array([path] * batch.num_rows, pa.string()))
+                        yield pa.RecordBatch.from_arrays(columns, schema=out_schema)
+    return read
+
+
+def _constant(text: str | None, arrow_type, rows: int):
+    import pyarrow as pa
+
+    if text is None:
+        return pa.nulls(rows, arrow_type)
+    value: Any = text == "true" if pa.types.is_boolean(arrow_type) else text
+    return pa.array([value] * rows, arrow_type) if rows else pa.array([], arrow_type)

@@ -1,0 +1,178 @@
+"""Epochs whose rows Spark's executors write into the tables, delta-rs committing only the
+files' metadata (``max_driver_tally_rows``), against the same ground truth as the epochs
+whose tally the process collects - and the two paths mixed on one table set."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from deltalake import DeltaTable
+
+from ipcount.jobs.backfill import run_backfill
+from ipcount.jobs.epoch import run_epoch
+from ipcount.rules.requests import BackfillRequest, parse_offsets
+from ipcount_lab.generator import TrafficGenerator, produce
+from tests.conftest import run_until_idle
+from tests.ground_truth import expected_tables
+from tests.integration.test_backfill import lane_truth
+from tests.tables import counts, dead_letters, epoch_ranges, finality, late_records, snapshot
+from tests.tables import ledger as ledger_rows
+
+BASE_MS = 1_795_255_200_000  # 2026-11-21T10:00:00Z
+
+
+def produce_dataset(cfg, n=1500, seed=11, base_ms=BASE_MS):
+    gen = TrafficGenerator(seed=seed, events_per_second=50, late_share=0.04, malformed_share=0.03)
+    return produce(cfg.bootstrap_servers, cfg.topic, gen.records(n, base_ms), partition_of=lambda i, r: i % 3)
+
+
+def executor_files(path: str) -> list[str]:
+    """The live files of a table that Spark's executors wrote (named by epoch)."""
+    return [p for p in DeltaTable(path).file_uris() if Path(p).name.startswith("epoch-")]
+
+
+def assert_ground_truth(cfg, produced):
+    expected = expected_tables(produced, epoch_ranges(cfg))
+    assert counts(cfg) == expected.counts
+    assert dead_letters(cfg) == expected.dead
+    assert late_records(cfg) == expected.late
+    assert expected.late and expected.dead and len(expected.counts) > 100
+    want_final = {key: key[0] + 5_000 + 5_000 <= expected.watermark_ms for key in expected.counts}
+    assert finality(cfg) == want_final
+    assert 0 < sum(want_final.values()) < len(want_final)
+    # each row carries its day and hour, and lies in its day's partition of its finality
+    table = DeltaTable(cfg.counts_path)
+    rows = table.to_pyarrow_table(columns=["window_start", "window_day", "window_hour", "is_final"]).to_pylist()
+    assert rows and all((r["window_start"].strftime("%Y-%m-%d"), r["window_start"].strftime("%Y-%m-%dT%H"))
+                        == (r["window_day"], r["window_hour"]) for r in rows)
+    return expected
+
+
+def test_executors_write_every_table_and_the_tables_equal_the_ground_truth(cfg, spark):
+    cfg = cfg.replace(max_records_per_epoch=400, max_driver_tally_rows=0)
+    produced = produce_dataset(cfg)
+    summaries = run_until_idle(cfg, spark)
+    assert len(summaries) >= 4
+    assert_ground_truth(cfg, produced)
+    # every row the epochs wrote is in files Spark's tasks wrote; none came through a delta-rs MERGE
+    for path in (cfg.counts_path, cfg.dead_letter_path, cfg.late_path):
+        assert executor_files(path) == DeltaTable(path).file_uris()
+    assert not [h for h in DeltaTable(cfg.counts_path).history() if h.get("operation") == "MERGE"]
+    # data skipping works on the files' statistics: a window's rows are found, and only there
+    some = sorted(counts(cfg))[len(counts(cfg)) // 2]
+    table = DeltaTable(cfg.counts_path)
+    found = table.to_pyarrow_table(filters=[("ip", "=", some[1])]).to_pylist()
+    assert any(int(r["window_start"].timestamp() * 1000) == some[0] for r in found)
+    # a replay of a committed epoch changes nothing (its transaction is in every table)
+    before = snapshot(cfg)
+    assert run_until_idle(cfg, spark) == []
+    assert snapshot(cfg) == before
+
+
+def test_the_paths_mixed_on_one_table_set_give_the_same_tables(cfg, spark):
+    produced = produce_dataset(cfg, n=1200, seed=12)
+    # epochs alternate: collected and merged here, written by the executors
+    for i in range(12):
+        if run_epoch(cfg.replace(max_records_per_epoch=150, max_driver_tally_rows=0 if i % 2 else 10**6),
+                     spark) is None:
+            break
+    assert len(epoch_ranges(cfg)) >= 8
+    assert_ground_truth(cfg, produced)
+    merges = [h for h in DeltaTable(cfg.counts_path).history() if h.get("operation") == "MERGE"]
+    assert merges and executor_files(cfg.counts_path)
+
+
+def test_a_backfill_written_by_the_executors_corrects_closed_windows(cfg, spark):
+    """Backfills count into windows the chain has closed: the first adds final rows, the
+    second counts into some of them, so the final files holding those are rewritten (found
+    by their statistics and a look at their keys) and no other final file is."""
+    cfg = cfg.replace(start_position="latest", max_records_per_epoch=250, max_driver_tally_rows=0)
+    history = produce_dataset(cfg, n=600, seed=21)
+    run_epoch(cfg, spark)  # pins "latest" in the ledger
+    live = produce_dataset(cfg, n=300, seed=22, base_ms=BASE_MS + 60_000)
+    run_until_idle(cfg, spark)
+    pinned = dict(Counter(p.partition for p in history))
+    first = run_backfill(cfg, spark, BackfillRequest(offsets=parse_offsets(
+        ",".join(f"{p}:0-{u}" for p, u in sorted(pinned.items()) if p != 2), cfg.topic)))
+    assert first.epochs
+    final_before = {f for f in DeltaTable(cfg.counts_path).file_uris() if "is_final=true" in f}
+    second = run_backfill(cfg, spark, BackfillRequest(offsets=parse_offsets(f"2:0-{pinned[2]}", cfg.topic)))
+    assert second.epochs
+    want = lane_truth(history + live, cfg)
+    assert counts(cfg) == want.counts
+    assert dead_letters(cfg) == want.dead and late_records(cfg) == want.late
+    # the second backfill's windows were closed: its rows are corrections or new final rows
+    final_after = {f for f in DeltaTable(cfg.counts_path).file_uris() if "is_final=true" in f}
+    assert final_before - final_after  # some final files were replaced ...
+    assert all(final for (w, _), final in finality(cfg).items() if w < BASE_MS + 60_000)
+
+
+def test_killed_between_the_file_writes_and_the_commit_the_files_stay_invisible(cfg, spark):
+    """SIGKILL after Spark wrote an epoch's counts files, before delta-rs committed them: the
+    files are on disk but in no table version; the re-run writes and commits its own, and
+    the tables equal the ground truth (each side table holds the epoch's rows once)."""
+    cfg = cfg.replace(max_records_per_epoch=400, max_driver_tally_rows=0)
+    produced = produce_dataset(cfg, n=800, seed=14)
+    proc = subprocess.run([sys.executable, "-m", "ipcount.cli", "epoch", *cfg.to_args()],
+                          env={**os.environ, "IPCOUNT_CRASH_AT": "after_counts_files"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    on_disk = {str(p.relative_to(cfg.counts_path)) for p in Path(cfg.counts_path).rglob("epoch-1-*.parquet")}
+    assert on_disk and not {Path(p).name for p in DeltaTable(cfg.counts_path).file_uris()} & {
+        Path(p).name for p in on_disk}
+    assert {(r["epoch"], r["status"]) for r in ledger_rows(cfg)} == {(1, "planned")}
+    # the dead letters' commit came before the kill (epoch 1 has no watermark: nothing is late)
+    assert DeltaTable(cfg.dead_letter_path).to_pyarrow_table().num_rows > 0
+
+    run_until_idle(cfg, spark)
+    assert_ground_truth(cfg, produced)
+    live = {Path(p).name for p in DeltaTable(cfg.counts_path).file_uris()}
+    assert not live & {Path(p).name for p in on_disk}  # the killed attempt's files never became part of it
+
+
+def rows_at(cfg, version: int) -> dict[tuple[str, str], tuple[int, bool]]:
+    rows = DeltaTable(cfg.counts_path, version=version).to_pyarrow_table().to_pylist()
+    return {(r["window_start"].isoformat(timespec="milliseconds").replace("+00:00", "Z"), r["ip"]):
+            (r["count"], r["is_final"]) for r in rows}
+
+
+def test_publishing_sends_exactly_the_rows_each_version_changed(cfg, spark):
+    """An executor merge replaces whole files, so its change feed reads as every row of them
+    deleted and inserted again: the publisher sends only the rows whose count or finality
+    changed, as a version of the table compared with the one before says."""
+    from ipcount.jobs.publish import publish_pending
+    from tests.integration.test_publish import folded, sink, table_now
+
+    cfg = cfg.replace(publish=True, publish_topic=f"sink_{cfg.topic}", max_records_per_epoch=150)
+    produce_dataset(cfg, n=900, seed=15)
+    for i in range(10):
+        if run_epoch(cfg.replace(max_driver_tally_rows=10**6 if i % 3 == 1 else 0), spark) is None:
+            break
+    report = publish_pending(cfg)
+    records = sink(cfg)
+    assert folded(records) == table_now(cfg)
+    by_version: dict[int, set] = {}
+    for r in records:
+        key = json.loads(r.key)
+        by_version.setdefault(int(dict(r.headers)["ipcount-version"]), set()).add((key["window_start"], key["ip"]))
+    epochs = [(v, e) for v, e, _ in report.published if e is not None]
+    assert len(epochs) >= 5
+    for version, _ in epochs:
+        before, after = rows_at(cfg, version - 1), rows_at(cfg, version)
+        changed = {k for k, row in after.items() if before.get(k) != row}
+        assert changed and by_version.get(version, set()) == changed, version
+    # the executors' merges inserted again rows they did not change (the old publisher sent those too)
+    import pyarrow as pa
+
+    unchanged = 0
+    for version, _ in epochs:
+        feed = pa.table(DeltaTable(cfg.counts_path).load_cdf(starting_version=version, ending_version=version)
+                        .read_all()).to_pylist()
+        inserted = {(r["window_start"].isoformat(timespec="milliseconds").replace("+00:00", "Z"), r["ip"])
+                    for r in feed if r["_change_type"] == "insert"}
+        unchanged += len(inserted - by_version.get(version, set()))
+    assert unchanged > 0
