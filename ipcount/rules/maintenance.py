@@ -49,6 +49,19 @@ def log_properties(retention_hours: int, published: bool = False) -> dict[str, s
             EXPIRED_LOG_CLEANUP: "false" if published else "true"}
 
 
+# How old a file that no commit names must be before a vacuum deletes it: the files of an
+# attempt that died or lost its commit (executor writes: ipcount.storage.table_files). Far
+# older than any attempt still writing, whose files its commit is about to name.
+UNCOMMITTED_FILE_HOURS = 24
+
+
+def uncommitted_files_due(next_unpublished: int | None, version: int) -> bool:
+    """Whether a vacuum through a snapshot at ``version`` may look for files no commit names
+    (a full listing of the table's location): only while no version is waiting for the
+    publisher, whose change feed reads files whose tombstones may have left the checkpoint."""
+    return next_unpublished is None or version < next_unpublished
+
+
 def log_cleanup_due(next_unpublished: int | None, version: int) -> bool:
     """Whether the expired log of a table may be deleted through a snapshot at ``version``:
     delta-rs deletes only commits below the snapshot's last checkpoint, so it may if every

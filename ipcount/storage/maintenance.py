@@ -21,8 +21,8 @@ from ipcount.rules.config import PipelineConfig, location_scheme
 from ipcount.rules.ledger import PLANNED, SUMMARY
 from ipcount.rules.errors import MaintenanceFailed
 from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, TOMBSTONE_MARGIN_HOURS, MaintenanceRun, TableMaintenance,
-                                       first_open_partition, log_cleanup_due, log_properties, retirement_floor,
-                                       vacuum_retention_hours)
+                                       UNCOMMITTED_FILE_HOURS, first_open_partition, log_cleanup_due, log_properties,
+                                       retirement_floor, uncommitted_files_due, vacuum_retention_hours)
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import (arrow_schema, commit_infos, latest, open_table, query_table, retry_on_conflict,
                                    rs_concurrent_errors, rs_create_table)
@@ -192,6 +192,14 @@ def _maintain_table(role: str, path: str, partitions, retention_hours: int | Non
         if retention_hours is not None:
             vacuumed = len(latest(path).vacuum(retention_hours=retention_hours, dry_run=False,
                                                enforce_retention_duration=False, commit_properties=properties))
+            table = latest(path)
+            if uncommitted_files_due(unsent, table.version()):
+                # (delta-rs's default vacuum deletes only removed files; a full one, files of no commit too)
+                vacuumed += len(table.vacuum(retention_hours=max(retention_hours, UNCOMMITTED_FILE_HOURS),
+                                             dry_run=False, enforce_retention_duration=False, full=True,
+                                             commit_properties=properties))
+            else:
+                notes.append("files of no commit kept: the publisher has yet to send a version")
     except rs_concurrent_errors() as e:
         notes.append(f"vacuum lost to a concurrent commit ({type(e).__name__}): next run")
     table = latest(path)

@@ -247,7 +247,8 @@ class Sink:
             scheduled = plan.kind == SCHEDULED
             committed = self._merge_counts_in_spark(
                 epoch, counts, watermark_after_ms if scheduled else plan.chain_watermark_ms,
-                finalize_untouched=scheduled, watermark_after_ms=watermark_after_ms, before_commit=before_commit)
+                finalize_untouched=scheduled, chain=chain, watermark_after_ms=watermark_after_ms,
+                before_commit=before_commit)
         return self._outcome(epoch, committed, sizes.records_counted > 0)
 
     def _commit_nothing_counted(self, epoch: int, watermark_after_ms: int | None) -> int | None:
@@ -272,7 +273,8 @@ class Sink:
         return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", append, floor=self.floor_id)
 
     def _merge_counts_in_spark(self, epoch: int, counts: DataFrame, watermark_ms: int | None,
-                               finalize_untouched: bool, watermark_after_ms: int | None = None,
+                               finalize_untouched: bool, chain: Sequence[ChainCommit] = (),
+                               watermark_after_ms: int | None = None,
                                before_commit: Callable[[], None] = lambda: None) -> int | None:
         """:meth:`_merge_counts` done by Spark's executors: they read the files the epoch's
         rows can change, at exactly the snapshot the commit follows, merge the counts into
@@ -291,8 +293,8 @@ class Sink:
         if not has_open_partitions(latest(path)):
             log.warning("epoch %d: %s predates the (window_day, is_final) partitions, so its counts are merged by "
                         "this process; a rebuild gives it that layout", epoch, path)
-            return self._merge_counts(epoch, counts.toArrow(), watermark_ms, finalize_untouched,
-                                      watermark_after_ms=watermark_after_ms)
+            return self._merge_counts(epoch, counts.toArrow(), watermark_ms, finalize_untouched, chain,
+                                      watermark_after_ms)
         counts = counts.persist()
         try:
             bounds = counts.agg(F.min("window_start").alias("lo"), F.max("window_start").alias("hi")).first()

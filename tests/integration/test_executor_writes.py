@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -133,6 +134,19 @@ def test_killed_between_the_file_writes_and_the_commit_the_files_stay_invisible(
     live = {Path(p).name for p in DeltaTable(cfg.counts_path).file_uris()}
     assert not live & {Path(p).name for p in on_disk}  # the killed attempt's files never became part of it
 
+    # Maintenance's vacuum deletes such files once older than a day (whatever its retention:
+    # younger ones may be an attempt's about to be committed), and nothing else of the table.
+    from ipcount.storage.maintenance import maintain
+
+    maintain(cfg, "young", None, retention_hours=0)
+    assert all((Path(cfg.counts_path) / p).exists() for p in on_disk)
+    day_old = time.time() - 25 * 3600
+    for p in on_disk:
+        os.utime(Path(cfg.counts_path) / p, (day_old, day_old))
+    maintain(cfg, "old", None, retention_hours=0)
+    assert not any((Path(cfg.counts_path) / p).exists() for p in on_disk)
+    assert_ground_truth(cfg, produced)
+
 
 def rows_at(cfg, version: int) -> dict[tuple[str, str], tuple[int, bool]]:
     rows = DeltaTable(cfg.counts_path, version=version).to_pyarrow_table().to_pylist()
@@ -176,3 +190,23 @@ def test_publishing_sends_exactly_the_rows_each_version_changed(cfg, spark):
                     for r in feed if r["_change_type"] == "insert"}
         unchanged += len(inserted - by_version.get(version, set()))
     assert unchanged > 0
+
+
+def test_a_counts_table_of_an_older_layout_has_its_counts_merged_in_the_task(cfg, spark):
+    """A counts table partitioned by window_hour (made by an older version) has no open
+    partitions to merge apart: its counts are collected and merged by delta-rs as before,
+    while the executors still write the dead-letter and late files."""
+    from ipcount.storage.delta import arrow_schema, rs_create_table
+    from ipcount.storage.sink import COUNTS_COLUMNS
+
+    cfg = cfg.replace(max_records_per_epoch=500, max_driver_tally_rows=0)
+    older = tuple(c for c in COUNTS_COLUMNS if c[0] != "window_day")
+    rs_create_table(cfg.counts_path, arrow_schema(older), partition_by=["window_hour"])
+    produced = produce_dataset(cfg, n=1000, seed=16)
+    run_until_idle(cfg, spark)
+    assert DeltaTable(cfg.counts_path).metadata().partition_columns == ["window_hour"]
+    assert [h for h in DeltaTable(cfg.counts_path).history() if h.get("operation") == "MERGE"]
+    assert not executor_files(cfg.counts_path) and executor_files(cfg.dead_letter_path)
+    expected = expected_tables(produced, epoch_ranges(cfg))
+    assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
+    assert late_records(cfg) == expected.late

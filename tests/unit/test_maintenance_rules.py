@@ -9,7 +9,7 @@ import pytest
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.maintenance import (DAY_MS, HOUR_MS, MaintenanceRun, TableMaintenance, first_open_partition,
-                                       log_cleanup_due,
+                                       log_cleanup_due, uncommitted_files_due,
                                        log_properties, retirement_floor, vacuum_retention_hours)
 
 T10 = int(datetime(2026, 11, 21, 10, tzinfo=timezone.utc).timestamp() * 1000)  # 10:00
@@ -114,6 +114,13 @@ def test_maintenance_settings_are_checked():
 ])
 def test_retirement_stops_at_the_first_epoch_that_is_planned_or_missing(floor, epochs, expected):
     assert retirement_floor(floor, epochs) == expected
+
+
+def test_files_of_no_commit_are_looked_for_only_while_the_publisher_waits_for_nothing():
+    assert uncommitted_files_due(None, 500)     # not published
+    assert uncommitted_files_due(501, 500)      # every version sent
+    assert not uncommitted_files_due(500, 500)  # version 500 still to send: its files' tombstones may be gone
+    assert not uncommitted_files_due(0, 500)
 
 
 def test_a_published_log_is_cleaned_only_through_a_snapshot_whose_versions_are_all_sent():
