@@ -158,6 +158,7 @@ class ChaosReport:
     published: int = 0           # records in the sink topic (publish on), read_committed
     rebuilt: int = 0             # epochs in the replay target (rebuild scenario)
     answers_lost: int = 0        # commit answers the store's proxy lost (answers scenario)
+    executor_rounds: int = 0     # rounds whose epochs Spark's executors wrote (max_driver_tally_rows 0)
     duplicates: int = 0
     losses: int = 0
     final_changes: int = 0       # published final rows a live epoch changed afterwards
@@ -184,6 +185,7 @@ class ChaosReport:
                 + (f" ({self.deleted} of them deleted by retention rounds, {self.lost} recorded lost)"
                    if self.deleted else "")
                 + f", {self.epochs} epochs committed, {self.counted} counted"
+                + (f" (executors wrote the files in {self.executor_rounds} rounds)" if self.executor_rounds else "")
                 + (f", {self.published} published" if self.published else "")
                 + (f", {self.rebuilt} epochs rebuilt" if self.rebuilt else "")
                 + (f", {self.answers_lost} commit answers lost" if self.answers_lost else "")
@@ -373,6 +375,9 @@ def _rounds(chaos_cfg: PipelineConfig, state: RunState, run_dir: Path, store: _N
         scenario = state.next_scenario()
         # (Under fail, a chain that met deleted offsets could do nothing but fail from then on.)
         round_cfg = chaos_cfg.replace(on_data_loss="skip") if state.deleted else chaos_cfg
+        if state.rounds % 2:  # every other round, Spark's executors write the epochs' files
+            round_cfg = round_cfg.replace(max_driver_tally_rows=0)
+            state.executor_rounds += 1
         if scenario == "broker":
             phases = _broker_round(round_cfg, killer, broker_to_restart)
         elif scenario == "dag":
@@ -466,7 +471,7 @@ def _report(state: RunState, run_dir: Path, cfg: PipelineConfig, paused: bool) -
                        kills_wanted=state.kills_wanted, sittings=len(state.sittings), kills=state.kills,
                        rounds=state.rounds, by_scenario=Counter(state.by_scenario),
                        by_phase=Counter(state.by_phase), partitions_added=state.partitions_added,
-                       strays=state.strays, answers_lost=state.answers_lost)
+                       strays=state.strays, answers_lost=state.answers_lost, executor_rounds=state.executor_rounds)
 
 
 def _now() -> str:
@@ -1145,7 +1150,8 @@ def report_json(report: ChaosReport) -> str:
                        "records": report.records, "deleted": report.deleted, "lost": report.lost,
                        "epochs": report.epochs, "counted": report.counted,
                        "published": report.published, "rebuilt": report.rebuilt,
-                       "answers_lost": report.answers_lost, "final_changes": report.final_changes,
+                       "answers_lost": report.answers_lost, "executor_rounds": report.executor_rounds,
+                       "final_changes": report.final_changes,
                        "maintenance": report.maintenance,
                        "duplicates": report.duplicates, "losses": report.losses, "problems": report.problems,
                        "topic": report.topic, "warehouse": report.warehouse})

@@ -54,6 +54,7 @@ class MaintenanceBeside:
         while not self._stop.wait(PAUSE_SECONDS):
             try:
                 run = maintain(self.cfg, f"chaos-{self.runs + len(self.failures) + 1}", publisher, retention_hours=0)
+                floor = min(Sink(self.cfg).floors().values())
             except Exception as e:  # noqa: BLE001 - counted and logged; the recount judges the tables
                 self.failures.append(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
                 log.info("chaos: maintenance failed: %s", self.failures[-1])
@@ -61,4 +62,4 @@ class MaintenanceBeside:
             self.runs += 1
             self.compacted += sum(t.compacted_files for t in run.tables)
             self.vacuumed += sum(t.vacuumed_files for t in run.tables)
-            self.floor = max(self.floor, min(Sink(self.cfg).floors().values()))
+            self.floor = max(self.floor, floor)

@@ -56,6 +56,7 @@ class RunState:
     sittings: list[dict] = field(default_factory=list)   # {"started", "stopped", "kills"}
     object_store: bool = False   # the warehouse is on the run's own S3 store, behind a proxy that loses answers
     answers_lost: int = 0        # commit answers the proxy lost (in answers rounds)
+    executor_rounds: int = 0     # rounds whose processes had Spark's executors write the files
     rebuilt: list[int] | None = None  # the source's committed epochs when the replay target was completed
 
     def next_scenario(self) -> str:

@@ -5,6 +5,7 @@ answers lost; the recount finds no duplicate and no loss."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,7 @@ def test_random_kills_and_a_broker_restart_leave_no_duplicate_and_no_loss(cfg, b
     assert report.maintenance.startswith("maintenance ran ") and " ran 0 time" not in report.maintenance
     assert not report.problems, report.problems
     assert report.counted > 0 and report.published > 0
+    assert report.executor_rounds > 0, report.line()  # rounds whose epochs' files Spark's executors wrote
     # No connect rounds: the finish ran on a Spark Connect server of its own, stopped after it.
     finisher = EmbeddedSparkConnect(state_dir=Path(report.run_dir) / "spark-connect")
     assert finisher.token_file.exists() and finisher.pid() is None
@@ -62,10 +64,24 @@ def test_rebuilds_lost_commit_answers_and_connect_kills_leave_no_duplicate_and_n
     assert report.warehouse.startswith("s3://") and not report.paused, report.line()
     assert [s for s in ("rebuild", "answers", "retention", "connect") if not report.by_scenario[s]] == [], report.line()
     assert report.answers_lost > 0 and report.rebuilt > 0 and report.deleted > 0, report.line()
+    assert report.executor_rounds > 0, report.line()
     assert report.published > 0 and report.final_changes == 0, report.problems
     assert (report.duplicates, report.losses) == (0, 0) and not report.problems, report.problems
     saved = json.loads((Path(report.run_dir) / STATE_FILE).read_text())
     assert saved["rebuilt"] and report.rebuilt == len(saved["rebuilt"]), saved
+
+
+def test_maintenance_beside_the_rounds_outlives_a_table_set_not_made_yet(tmp_path):
+    """Chaos starts its maintenance thread before the first epoch makes the tables: a run
+    that finds none is counted as failed, and the thread goes on."""
+    from ipcount.rules.config import PipelineConfig
+    from ipcount_lab.chaos_maintenance import PAUSE_SECONDS, MaintenanceBeside
+
+    beside = MaintenanceBeside(PipelineConfig(warehouse=str(tmp_path / "warehouse")))
+    with beside:
+        time.sleep(2.5 * PAUSE_SECONDS)
+        assert beside._thread.is_alive()
+    assert beside.runs + len(beside.failures) >= 2, beside.line()
 
 
 def test_chaos_refuses_unknown_scenarios_and_broker_restarts_without_an_embedded_broker(cfg, tmp_path):
