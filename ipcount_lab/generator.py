@@ -40,6 +40,13 @@ class Record:
     value: bytes | None
 
 
+def distinct_ip(n: int) -> str:
+    """The ``n``-th of 2**32 distinct addresses (IPv4 in 10.0.0.0/8 first, then IPv6)."""
+    if n < 1 << 24:
+        return f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+    return f"2001:db8::{n >> 16 & 0xffff:x}:{n & 0xffff:x}"
+
+
 @dataclass
 class TrafficGenerator:
     seed: int = 7
@@ -49,6 +56,9 @@ class TrafficGenerator:
     late_share: float = 0.01
     late_delay_ms: tuple[int, int] = (12_000, 40_000)
     malformed_share: float = 0.01
+    # Every record from a client of its own (how a flood of spoofed sources looks to an IP
+    # counter): an epoch's tally then has a row per record.
+    distinct_clients: bool = False
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -81,7 +91,7 @@ class TrafficGenerator:
                 # Keyless, so malformed records spread over partitions (a tombstone needs a key).
                 yield Record(key=b"tombstone" if value is None else None, value=value)
                 continue
-            ip = r.choices(self._ips, cum_weights=self._cum)[0]
+            ip = distinct_ip(n) if self.distinct_clients else r.choices(self._ips, cum_weights=self._cum)[0]
             if r.random() < self.late_share:
                 event_ms = clock - r.randint(*self.late_delay_ms)
             else:
