@@ -22,8 +22,11 @@ def test_compose_airflow_points_at_this_repos_dags_and_spark_master():
     env = services["airflow-scheduler"]["environment"]
     assert env["AIRFLOW__CORE__DAGS_FOLDER"] == "/opt/ipcount/dags"
     assert "spark://spark-master" in env["AIRFLOW_CONN_SPARK_DEFAULT"]
-    # the drivers (Airflow's tasks) write the tables; executors never do
+    # the tasks commit to the tables; executors write large epochs' data files into the object
+    # store (never a local volume), with the pipeline's own store settings
     assert "volumes" not in services["spark-worker"]
+    store = {k: v for k, v in _compose()["x-ipcount-env"].items() if k.startswith("AWS_")}
+    assert store and all(services["spark-worker"]["environment"][k] == v for k, v in store.items())
     assert services["spark-worker"]["deploy"]["replicas"] == 2            # as `bin/lab spark-cluster` starts
     assert services["kafka"]["image"].endswith(":4.1.1")  # the broker version bin/setup fetches
 
