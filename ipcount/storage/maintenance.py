@@ -163,7 +163,8 @@ def _maintain_table(role: str, path: str, partitions, retention_hours: int | Non
     from deltalake import CommitProperties
 
     properties = CommitProperties(custom_metadata={"userMetadata": MAINTENANCE_METADATA})
-    before = _files(latest(path))
+    started = latest(path)
+    before = _files(started)
     compacted = 0
     if role != "counts" or partitions is not None:
         try:
@@ -192,12 +193,13 @@ def _maintain_table(role: str, path: str, partitions, retention_hours: int | Non
         if retention_hours is not None:
             vacuumed = len(latest(path).vacuum(retention_hours=retention_hours, dry_run=False,
                                                enforce_retention_duration=False, commit_properties=properties))
-            table = latest(path)
-            if uncommitted_files_due(unsent, table.version()):
+            # As of the version the publisher's position was read against: this run's own commits
+            # (and epochs' since) came after it, and their removed files' tombstones are fresh.
+            if uncommitted_files_due(unsent, started.version()):
                 # (delta-rs's default vacuum deletes only removed files; a full one, files of no commit too)
-                vacuumed += len(table.vacuum(retention_hours=max(retention_hours, UNCOMMITTED_FILE_HOURS),
-                                             dry_run=False, enforce_retention_duration=False, full=True,
-                                             commit_properties=properties))
+                vacuumed += len(latest(path).vacuum(retention_hours=max(retention_hours, UNCOMMITTED_FILE_HOURS),
+                                                    dry_run=False, enforce_retention_duration=False, full=True,
+                                                    commit_properties=properties))
             else:
                 notes.append("files of no commit kept: the publisher has yet to send a version")
     except rs_concurrent_errors() as e:

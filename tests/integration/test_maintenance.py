@@ -133,6 +133,38 @@ def test_a_vacuum_meets_files_whose_tombstones_a_checkpoint_would_drop(tmp_path)
         "interval 48 hours"
 
 
+def test_a_published_table_s_files_of_no_commit_go_once_the_publisher_is_caught_up(tmp_path):
+    """Files no commit names (an executor-write attempt that died) go once a day old, on a
+    published counts table too, when the publisher has sent every version there was when
+    maintenance started - whatever maintenance itself commits meanwhile (its compaction here)."""
+    from datetime import timedelta
+
+    from ipcount.rules.config import PipelineConfig
+    from ipcount.storage import tableset
+    from ipcount.storage.sink import Sink
+
+    cfg = PipelineConfig(warehouse=str(tmp_path / "w"), pipeline_id="p", topic="t", publish=True)
+    sink = Sink(cfg)
+    sink.ensure()
+    Ledger(cfg.ledger_path).ensure()
+    tableset.claim(cfg)
+    start = datetime_us(BASE_MS)
+    for epoch in (1, 2, 3):  # three files in one final partition: compaction packs them
+        sink._merge_counts(epoch, pa.table({"window_start": [start + timedelta(seconds=5 * epoch)],  # noqa: SLF001
+                                            "window_end": [start + timedelta(seconds=5 * epoch + 5)],
+                                            "ip": ["10.0.0.1"], "count": [epoch]}), BASE_MS + 86_400_000,
+                           finalize_untouched=False)
+    orphan = Path(cfg.counts_path) / "window_day=2026-11-21" / "is_final=true" / "epoch-9-dead.parquet"
+    orphan.write_bytes(b"a killed attempt's file")
+    day_old = time.time() - 25 * 3600
+    os.utime(orphan, (day_old, day_old))
+    sent_all = DeltaTable(cfg.counts_path).version() + 1
+    run = {t.table: t for t in maintain(cfg, next_unpublished=lambda: sent_all, retention_hours=0).tables}
+    assert run["counts"].compacted_files == 3            # maintenance committed after the publisher's position
+    assert not orphan.exists() and sorted(counts(cfg).values()) == [1, 2, 3]
+    assert not any("files of no commit kept" in n for n in run["counts"].notes)
+
+
 def test_maintenance_refuses_a_ledger_of_another_table_set(tmp_path):
     """Retirement is for good: a ledger of another set would retire epochs these tables have
     yet to see, so the manifest is checked first and nothing is written."""
