@@ -297,8 +297,9 @@ class Sink:
                                       watermark_after_ms)
         counts = counts.persist()
         try:
-            bounds = counts.agg(F.min("window_start").alias("lo"), F.max("window_start").alias("hi")).first()
-            lo_ms, hi_ms = (int(b.timestamp() * 1000) for b in (bounds["lo"], bounds["hi"]))
+            # (as epoch ms from Spark: a client's datetimes may be local time, which is ambiguous)
+            lo_ms, hi_ms = counts.agg(F.min(F.unix_millis("window_start")), F.max(F.unix_millis("window_start"))
+                                      ).first()
             days = {partition_value("window_day", ms) for ms in range(lo_ms - lo_ms % DAY_MS, hi_ms + 1, DAY_MS)}
 
             def merge(table, properties) -> None:

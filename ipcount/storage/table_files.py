@@ -20,8 +20,11 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
+from ipcount.rules.config import location_scheme
+from ipcount.rules.errors import ConfigError
 from ipcount.rules.file_stats import FileStats, partition_path, partition_text
 from ipcount.storage.delta import arrow_filesystem
 
@@ -61,11 +64,37 @@ def write_files(rows: DataFrame, location: str, schema: pa.Schema, partition_by:
     ``schema`` is the files' (the table's columns but its partition columns, which the rows
     also carry and the files do not), ``partition_by`` the table's partition columns. Each
     task writes one file per partition value it holds; a file is named ``<tag>-<uuid>``.
-    Returns the files written, none for no rows."""
+    Returns the files written, none for no rows; each checked to be there as written, as this
+    process sees the location (:class:`ConfigError` if not: nothing is committed then)."""
+    location = absolute_location(location)
     written = rows.mapInArrow(_file_writer(location, schema.serialize().to_pybytes(), tuple(partition_by), tag),
                               WRITTEN_FILE_SCHEMA).collect()
-    return [WrittenFile(r["path"], r["size"], json.loads(r["partition_values"]), r["records"], r["stats"])
-            for r in written]
+    files = [WrittenFile(r["path"], r["size"], json.loads(r["partition_values"]), r["records"], r["stats"])
+             for r in written]
+    _check_written(location, files)
+    return files
+
+
+def absolute_location(location: str) -> str:
+    """``location`` as every process reads it: a local path made absolute here (an executor's
+    working directory is not this process's)."""
+    return location if location_scheme(location) else str(Path(location).absolute())
+
+
+def _check_written(location: str, files: Sequence[WrittenFile]) -> None:
+    """That each file is at ``location`` with its size, as this process reaches the location."""
+    from pyarrow import fs as pafs
+
+    if not files:
+        return
+    store, root = arrow_filesystem(location)
+    found = store.get_file_info([f"{root}/{f.path}" for f in files])
+    wrong = [f.path for f, info in zip(files, found) if info.type != pafs.FileType.File or info.size != f.size]
+    if wrong:
+        raise ConfigError(f"Spark's executors wrote {len(wrong)} file(s) that this process does not find at "
+                          f"{location} as written (first: {wrong[0]}): the executors must reach the tables' "
+                          "location as this process does (the same file system, or the same AWS_* settings for "
+                          "object storage). Nothing was committed")
 
 
 def read_files(spark: SparkSession, location: str, files: Sequence[TableFile], schema: pa.Schema,
@@ -78,6 +107,7 @@ def read_files(spark: SparkSession, location: str, files: Sequence[TableFile], s
     that ``spark_schema`` must end with)."""
     import pyspark.sql.types as T
 
+    location = absolute_location(location)
     listing = spark.createDataFrame([(f.path, json.dumps(dict(f.partition_values))) for f in files],
                                     T.StructType([T.StructField("path", T.StringType(), False),
                                                   T.StructField("partition_values", T.StringType(), False)]))

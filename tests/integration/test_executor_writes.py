@@ -210,3 +210,24 @@ def test_a_counts_table_of_an_older_layout_has_its_counts_merged_in_the_task(cfg
     expected = expected_tables(produced, epoch_ranges(cfg))
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
     assert late_records(cfg) == expected.late
+
+
+def test_files_the_committing_process_cannot_find_are_never_committed(tmp_path, monkeypatch):
+    """An executor that reaches the location differently (a relative path read from another
+    working directory, another store's settings) writes files this process does not see: the
+    check before the commit says so, where a commit would make the table unreadable."""
+    import pytest
+
+    from ipcount.rules.errors import ConfigError
+    from ipcount.storage.table_files import WrittenFile, _check_written, absolute_location
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_location("warehouse/counts") == str(tmp_path / "warehouse" / "counts")
+    assert absolute_location("s3://bucket/counts") == "s3://bucket/counts"
+    (tmp_path / "counts").mkdir()
+    (tmp_path / "counts" / "epoch-1-a.parquet").write_bytes(b"1234")
+    there = WrittenFile("epoch-1-a.parquet", 4, {}, 1, "{}")
+    _check_written(str(tmp_path / "counts"), [there])  # as written: fine
+    for wrong in (WrittenFile("epoch-1-b.parquet", 4, {}, 1, "{}"), WrittenFile("epoch-1-a.parquet", 5, {}, 1, "{}")):
+        with pytest.raises(ConfigError, match="executors must reach the tables' location"):
+            _check_written(str(tmp_path / "counts"), [there, wrong])
