@@ -77,11 +77,12 @@ class EpochTime:
 
 
 def warm_rounds(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], workdir: Path, rounds: int,
-                epochs: int, say: Callable[[str], None] = print) -> list[Run]:
-    """``rounds`` rounds of every contender over ``cfg.topic`` up to ``ending`` (offset 0
-    on), checked (:func:`check`); their runs."""
+                epochs: int, say: Callable[[str], None] = print, only: tuple[str, ...] | None = None) -> list[Run]:
+    """``rounds`` rounds of every contender (or those ``only`` names) over ``cfg.topic`` up to
+    ``ending`` (offset 0 on), checked (:func:`check`); their runs."""
     total = sum(ending.values())
     contenders = list(CONTENDERS) + (list(EPOCH_CONTENDERS) if epochs > 1 else [])
+    contenders = [c for c in contenders if only is None or c in only]
     per_epoch = -(-total // epochs)
     runs = []
     for r in range(1, rounds + 1):

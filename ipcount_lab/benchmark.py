@@ -49,7 +49,7 @@ from ipcount.storage.spark import DRIVER_ENV
 from ipcount_lab import bench_rounds, bench_stats
 from ipcount_lab.service import free_port
 
-MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth", "year")
+MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth", "year", "cardinality")
 # The measurements that read the --records range (the others bring records of their own).
 READ_THE_RANGE = ("warm", "cold", "kafka_python", "profile")
 COLD = ("spark_count", "peer", "pipeline")
@@ -130,13 +130,15 @@ def run_process(command: Sequence[str], log_path: Path, env: dict | None = None)
     return wall, peak, out
 
 
-def spark_submit(cfg: PipelineConfig, application: str, args: Sequence[str], name: str) -> list[str]:
+def spark_submit(cfg: PipelineConfig, application: str, args: Sequence[str], name: str,
+                 driver_memory: str | None = None) -> list[str]:
     """The spark-submit command line the DAG's SparkSubmitOperator builds (same master,
     jars and settings)."""
     from ipcount.storage.spark import spark_conf, spark_jars
 
     command = [str(Path(sys.executable).parent / "spark-submit"), "--master", cfg.spark_master,
-               "--name", name, "--jars", ",".join(spark_jars())]
+               "--name", name, "--jars", ",".join(spark_jars()),
+               *(("--driver-memory", driver_memory) if driver_memory else ())]
     for key, value in spark_conf(cfg).items():
         command += ["--conf", f"{key}={value}"]
     return [*command, application, *args]
@@ -227,6 +229,33 @@ def measure_warm(cfg: PipelineConfig, ending: dict[int, int], small_cfg: Pipelin
             "ratios": {label: bench_stats.paired_ratio(runs, mine, other, first_round=2)
                        for label, mine, other in WARM_RATIOS if mine in contenders and other in contenders},
             "small": {"records_per_epoch": args.epoch_records, **small}}
+
+
+def measure_cardinality(cfg: PipelineConfig, sizes: Sequence[int], rounds: int, partitions: int, seed: int,
+                        logs: Path, workdir: Path, driver_memory: str) -> dict:
+    """Every record from a client of its own, so the tally has a row per record: per size,
+    the pipeline (one epoch) and the peer (one batch) in warm rounds of one spark-submit whose
+    driver heap is ``driver_memory`` (in local mode, all of Spark's)."""
+    out: dict = {"driver_memory": driver_memory, "rounds": rounds,
+                 "max_driver_tally_rows": cfg.max_driver_tally_rows, "sizes": {}}
+    for size in sizes:
+        sized = cfg.replace(topic=f"{cfg.topic}_distinct{size}", max_records_per_epoch=size)
+        say(f"generating {size:,} records, each from a client of its own, on {sized.topic}")
+        ending = generate(sized, size, partitions, seed + 3, distinct_clients=True)
+        say(f"measuring cardinality at {size:,}: {rounds} rounds of the pipeline and the peer in one session "
+            f"(driver heap {driver_memory}; log {logs / f'cardinality-{size}.log'})")
+        command = spark_submit(sized, BENCH_APPLICATION, [
+            *job_args("rounds", sized, ending, workdir / f"cardinality-{size}"), "--rounds", str(rounds),
+            "--epochs", "1", "--contenders", "peer,pipeline",
+            "--max-driver-tally-rows", str(cfg.max_driver_tally_rows)], f"bench-cardinality-{size}",
+            driver_memory=driver_memory)
+        wall, peak, result = run_process(command, logs / f"cardinality-{size}.log", DRIVER_ENV)
+        runs = _last_json(result)["runs"]
+        out["sizes"][str(size)] = {
+            "wall_seconds": round(wall, 3), "peak_rss_mb": peak, "runs": runs,
+            "contenders": {c: bench_stats.contender_summary(runs, c) for c in ("pipeline", "peer")},
+            "ratio": bench_stats.paired_ratio(runs, "pipeline", "peer", first_round=2 if rounds > 1 else 1)}
+    return out
 
 
 def measure_cold(cfg: PipelineConfig, ending: dict[int, int], records: int, repeats: int, logs: Path,
@@ -476,6 +505,9 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--small-topic", help="rounds: the topic of the small-epoch series")
     p.add_argument("--small-ending", default="{}", help="rounds: JSON, partition -> end offset of --small-topic")
     p.add_argument("--small-per-epoch", type=int, default=2000, help="rounds: records per small epoch")
+    p.add_argument("--contenders", default="", help="rounds: comma-separated, only these (default all)")
+    p.add_argument("--max-driver-tally-rows", type=int, default=PipelineConfig.max_driver_tally_rows,
+                   help="the pipeline's max_driver_tally_rows")
     p.add_argument("--repeats", type=int, default=3, help="profile: runs per figure")
     p.add_argument("--per-epoch", type=int, default=10_000, help="history, year: records per epoch")
     p.add_argument("--sets", default="[]", help="year: JSON, the table sets (bench_year.TableSet)")
@@ -483,7 +515,8 @@ def job_main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     ending = {int(k): v for k, v in json.loads(args.ending).items()}
     cfg = PipelineConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic, window_seconds=args.window_seconds,
-                         allowed_lateness_seconds=args.allowed_lateness_seconds, warehouse=args.workdir)
+                         allowed_lateness_seconds=args.allowed_lateness_seconds, warehouse=args.workdir,
+                         max_driver_tally_rows=args.max_driver_tally_rows)
     from ipcount_lab import peer
 
     if args.job == "idle_check":  # workdir is the pipeline's warehouse
@@ -535,7 +568,8 @@ def job_main(argv: Sequence[str] | None = None) -> int:
 def _rounds_job(spark, cfg: PipelineConfig, ending: dict[int, int], args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
     say(f"warm rounds: {args.rounds} rounds over {sum(ending.values()):,} records")
-    runs = bench_rounds.warm_rounds(spark, cfg, ending, workdir, args.rounds, args.epochs, say=say)
+    only = tuple(c for c in args.contenders.split(",") if c) or None
+    runs = bench_rounds.warm_rounds(spark, cfg, ending, workdir, args.rounds, args.epochs, say=say, only=only)
     small: dict[str, list[float]] = {}
     if args.small_topic:
         small_ending = {int(k): v for k, v in json.loads(args.small_ending).items()}
@@ -548,11 +582,12 @@ def _rounds_job(spark, cfg: PipelineConfig, ending: dict[int, int], args: argpar
 
 
 def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, after: int = 0,
-             events_per_second: float = 2000, start_ms: int | None = None) -> dict[int, int]:
+             events_per_second: float = 2000, start_ms: int | None = None,
+             distinct_clients: bool = False) -> dict[int, int]:
     """``records`` generator records (JSON and NGINX lines, a few late and malformed) spread
     over the partitions, after the ``after`` records already there, ``events_per_second`` of
-    event time from ``start_ms`` (default: where ``after`` records of 2026-11-01 on end); the
-    log end per partition."""
+    event time from ``start_ms`` (default: where ``after`` records of 2026-11-01 on end), each
+    from a client of its own if ``distinct_clients``; the log end per partition."""
     from kafka import KafkaProducer
 
     from ipcount.storage.broker import client_options, create_topic, partition_offsets
@@ -561,7 +596,7 @@ def generate(cfg: PipelineConfig, records: int, partitions: int, seed: int, afte
     create_topic(cfg, partitions)
     producer = KafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks=1, linger_ms=50,
                              batch_size=512 * 1024, compression_type=None, **client_options(cfg))
-    gen = TrafficGenerator(seed=seed + after, events_per_second=events_per_second)
+    gen = TrafficGenerator(seed=seed + after, events_per_second=events_per_second, distinct_clients=distinct_clients)
     # Records that follow ``after`` others follow them in time, too.
     if start_ms is None:
         start_ms = (int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000)
@@ -680,10 +715,27 @@ def render(report: dict) -> str:
             f"{name} {t['rows']:,} rows in {t['files']} files (version {t['version']})"
             for name, t in history["tables"].items()))
     lines += _render_year(report.get("year"))
+    lines += _render_cardinality(report.get("cardinality"))
     drain = report.get("kafka_python")
     if drain:
         lines.append(f"kafka_python: a plain consumer draining the range: {_range(drain['seconds'], ' s')}")
     return "\n".join(lines).rstrip("\n")
+
+
+def _render_cardinality(card: dict | None) -> list[str]:
+    if not card:
+        return []
+    lines = [f"cardinality: every record from a client of its own (a tally row per record); one epoch (the "
+             f"pipeline) and one batch (the peer) in one session, driver heap {card['driver_memory']}, "
+             f"{card['rounds']} rounds, the first cold (seconds: median [min-max] of the rest)"]
+    for size, sized in card["sizes"].items():
+        c = sized["contenders"]
+        stages = " ".join(f"{k} {v:.2f}" for k, v in c["pipeline"]["stages"].items())
+        lines.append(f"  {int(size):>10,} records: pipeline {_range(c['pipeline']['warm'], ' s')}, peer "
+                     f"{_range(c['peer']['warm'], ' s')}; pipeline / peer {_range(sized['ratio'])}; "
+                     f"{c['pipeline']['counted']:,} counted; peak RSS {sized['peak_rss_mb'] or 0:.0f} MB; "
+                     f"pipeline stages {stages}")
+    return lines
 
 
 def _render_year(year: dict | None) -> list[str]:
@@ -752,6 +804,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--year-epochs", type=int, default=5, help="year: timed epochs per set and round (default 5)")
     p.add_argument("--year-warmup", type=int, default=2, help="year: untimed epochs on each set first (default 2)")
     p.add_argument("--year-records", type=int, default=2000, help="year: records per real epoch (default 2000)")
+    p.add_argument("--cardinality-records", default="1000000",
+                   help="cardinality: comma-separated sizes of the ranges whose records each come from a client "
+                        "of their own (default 1000000; 5000000 works)")
+    p.add_argument("--cardinality-rounds", type=int, default=3,
+                   help="cardinality: rounds of each size in one session, the first cold (default 3)")
+    p.add_argument("--cardinality-driver-memory", default="1g",
+                   help="cardinality: the spark-submit's --driver-memory (default 1g, Spark's; in local mode "
+                        "it holds all of Spark)")
+    p.add_argument("--max-driver-tally-rows", type=int, default=PipelineConfig.max_driver_tally_rows,
+                   help="cardinality: the pipeline's max_driver_tally_rows (default the pipeline's, "
+                        f"{PipelineConfig.max_driver_tally_rows:,}; larger tallies are written by the executors)")
     p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=11)
@@ -763,7 +826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                ("--growth-epochs", args.growth_epochs, 2), ("--history-epochs", args.history_epochs, 2),
                                ("--growth-ips", args.growth_ips, 1), ("--year-rounds", args.year_rounds, 1),
                                ("--year-epochs", args.year_epochs, 1), ("--year-warmup", args.year_warmup, 1),
-                               ("--year-log-retention-hours", args.year_log_retention_hours, 1)):
+                               ("--year-log-retention-hours", args.year_log_retention_hours, 1),
+                               ("--cardinality-rounds", args.cardinality_rounds, 1)):
         if value < least:
             p.error(f"{flag} must be at least {least}")
     try:
@@ -772,6 +836,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ages = []
     if not ages or min(ages) < 1 or len(set(ages)) != len(ages):
         p.error(f"--year-ages takes distinct whole numbers of at least 1, comma-separated; got {args.year_ages!r}")
+    try:
+        sizes = [int(n) for n in args.cardinality_records.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < args.partitions or len(set(sizes)) != len(sizes):
+        p.error("--cardinality-records takes distinct whole numbers of at least --partitions, comma-separated; "
+                f"got {args.cardinality_records!r}")
     for flag, value in (("--epoch-records", args.epoch_records), ("--history-records", args.history_records),
                         ("--year-records", args.year_records)):
         if value < args.partitions:
@@ -855,6 +926,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "year" in only:
             say(f"measuring year: table sets of {args.year_ages} minute epochs, maintained and not")
             report["year"] = measure_year(cfg, args, logs, workdir)
+        if "cardinality" in only:
+            say(f"measuring cardinality: ranges of {args.cardinality_records} records, a client per record")
+            report["cardinality"] = measure_cardinality(
+                cfg.replace(max_driver_tally_rows=args.max_driver_tally_rows), sizes, args.cardinality_rounds,
+                args.partitions, args.seed, logs, workdir, args.cardinality_driver_memory)
         check_totals(report)
         print(render(report), flush=True)
         out = args.json or STATE_DIR / "benchmark" / f"{datetime.now():%Y%m%d-%H%M%S}.json"

@@ -20,6 +20,9 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
                            "--growth-epochs", "12", "--growth-ips", "20", "--history-epochs", "3",
                            "--history-records", "120", "--year-ages", "5,40", "--year-unmaintained-max", "40",
                            "--year-rounds", "2", "--year-epochs", "1", "--year-warmup", "1", "--year-records", "60",
+                           "--cardinality-records", "3000", "--cardinality-rounds", "2",
+                           "--cardinality-driver-memory", "512m",
+                           "--max-driver-tally-rows", "1000",
                            "--bootstrap-servers", broker.bootstrap_servers, "--json", str(out),
                            "--workdir", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=900)
@@ -116,7 +119,17 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
     tables = year["tables"]
     assert tables["40-off"]["dead_letter"]["transactions"] >= 40 and tables["40-on"]["dead_letter"]["transactions"] < 10
     assert tables["40-off"]["ledger"]["version"] > 80 and tables["40-on"]["counts"]["files"] >= 1
-    for text in ("warm: one Spark session", "pipeline / peer", "cold: each contender",
+    card = report["cardinality"]  # every record a client of its own: the executors write the tally
+    sized = card["sizes"]["3000"]
+    assert card["driver_memory"] == "512m" and card["max_driver_tally_rows"] == 1000
+    assert [(r["round"], r["contender"]) for r in sized["runs"]] == [(1, "peer"), (1, "pipeline"), (2, "pipeline"),
+                                                                    (2, "peer")]
+    pipeline = sized["contenders"]["pipeline"]
+    assert pipeline["counted"] == sized["contenders"]["peer"]["counted"] > 2900 and pipeline["batches"] == 1
+    assert "aggregate" not in pipeline["stages"] and pipeline["stages"]["merge"] > 0  # (the executors' path)
+    assert sized["ratio"]["n"] == 1 and sized["ratio"]["median"] > 0
+    for text in ("cardinality: every record from a client of its own", "warm: one Spark session", "pipeline / peer",
+                 "cold: each contender",
                  "paths: Spark Connect server start", "warm, one process and remote session: a 150-record epoch",
                  "kafka_python: a plain consumer", "profile: 3,000 records", "history: 3 epochs of 120",
                  "growth: 12 epochs", "year: real epochs of 60 records"):
@@ -130,7 +143,8 @@ def test_benchmark_refuses_bad_arguments():
                           (["--small-epochs", "1"], "--small-epochs must be at least 2"),
                           (["--paths-epochs", "4"], "--paths-epochs must be at least 5"),
                           (["--history-records", "2"], "--history-records must be at least --partitions"),
-                          (["--year-ages", "10,x"], "--year-ages takes distinct whole numbers")):
+                          (["--year-ages", "10,x"], "--year-ages takes distinct whole numbers"),
+                          (["--cardinality-records", "1000,1000"], "--cardinality-records takes distinct")):
         proc = subprocess.run([sys.executable, "-m", "ipcount_lab.benchmark", *args], capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
