@@ -155,7 +155,7 @@ class EpochRunner:
 
         sink_version = None
         if tally is not None:
-            sink_version = self._write(plan, tally, watermark_after, stages)
+            sink_version = self._write(plan, tally, totals, watermark_after, stages)
         self.step("after_sink", plan.epoch)
 
         t = time.monotonic()
@@ -205,9 +205,10 @@ class EpochRunner:
         self.ledger.release(plan, lost)
         return False
 
-    def _write(self, plan: EpochPlan, tally: EpochTally | SparkTally, watermark_after: int | None,
-               stages: dict[str, float]) -> int | None:
-        """Write the epoch's rows to the sink; the counts table's version."""
+    def _write(self, plan: EpochPlan, tally: EpochTally | SparkTally, totals: PartitionMetrics,
+               watermark_after: int | None, stages: dict[str, float]) -> int | None:
+        """Write the epoch's rows to the sink (``totals``: its metrics over all partitions);
+        the counts table's version."""
         if self.yields_to_chain:
             self._let_the_chain_commit(plan)
         # What the chain's last counts commits left final, so the MERGE reads only what it must.
@@ -215,11 +216,10 @@ class EpochRunner:
         if isinstance(tally, SparkTally):
             t = time.monotonic()
             try:
-                window_ms, metrics = self.cfg.window_ms, tally.metrics().values()
-                sizes = PartitionMetrics(*(sum(getattr(m, f.name) for m in metrics) for f in fields(PartitionMetrics)))
+                window_ms = self.cfg.window_ms
                 sink_version = self.sink.write_from_spark(
                     plan, tally.counts(window_ms), tally.dead_letters(plan.epoch),
-                    tally.late_records(plan.epoch, window_ms, plan.watermark_ms), sizes,
+                    tally.late_records(plan.epoch, window_ms, plan.watermark_ms), totals,
                     watermark_after_ms=watermark_after, chain=chain, stages=stages,
                     before_commit=lambda: self.step("after_counts_files", plan.epoch))
             finally:

@@ -303,9 +303,9 @@ class Sink:
             days = {partition_value("window_day", ms) for ms in range(lo_ms - lo_ms % DAY_MS, hi_ms + 1, DAY_MS)}
 
             def merge(table, properties) -> None:
-                files = live_files(table, bounds_of="window_start")
-                if not all(f.partition_values.get(c) is not None for f in files for c in COUNTS_PARTITION_BY):
+                if not has_open_partitions(table):
                     raise RuntimeError(f"{path} version {table.version()} has a file without its partition values")
+                files = live_files(table, bounds_of="window_start")
                 rewrite = [f for f in files if f.partition_values["is_final"] == "false"
                            and (finalize_untouched or f.partition_values["window_day"] in days)]
                 closed = [f for f in files if f.partition_values["is_final"] == "true"
