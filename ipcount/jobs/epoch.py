@@ -219,7 +219,7 @@ class EpochRunner:
                 window_ms = self.cfg.window_ms
                 sink_version = self.sink.write_from_spark(
                     plan, tally.counts(window_ms), tally.dead_letters(plan.epoch),
-                    tally.late_records(plan.epoch, window_ms, plan.watermark_ms), totals,
+                    tally.late_records(plan.epoch, window_ms, plan.watermark_ms), totals, tally.counted_windows_ms,
                     watermark_after_ms=watermark_after, chain=chain, stages=stages,
                     before_commit=lambda: self.step("after_counts_files", plan.epoch))
             finally:

@@ -280,42 +280,55 @@ def with_constants(df: DataFrame, values: dict[str, int]) -> DataFrame:
 
 def tally(classified: DataFrame, dead_letter_prefix: int) -> DataFrame:
     """The epoch's records in one aggregation, from which everything it writes comes
-    (:mod:`ipcount.jobs.tally` splits it): counted records collapse into one row per
-    partition, window and client; a record that is not counted (malformed or late) stays a
-    row of its own, its offset in the grouping key, with what its dead-letter or late-record
-    row needs. ``records`` is how many records a row stands for.
+    (:mod:`ipcount.jobs.tally` splits it). Two grouping sets of one pass:
 
-    One pass over the records and no cache: a cache of the classified records, read once
-    for each output, cost as much to build as the parse itself. Grouping keys may be of any
-    width, unlike aggregation buffers, so Spark keeps its hash aggregation. What only a
-    record that is not counted needs is one struct in the key, NULL for counted records:
-    every record's key is hashed and compared, so five columns cost less than thirteen.
+    * per Kafka partition and outcome (``late``: false counted, true late, NULL malformed),
+      a row of totals (``totals`` true): the epoch's metrics;
+    * counted records collapse into one row per window and client, over all partitions:
+      the counts, with no second aggregation; a record that is not counted (malformed or
+      late) stays a row of its own, its partition and offset in the grouping key, with what
+      its dead-letter or late-record row needs.
+
+    ``records`` is how many records a row stands for. One pass over the records and no
+    cache: a cache of the classified records, read once for each output, cost as much to
+    build as the parse itself. Grouping keys may be of any width, unlike aggregation
+    buffers, so Spark keeps its hash aggregation. What only a record that is not counted
+    needs is one struct in the key, NULL for counted records: every record's key is hashed
+    and compared, so a few columns cost less than thirteen.
     """
-    keys, aggregates, columns = _columns(classified.sparkSession, ("tally", dead_letter_prefix),
-                                         lambda: _tally_columns(dead_letter_prefix))
-    return classified.groupBy(*keys).agg(*aggregates).select(*columns)
+    keys, sets, aggregates, columns = _columns(classified.sparkSession, ("tally", dead_letter_prefix),
+                                               lambda: _tally_columns(dead_letter_prefix))
+    return classified.select(*keys).groupingSets(sets, *(k for s in sets for k in s)).agg(*aggregates) \
+        .select(*columns)
 
 
-def _tally_columns(dead_letter_prefix: int) -> tuple[list[Column | str], list[Column], list[Column | str]]:
-    """:func:`tally`'s grouping keys, aggregates and output columns."""
+def _tally_columns(dead_letter_prefix: int) -> tuple[list[Column], list[list[str]], list[Column],
+                                                     list[Column | str]]:
+    """:func:`tally`'s grouping columns, grouping sets, aggregates and output columns."""
     reason, late, value = F.col("reason"), F.col("late"), F.col("value")
     bad = reason.isNotNull()
     kept = bad | late  # not counted: late is NULL exactly when the record is malformed
     # What only a record that is not counted needs, in the order of the tally's columns.
     details = {
-        "reason": reason, "late": late, "offset": F.col("offset"), "timestamp": F.when(bad, F.col("timestamp")),
+        "topic": F.col("topic"), "partition": F.col("partition"), "reason": reason, "late": late,
+        "offset": F.col("offset"), "timestamp": F.when(bad, F.col("timestamp")),
         "event_ms": F.when(late, F.col("event_ms")), "key": F.when(bad, F.col("key")),
         # A too_large dead letter keeps a prefix of its value, with the whole value's size and hash.
         "value": F.when(bad, F.when(reason == R.TOO_LARGE, F.substring(value, 1, dead_letter_prefix)).otherwise(value)),
         "value_bytes": F.when(bad, F.length(value).cast("long")), "value_sha256": F.when(bad, F.sha2(value, 256))}
-    detail = F.when(kept, F.struct(*(column.alias(name) for name, column in details.items())))
-    keys = ["topic", "partition", F.when(~bad, F.col("window_start_ms")).alias("window_start_ms"),
-            F.when(~bad, F.col("ip")).alias("ip"), detail.alias("_kept")]
-    aggregates = [F.count(F.lit(1)).alias("records"), F.max("event_ms").alias("max_event_ms")]
-    kept_row = F.col("_kept")
-    columns = ["topic", "partition", kept_row["reason"].alias("reason"),
-               F.when(kept_row.isNull(), F.lit(False)).otherwise(kept_row["late"]).alias("late"),
-               "window_start_ms", "ip",
-               *(kept_row[name].alias(name) for name in details if name not in ("reason", "late")),
+    keys = [F.col("partition"), late, F.when(~bad, F.col("window_start_ms")).alias("window_start_ms"),
+            F.when(~bad, F.col("ip")).alias("ip"),
+            F.when(kept, F.struct(*(column.alias(name) for name, column in details.items()))).alias("_kept"),
+            F.col("event_ms")]
+    sets = [["partition", "late"], ["window_start_ms", "ip", "_kept"]]
+    aggregates = [F.count(F.lit(1)).alias("records"), F.max("event_ms").alias("max_event_ms"),
+                  (F.grouping("ip") == F.lit(1)).alias("_totals")]  # a row of the first set
+    kept_row, totals = F.col("_kept"), F.col("_totals")
+    columns = [totals.alias("totals"), kept_row["topic"].alias("topic"),
+               F.coalesce(F.col("partition"), kept_row["partition"]).alias("partition"),
+               kept_row["reason"].alias("reason"),
+               F.when(totals, F.col("late")).when(kept_row.isNull(), F.lit(False)).otherwise(kept_row["late"])
+               .alias("late"), "window_start_ms", "ip",
+               *(kept_row[name].alias(name) for name in details if name not in ("topic", "partition", "reason", "late")),
                "records", "max_event_ms"]
-    return keys, aggregates, columns
+    return keys, sets, aggregates, columns

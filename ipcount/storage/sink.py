@@ -224,11 +224,13 @@ class Sink:
         return done.version
 
     def write_from_spark(self, plan: EpochPlan, counts: DataFrame, dead_letters: DataFrame, late_records: DataFrame,
-                         sizes: PartitionMetrics, watermark_after_ms: int | None = None,
+                         sizes: PartitionMetrics, counted_windows_ms: tuple[int, int] | None,
+                         watermark_after_ms: int | None = None,
                          chain: Sequence[ChainCommit] = (), stages: dict[str, float] | None = None,
                          before_commit: Callable[[], None] = lambda: None) -> int | None:
         """:meth:`write` for rows left in Spark (:class:`ipcount.jobs.tally.SparkTally`; ``sizes``:
-        the epoch's records counted, late and malformed): Spark's executors write the epoch's
+        the epoch's records counted, late and malformed; ``counted_windows_ms``: the starts of
+        the first and last window ``counts`` holds): Spark's executors write the epoch's
         files into the tables and delta-rs commits them (:mod:`ipcount.storage.table_files`),
         each commit as idempotent as :meth:`write`'s. ``before_commit`` is called between the
         counts files' writes and their commit."""
@@ -245,8 +247,10 @@ class Sink:
             committed = self._commit_nothing_counted(epoch, watermark_after_ms)
         else:
             scheduled = plan.kind == SCHEDULED
+            if counted_windows_ms is None:
+                raise ValueError(f"epoch {epoch} counted {sizes.records_counted} records, but in no window")
             committed = self._merge_counts_in_spark(
-                epoch, counts, watermark_after_ms if scheduled else plan.chain_watermark_ms,
+                epoch, counts, counted_windows_ms, watermark_after_ms if scheduled else plan.chain_watermark_ms,
                 finalize_untouched=scheduled, chain=chain, watermark_after_ms=watermark_after_ms,
                 before_commit=before_commit)
         return self._outcome(epoch, committed, sizes.records_counted > 0)
@@ -272,7 +276,8 @@ class Sink:
                                            commit_properties=properties)
         return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", append, floor=self.floor_id)
 
-    def _merge_counts_in_spark(self, epoch: int, counts: DataFrame, watermark_ms: int | None,
+    def _merge_counts_in_spark(self, epoch: int, counts: DataFrame, windows_ms: tuple[int, int],
+                               watermark_ms: int | None,
                                finalize_untouched: bool, chain: Sequence[ChainCommit] = (),
                                watermark_after_ms: int | None = None,
                                before_commit: Callable[[], None] = lambda: None) -> int | None:
@@ -286,8 +291,6 @@ class Sink:
         a new snapshot and a new merge (the lost one's files are never referenced: vacuum
         removes them). A table in an older layout (:func:`counts_partition`) takes the
         MERGE of :meth:`_merge_counts`, with the counts collected here."""
-        from pyspark.sql import functions as F
-
         spark = counts.sparkSession
         path = self.cfg.counts_path
         if not has_open_partitions(latest(path)):
@@ -295,37 +298,31 @@ class Sink:
                         "this process; a rebuild gives it that layout", epoch, path)
             return self._merge_counts(epoch, counts.toArrow(), watermark_ms, finalize_untouched, chain,
                                       watermark_after_ms)
-        counts = counts.persist()
-        try:
-            # (as epoch ms from Spark: a client's datetimes may be local time, which is ambiguous)
-            lo_ms, hi_ms = counts.agg(F.min(F.unix_millis("window_start")), F.max(F.unix_millis("window_start"))
-                                      ).first()
-            days = {partition_value("window_day", ms) for ms in range(lo_ms - lo_ms % DAY_MS, hi_ms + 1, DAY_MS)}
+        lo_ms, hi_ms = windows_ms
+        days = {partition_value("window_day", ms) for ms in range(lo_ms - lo_ms % DAY_MS, hi_ms + 1, DAY_MS)}
 
-            def merge(table, properties) -> None:
-                if not has_open_partitions(table):
-                    raise RuntimeError(f"{path} version {table.version()} has a file without its partition values")
-                files = live_files(table, bounds_of="window_start")
-                rewrite = [f for f in files if f.partition_values["is_final"] == "false"
-                           and (finalize_untouched or f.partition_values["window_day"] in days)]
-                closed = [f for f in files if f.partition_values["is_final"] == "true"
-                          and f.partition_values["window_day"] in days and _may_hold(f, lo_ms, hi_ms)]
-                rewrite += self._files_with_rows_of(spark, closed, counts)
-                log.info("epoch %d: merging counts into windows %s..%s in Spark: rewriting %d of %d files", epoch,
-                         sql_timestamp(lo_ms), sql_timestamp(hi_ms), len(rewrite), len(files))
-                merged = _merged_counts(self._read_counts(spark, rewrite), counts, epoch, watermark_ms,
-                                        self.cfg.allowed_lateness_ms, finalize_untouched)
-                written = write_files(merged, path, arrow_schema(_unpartitioned(COUNTS_COLUMNS)),
-                                      partition_by=COUNTS_PARTITION_BY, tag=f"epoch-{epoch}")
-                before_commit()
-                table.create_write_transaction([*remove_actions(rewrite), *add_actions(written)], mode="append",
-                                               schema=table.schema(), partition_by=list(COUNTS_PARTITION_BY),
-                                               commit_properties=properties)
-            return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge,
-                                  markers=lambda version: self._facts(epoch, version, watermark_after_ms),
-                                  floor=self.floor_id)
-        finally:
-            counts.unpersist()
+        def merge(table, properties) -> None:
+            if not has_open_partitions(table):
+                raise RuntimeError(f"{path} version {table.version()} has a file without its partition values")
+            files = live_files(table, bounds_of="window_start")
+            rewrite = [f for f in files if f.partition_values["is_final"] == "false"
+                       and (finalize_untouched or f.partition_values["window_day"] in days)]
+            closed = [f for f in files if f.partition_values["is_final"] == "true"
+                      and f.partition_values["window_day"] in days and _may_hold(f, lo_ms, hi_ms)]
+            rewrite += self._files_with_rows_of(spark, closed, counts)
+            log.info("epoch %d: merging counts into windows %s..%s in Spark: rewriting %d of %d files", epoch,
+                     sql_timestamp(lo_ms), sql_timestamp(hi_ms), len(rewrite), len(files))
+            merged = _merged_counts(self._read_counts(spark, rewrite), counts, epoch, watermark_ms,
+                                    self.cfg.allowed_lateness_ms, finalize_untouched)
+            written = write_files(merged, path, arrow_schema(_unpartitioned(COUNTS_COLUMNS)),
+                                  partition_by=COUNTS_PARTITION_BY, tag=f"epoch-{epoch}")
+            before_commit()
+            table.create_write_transaction([*remove_actions(rewrite), *add_actions(written)], mode="append",
+                                           schema=table.schema(), partition_by=list(COUNTS_PARTITION_BY),
+                                           commit_properties=properties)
+        return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge,
+                              markers=lambda version: self._facts(epoch, version, watermark_after_ms),
+                              floor=self.floor_id)
 
     def _read_counts(self, spark: SparkSession, files: Sequence[TableFile], with_path: bool = False) -> DataFrame:
         """The rows of the counts table's ``files``, read by Spark's tasks."""

@@ -19,30 +19,38 @@ def ts(ms: int) -> datetime:
 
 def row(partition, records, *, window=None, ip=None, late=False, reason=None, offset=None, event_ms=None,
         max_event_ms=None, value=None):
-    """One row as transform.tally makes it: counted rows grouped, the rest one per record."""
+    """A row of one window and client (``partition`` None: counted over all partitions) or of
+    one record not counted, as transform.tally makes it."""
     bad = reason is not None
-    return {"topic": "t", "partition": partition, "reason": reason, "late": None if bad else late,
-            "window_start_ms": window, "ip": ip, "offset": offset, "timestamp": ts(T0) if bad else None,
-            "event_ms": event_ms if late else None, "key": b"k" if bad else None, "value": value,
-            "value_bytes": len(value) if bad else None, "value_sha256": "ab" * 32 if bad else None,
-            "records": records, "max_event_ms": max_event_ms}
+    return {"totals": False, "topic": None if partition is None else "t", "partition": partition, "reason": reason,
+            "late": None if bad else late, "window_start_ms": window, "ip": ip, "offset": offset,
+            "timestamp": ts(T0) if bad else None, "event_ms": event_ms if late else None, "key": b"k" if bad else None,
+            "value": value, "value_bytes": len(value) if bad else None,
+            "value_sha256": "ab" * 32 if bad else None, "records": records, "max_event_ms": max_event_ms}
 
 
-SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("reason", pa.string()), ("late", pa.bool_()),
-                    ("window_start_ms", pa.int64()), ("ip", pa.string()), ("offset", pa.int64()),
+def totals(partition, late, records, max_event_ms=None):
+    """A partition's row of totals for one outcome (late: false counted, true late, None malformed)."""
+    return {**row(None, records, max_event_ms=max_event_ms), "totals": True, "partition": partition, "late": late}
+
+
+SCHEMA = pa.schema([("totals", pa.bool_()), ("topic", pa.string()), ("partition", pa.int32()), ("reason", pa.string()),
+                    ("late", pa.bool_()), ("window_start_ms", pa.int64()), ("ip", pa.string()), ("offset", pa.int64()),
                     ("timestamp", pa.timestamp("us", tz="UTC")), ("event_ms", pa.int64()), ("key", pa.binary()),
                     ("value", pa.binary()), ("value_bytes", pa.int64()), ("value_sha256", pa.string()),
                     ("records", pa.int64()), ("max_event_ms", pa.int64())])
 
 ROWS = [
-    # the same window and client counted in two partitions: one count of 5
-    row(0, 3, window=T0, ip="1.2.3.4", max_event_ms=T0 + 9_000),
-    row(1, 2, window=T0, ip="1.2.3.4", max_event_ms=T0 + 4_000),
-    row(1, 7, window=T0 + W, ip="::1", max_event_ms=T0 + W + 1),
+    # the same window and client counted in two partitions (3 and 2 records): one count of 5
+    row(None, 5, window=T0, ip="1.2.3.4", max_event_ms=T0 + 9_000),
+    row(None, 7, window=T0 + W, ip="::1", max_event_ms=T0 + W + 1),
     row(1, 1, window=T0 - 5 * W, ip="1.2.3.4", late=True, offset=41, event_ms=T0 - 5 * W + 3,
         max_event_ms=T0 - 5 * W + 3),
     row(0, 1, reason=BAD_JSON, offset=12, value=b"{"),
     row(2, 1, reason=TOO_LARGE, offset=3, value=b"x" * 4),
+    totals(0, False, 3, T0 + 9_000), totals(0, None, 1),
+    totals(1, False, 9, T0 + W + 1), totals(1, True, 1, T0 - 5 * W + 3),
+    totals(2, None, 1),
 ]
 TALLY = EpochTally(pa.Table.from_pylist(ROWS, schema=SCHEMA))
 
@@ -53,7 +61,7 @@ def test_metrics_per_partition_add_up_the_records_each_row_stands_for():
     assert TALLY.max_event_ms() == T0 + W + 1
 
 
-def test_counts_sum_a_window_and_client_over_partitions_and_leave_out_late_and_bad_rows():
+def test_counts_are_the_rows_of_a_window_and_client_and_leave_out_totals_late_and_bad_rows():
     counts = TALLY.counts(W).to_pylist()
     assert sorted((r["window_start"], r["window_end"], r["ip"], r["count"]) for r in counts) == [
         (ts(T0), ts(T0 + W), "1.2.3.4", 5), (ts(T0 + W), ts(T0 + 2 * W), "::1", 7)]
