@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from deltalake.transaction import AddAction, RemoveAction
     from pyspark.sql import DataFrame, SparkSession
 
+# Rows per Parquet row group the writers make (at most; fewer at a file's end).
+ROW_GROUP_ROWS = 131_072
 # What a writing task returns per file.
 WRITTEN_FILE_SCHEMA = "path string, size long, partition_values string, records long, stats string"
 
@@ -158,6 +160,14 @@ def _file_writer(location: str, schema_bytes: bytes, partition_by: tuple[str, ..
         schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
         fs, root = arrow_filesystem(location)
         open_files: dict[tuple, tuple[Any, Any, str, FileStats]] = {}
+        pending: dict[tuple, list[Any]] = {}  # rows not yet written, per file
+
+        def flush(key: tuple) -> None:
+            data = pa.concat_tables(pending.pop(key))
+            writer, _, _, stats = open_files[key]
+            writer.write_table(data, row_group_size=data.num_rows)
+            stats.add(data.num_rows, _column_stats(data, pc))
+
         for batch in batches:
             if not batch.num_rows:
                 continue
@@ -172,11 +182,15 @@ def _file_writer(location: str, schema_bytes: bytes, partition_by: tuple[str, ..
                     stream = fs.open_output_stream(f"{root}/{relative}")
                     open_files[key] = (pq.ParquetWriter(stream, schema, compression="snappy"), stream, relative,
                                        FileStats())
-                writer, _, _, stats = open_files[key]
-                data = pa.table([part.column(f.name).cast(f.type) for f in schema], schema=schema)
-                writer.write_table(data)
-                stats.add(data.num_rows, _column_stats(data, pc))
+                # Spark's Arrow batches are small (10,000 rows by default): a row group of each
+                # would make files slow to read.
+                pending.setdefault(key, []).append(
+                    pa.table([part.column(f.name).cast(f.type) for f in schema], schema=schema))
+                if sum(t.num_rows for t in pending[key]) >= ROW_GROUP_ROWS:
+                    flush(key)
         for key, (writer, stream, relative, stats) in open_files.items():
+            if key in pending:
+                flush(key)
             writer.close()
             stream.close()
             size = fs.get_file_info(f"{root}/{relative}").size
