@@ -312,8 +312,9 @@ class Sink:
             rewrite += self._files_with_rows_of(spark, closed, counts)
             log.info("epoch %d: merging counts into windows %s..%s in Spark: rewriting %d of %d files", epoch,
                      sql_timestamp(lo_ms), sql_timestamp(hi_ms), len(rewrite), len(files))
-            merged = _merged_counts(self._read_counts(spark, rewrite), counts, epoch, watermark_ms,
-                                    self.cfg.allowed_lateness_ms, finalize_untouched)
+            old = self._read_counts(spark, rewrite) if rewrite else None
+            merged = _merged_counts(old, counts, epoch, watermark_ms, self.cfg.allowed_lateness_ms,
+                                    finalize_untouched)
             written = write_files(merged, path, arrow_schema(_unpartitioned(COUNTS_COLUMNS)),
                                   partition_by=COUNTS_PARTITION_BY, tag=f"epoch-{epoch}")
             before_commit()
@@ -581,32 +582,37 @@ def _unpartitioned(columns: Columns) -> Columns:
     return tuple(c for c in columns if c[0] not in COUNTS_PARTITION_BY)
 
 
-def _merged_counts(old: DataFrame, counts: DataFrame, epoch: int, watermark_ms: int | None, lateness_ms: int,
-                   finalize_untouched: bool) -> DataFrame:
+def _merged_counts(old: DataFrame | None, counts: DataFrame, epoch: int, watermark_ms: int | None,
+                   lateness_ms: int, finalize_untouched: bool) -> DataFrame:
     """The rows of ``old`` (counts rows) with the epoch's ``counts`` merged in, as the MERGE
     of :meth:`Sink._merge_counts` leaves them: counts added, ``first_epoch``/``last_epoch``
     the least/greatest epoch counted into the row, final once the watermark passed the
     window's end plus the lateness (untouched rows too, if ``finalize_untouched``); new rows
-    for windows and clients not in ``old``. Partition columns from ``window_start``."""
+    for windows and clients not in ``old``. Partition columns from ``window_start``. No
+    ``old`` (no file to rewrite): the epoch's rows as new ones, with no join."""
     from pyspark.sql import functions as F
 
-    t, s = old.alias("t"), counts.alias("s")
-    joined = t.join(s, (F.col("t.window_start") == F.col("s.window_start")) & (F.col("t.ip") == F.col("s.ip")),
-                    "full_outer")
-    had, touched = F.col("t.count").isNotNull(), F.col("s.count").isNotNull()
-    start = F.coalesce(F.col("t.window_start"), F.col("s.window_start"))
-    end = F.coalesce(F.col("t.window_end"), F.col("s.window_end"))
+    s = counts.alias("s")
+    if old is None:  # every row new: what the join would leave, without it
+        joined, t = s, (lambda name: F.lit(None))
+    else:
+        joined = old.alias("t").join(
+            s, (F.col("t.window_start") == F.col("s.window_start")) & (F.col("t.ip") == F.col("s.ip")), "full_outer")
+        t = (lambda name: F.col(f"t.{name}"))
+    had, touched = t("count").isNotNull(), F.col("s.count").isNotNull()
+    start = F.coalesce(t("window_start"), F.col("s.window_start"))
+    end = F.coalesce(t("window_end"), F.col("s.window_end"))
     final_now = F.lit(False) if watermark_ms is None else \
         end <= F.timestamp_millis(F.lit(watermark_ms - lateness_ms).cast("long"))
-    was_final = F.coalesce(F.col("t.is_final"), F.lit(False))
+    was_final = F.coalesce(t("is_final"), F.lit(False))
     epoch_lit = F.lit(epoch).cast("long")
     return joined.select(
-        start.alias("window_start"), end.alias("window_end"), F.coalesce(F.col("t.ip"), F.col("s.ip")).alias("ip"),
-        (F.coalesce(F.col("t.count"), F.lit(0)) + F.coalesce(F.col("s.count"), F.lit(0))).cast("long").alias("count"),
-        F.when(~had | (touched & (F.col("t.first_epoch") > epoch_lit)), epoch_lit)
-         .otherwise(F.col("t.first_epoch")).alias("first_epoch"),
-        F.when(~had | (touched & (F.col("t.last_epoch") < epoch_lit)), epoch_lit)
-         .otherwise(F.col("t.last_epoch")).alias("last_epoch"),
+        start.alias("window_start"), end.alias("window_end"), F.coalesce(t("ip"), F.col("s.ip")).alias("ip"),
+        (F.coalesce(t("count"), F.lit(0)) + F.coalesce(F.col("s.count"), F.lit(0))).cast("long").alias("count"),
+        F.when(~had | (touched & (t("first_epoch") > epoch_lit)), epoch_lit)
+         .otherwise(t("first_epoch")).alias("first_epoch"),
+        F.when(~had | (touched & (t("last_epoch") < epoch_lit)), epoch_lit)
+         .otherwise(t("last_epoch")).alias("last_epoch"),
         F.when(~had, final_now).otherwise(was_final | (final_now if finalize_untouched else touched & final_now))
          .alias("is_final"),
         F.date_format(start, "yyyy-MM-dd'T'HH").alias("window_hour"),
