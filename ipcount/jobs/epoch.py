@@ -219,8 +219,8 @@ class EpochRunner:
                 window_ms = self.cfg.window_ms
                 sink_version = self.sink.write_from_spark(
                     plan, tally.counts(window_ms), tally.dead_letters(plan.epoch),
-                    tally.late_records(plan.epoch, window_ms, plan.watermark_ms), totals, tally.counted_windows_ms,
-                    watermark_after_ms=watermark_after, chain=chain, stages=stages,
+                    tally.late_records(plan.epoch, window_ms, plan.watermark_ms), totals,
+                    counted_windows_ms=tally.counted_windows_ms, watermark_after_ms=watermark_after, chain=chain, stages=stages,
                     before_commit=lambda: self.step("after_counts_files", plan.epoch))
             finally:
                 tally.rows.unpersist()
@@ -369,7 +369,8 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
                              plan.watermark_ms)
     classified = transform.classify(parsed, cfg.window_ms, cfg.allowed_lateness_ms, plan.watermark_ms)
     tally = transform.tally(classified, dead_letter_prefix_bytes(cfg.max_value_bytes))
-    if plan.size <= cfg.max_driver_tally_rows:  # (a tally has at most a row per record)
+    # (a tally has at most a row per record, besides a few rows of totals per partition)
+    if plan.size <= cfg.max_driver_tally_rows:
         return EpochTally(tally.toArrow())
     # Possibly too large for this process: kept in Spark, measured, and collected only if small.
     from pyspark import StorageLevel

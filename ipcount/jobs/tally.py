@@ -126,8 +126,7 @@ class SparkTally:
         """The tally ``rows`` (persisted by the caller) with its metrics, in one small job."""
         from pyspark.sql import functions as F
 
-        counted = ~F.col("totals") & (F.col("late") == F.lit(False))
-        start = F.when(counted, F.col("window_start_ms"))
+        start = F.when(_counted(), F.col("window_start_ms"))
         # A row per partition and outcome for the totals, a few for the other rows.
         groups = rows.groupBy("totals", "partition", "late").agg(
             F.sum("records").alias("records"), F.max("max_event_ms").alias("max_event_ms"),
@@ -151,10 +150,11 @@ class SparkTally:
         return self.rows.where(~F.col("totals"))
 
     def counts(self, window_ms: int) -> DataFrame:
-        """Counts per window and client (as :meth:`EpochTally.counts`)."""
+        """Counts per window and client (as :meth:`EpochTally.counts`), in the windows of
+        :attr:`counted_windows_ms`: the same rows, so the merge reads every file they can touch."""
         from pyspark.sql import functions as F
 
-        counted = self._rows().where(F.col("late") == F.lit(False))
+        counted = self.rows.where(_counted())
         return counted.select(F.timestamp_millis("window_start_ms").alias("window_start"),
                               F.timestamp_millis(F.col("window_start_ms") + F.lit(window_ms)).alias("window_end"),
                               "ip", F.col("records").alias("count"))
@@ -177,6 +177,13 @@ class SparkTally:
                            F.timestamp_millis(start).alias("window_start"),
                            F.timestamp_millis(start + F.lit(window_ms)).alias("window_end"),
                            F.timestamp_millis(F.lit(watermark_ms).cast("long")).alias("watermark"))
+
+
+def _counted():
+    """Which of the tally's rows are counts (a Spark column)."""
+    from pyspark.sql import functions as F
+
+    return ~F.col("totals") & (F.col("late") == F.lit(False))
 
 
 def _spark_record(epoch: int) -> list:

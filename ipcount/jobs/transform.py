@@ -286,8 +286,9 @@ def tally(classified: DataFrame, dead_letter_prefix: int) -> DataFrame:
       a row of totals (``totals`` true): the epoch's metrics;
     * counted records collapse into one row per window and client, over all partitions:
       the counts, with no second aggregation; a record that is not counted (malformed or
-      late) stays a row of its own, its partition and offset in the grouping key, with what
-      its dead-letter or late-record row needs.
+      late) stays a row of its own, its topic, partition and offset in the grouping key, with
+      what its dead-letter or late-record row needs. (A counted row has no topic or
+      partition.)
 
     ``records`` is how many records a row stands for. One pass over the records and no
     cache: a cache of the classified records, read once for each output, cost as much to

@@ -122,7 +122,7 @@ class PipelineConfig:
         minimum=1, scope=RUN, title="Max records in this epoch")
     max_driver_tally_rows: int = setting(
         250_000,
-        "an epoch's tally (a row per partition, window and client counted, and per bad or late record) of at "
+        "an epoch's tally (a row per window and client counted, and per bad or late record) of at "
         "most this many rows is merged by the epoch's own process; a larger one is written by Spark's executors "
         "into the tables, and only the files' metadata reaches the process that commits (0: always the executors)",
         minimum=0)

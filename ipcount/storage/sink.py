@@ -224,7 +224,7 @@ class Sink:
         return done.version
 
     def write_from_spark(self, plan: EpochPlan, counts: DataFrame, dead_letters: DataFrame, late_records: DataFrame,
-                         sizes: PartitionMetrics, counted_windows_ms: tuple[int, int] | None,
+                         sizes: PartitionMetrics, *, counted_windows_ms: tuple[int, int] | None,
                          watermark_after_ms: int | None = None,
                          chain: Sequence[ChainCommit] = (), stages: dict[str, float] | None = None,
                          before_commit: Callable[[], None] = lambda: None) -> int | None:

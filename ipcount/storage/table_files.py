@@ -33,8 +33,10 @@ if TYPE_CHECKING:
     from deltalake.transaction import AddAction, RemoveAction
     from pyspark.sql import DataFrame, SparkSession
 
-# Rows per Parquet row group the writers make (at most; fewer at a file's end).
+# Rows per Parquet row group the writers make (fewer at a file's end, or where the rows
+# buffered for one reach ROW_GROUP_BYTES first: dead letters keep values of up to 64 KiB).
 ROW_GROUP_ROWS = 131_072
+ROW_GROUP_BYTES = 64 * 2**20
 # What a writing task returns per file.
 WRITTEN_FILE_SCHEMA = "path string, size long, partition_values string, records long, stats string"
 
@@ -162,10 +164,15 @@ def _file_writer(location: str, schema_bytes: bytes, partition_by: tuple[str, ..
         open_files: dict[tuple, tuple[Any, Any, str, FileStats]] = {}
         pending: dict[tuple, list[Any]] = {}  # rows not yet written, per file
 
-        def flush(key: tuple) -> None:
+        def flush(key: tuple, whole_groups: bool = False) -> None:
+            """Write the file's pending rows (only whole row groups of them if ``whole_groups``)."""
             data = pa.concat_tables(pending.pop(key))
+            rows = data.num_rows - data.num_rows % ROW_GROUP_ROWS if whole_groups else data.num_rows
+            if rows < data.num_rows:
+                pending[key] = [data.slice(rows)]
+            data = data.slice(0, rows)
             writer, _, _, stats = open_files[key]
-            writer.write_table(data, row_group_size=data.num_rows)
+            writer.write_table(data, row_group_size=ROW_GROUP_ROWS)
             stats.add(data.num_rows, _column_stats(data, pc))
 
         for batch in batches:
@@ -184,10 +191,12 @@ def _file_writer(location: str, schema_bytes: bytes, partition_by: tuple[str, ..
                                        FileStats())
                 # Spark's Arrow batches are small (10,000 rows by default): a row group of each
                 # would make files slow to read.
-                pending.setdefault(key, []).append(
-                    pa.table([part.column(f.name).cast(f.type) for f in schema], schema=schema))
-                if sum(t.num_rows for t in pending[key]) >= ROW_GROUP_ROWS:
+                rows = pending.setdefault(key, [])
+                rows.append(pa.table([part.column(f.name).cast(f.type) for f in schema], schema=schema))
+                if sum(t.nbytes for t in rows) >= ROW_GROUP_BYTES:
                     flush(key)
+                elif sum(t.num_rows for t in rows) >= ROW_GROUP_ROWS:
+                    flush(key, whole_groups=True)
         for key, (writer, stream, relative, stats) in open_files.items():
             if key in pending:
                 flush(key)

@@ -5,14 +5,22 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from ipcount.storage import table_files
 
 
-def test_a_file_holds_its_partitions_rows_in_row_groups_of_many_batches(tmp_path, monkeypatch):
-    monkeypatch.setattr(table_files, "ROW_GROUP_ROWS", 25)
+@pytest.mark.parametrize(("group_rows", "group_bytes", "groups"), [
+    (12, 2**20, [12, 12, 11]),  # whole row groups, what is left of the rows at the end
+    (12, 1, [5] * 7),           # rows buffered past the byte limit: each batch's five written at once
+])
+def test_a_file_holds_its_partitions_rows_in_row_groups_of_many_batches(tmp_path, monkeypatch, group_rows,
+                                                                        group_bytes, groups):
+    monkeypatch.setattr(table_files, "ROW_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(table_files, "ROW_GROUP_BYTES", group_bytes)
     schema = pa.schema([("n", pa.int64())])
-    # Seven batches of ten rows, as Spark hands them over; each row's day alternates.
+    # Seven batches of ten rows, as Spark hands them over; each row's day alternates: five
+    # rows of each file a batch.
     batches = [pa.RecordBatch.from_pydict({"n": list(range(b * 10, b * 10 + 10)),
                                            "day": ["d1" if n % 2 else "d0" for n in range(b * 10, b * 10 + 10)]})
                for b in range(7)]
@@ -25,8 +33,7 @@ def test_a_file_holds_its_partitions_rows_in_row_groups_of_many_batches(tmp_path
         parquet = pq.ParquetFile(tmp_path / f["path"])
         assert f["path"].startswith(f"day={day}/epoch-1-") and f["records"] == 35
         assert f["size"] == (tmp_path / f["path"]).stat().st_size
-        # five batches' rows (25) in the first row group, the rest in the last
-        assert [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)] == [25, 10]
+        assert [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)] == groups
         expected = [n for n in range(70) if (n % 2 == 1) == (day == "d1")]
         assert parquet.read().column("n").to_pylist() == expected
         assert json.loads(f["stats"])["numRecords"] == 35
