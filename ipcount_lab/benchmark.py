@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -49,7 +50,11 @@ from ipcount.storage.spark import DRIVER_ENV
 from ipcount_lab import bench_rounds, bench_stats
 from ipcount_lab.service import free_port
 
-MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth", "year", "cardinality")
+MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth", "year", "cardinality",
+                "cluster")
+# What runs unless --only says otherwise: ``cluster`` starts Spark clusters of its own and its
+# default is the target's 5M records on each, so it runs when named.
+DEFAULT_MEASUREMENTS = tuple(m for m in MEASUREMENTS if m != "cluster")
 # The measurements that read the --records range (the others bring records of their own).
 READ_THE_RANGE = ("warm", "cold", "kafka_python", "profile")
 COLD = ("spark_count", "peer", "pipeline")
@@ -61,6 +66,11 @@ WARM_RATIOS = (("pipeline / peer", "pipeline", "peer"), ("pipeline / read limit"
                ("pipeline_epochs / peer_epochs", "pipeline_epochs", "peer_epochs"),
                ("pipeline_epochs / read limit", "pipeline_epochs", "spark_count"))
 BENCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "bench_job.py")
+# The line bench_job.py prints once a round's pipeline run is done (bench_rounds.warm_rounds):
+# how far a session that failed got.
+PIPELINE_ROUND_DONE = re.compile(r"^\[benchmark\]\s+round \d+ pipeline: ", re.MULTILINE)
+# A JVM memory size, as --driver-memory, spark.executor.memory and a worker's --memory all take it.
+JVM_MEMORY = re.compile(r"[1-9][0-9]*[kmgt]", re.IGNORECASE)
 
 
 @dataclass
@@ -114,8 +124,18 @@ class PeakMemory:
         return None if self.peak_mb is None else round(self.peak_mb, 1)
 
 
+class ProcessFailed(RuntimeError):
+    """A measured command exited with an error: its exit code and the log that holds its output
+    (a measurement that counts failures records them, the others let this end the run)."""
+
+    def __init__(self, command: Sequence[str], returncode: int, log_path: Path) -> None:
+        super().__init__(f"{Path(command[0]).name} failed (exit {returncode}); its output: {log_path}")
+        self.returncode, self.log_path = returncode, log_path
+
+
 def run_process(command: Sequence[str], log_path: Path, env: dict | None = None) -> tuple[float, float | None, str]:
-    """(wall seconds, peak JVM MB, output) of a command that must succeed."""
+    """(wall seconds, peak JVM MB, output) of a command that must succeed: the peak is the sum of
+    the resident memory of the ``java`` processes in its process tree (:class:`PeakMemory`)."""
     started = time.monotonic()
     with open(log_path, "w") as log:  # a file, not a pipe: Spark's logs would fill a pipe and stall it
         proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -126,20 +146,20 @@ def run_process(command: Sequence[str], log_path: Path, env: dict | None = None)
     peak = memory.stop()
     out = log_path.read_text(errors="replace")
     if proc.returncode != 0:
-        raise RuntimeError(f"{Path(command[0]).name} failed (exit {proc.returncode}); its output: {log_path}")
+        raise ProcessFailed(command, proc.returncode, log_path)
     return wall, peak, out
 
 
 def spark_submit(cfg: PipelineConfig, application: str, args: Sequence[str], name: str,
-                 driver_memory: str | None = None) -> list[str]:
+                 driver_memory: str | None = None, conf: dict[str, str] | None = None) -> list[str]:
     """The spark-submit command line the DAG's SparkSubmitOperator builds (same master,
-    jars and settings)."""
+    jars and settings), with ``conf``'s settings added (a measurement's own)."""
     from ipcount.storage.spark import spark_conf, spark_jars
 
     command = [str(Path(sys.executable).parent / "spark-submit"), "--master", cfg.spark_master,
                "--name", name, "--jars", ",".join(spark_jars()),
                *(("--driver-memory", driver_memory) if driver_memory else ())]
-    for key, value in spark_conf(cfg).items():
+    for key, value in {**spark_conf(cfg), **(conf or {})}.items():
         command += ["--conf", f"{key}={value}"]
     return [*command, application, *args]
 
@@ -255,6 +275,62 @@ def measure_cardinality(cfg: PipelineConfig, sizes: Sequence[int], rounds: int, 
             "wall_seconds": round(wall, 3), "peak_rss_mb": peak, "runs": runs,
             "contenders": {c: bench_stats.contender_summary(runs, c) for c in ("pipeline", "peer")},
             "ratio": bench_stats.paired_ratio(runs, "pipeline", "peer", first_round=2 if rounds > 1 else 1)}
+    return out
+
+
+def measure_cluster(cfg: PipelineConfig, records: int, workers: Sequence[int], rounds: int, partitions: int,
+                    seed: int, logs: Path, workdir: Path, driver_memory: str, executor_memory: str) -> dict:
+    """Every record from a client of its own (a tally row per record) on a Spark standalone
+    cluster: for each count of workers (a core each) a cluster of its own, and on it one
+    spark-submit of ``rounds`` rounds of the pipeline, an epoch over the whole range on a fresh
+    table set each, in one long-lived session whose driver heap is ``driver_memory`` and each
+    executor's ``executor_memory`` (each worker offers just that, so an executor always fits).
+    The peer is left out: its state store holds an entry per window and client on the
+    executors (at 5M in a 1 GB local-mode heap it died of OutOfMemoryError), and the target is
+    the pipeline's. A failed spark-submit is recorded with its exit, its log and the rounds done
+    before it, not raised: whether the session lasts every round is what is measured."""
+    from ipcount_lab.embedded_spark import EmbeddedSparkCluster, cluster_env
+
+    workdir = workdir.resolve()  # the executors run in the workers' directories, not this one
+    sized = cfg.replace(topic=f"{cfg.topic}_cluster", max_records_per_epoch=records)
+    say(f"generating {records:,} records, each from a client of its own, on {sized.topic}")
+    ending = generate(sized, records, partitions, seed + 4, distinct_clients=True)
+    out: dict = {"records": records, "rounds": rounds, "driver_memory": driver_memory,
+                 "executor_memory": executor_memory, "max_driver_tally_rows": cfg.max_driver_tally_rows,
+                 "workers": {}}
+    for n in workers:
+        name = f"cluster-{n}w"
+        log = logs / f"{name}.log"
+        cluster = EmbeddedSparkCluster(state_dir=workdir / f"{name}-spark", port=free_port(), webui_port=free_port(),
+                                       workers=n, worker_cores=1, worker_memory=executor_memory)
+        command = spark_submit(sized.replace(spark_master=cluster.master_url), BENCH_APPLICATION, [
+            *job_args("rounds", sized, ending, workdir / name), "--rounds", str(rounds), "--epochs", "1",
+            "--contenders", "pipeline", "--max-driver-tally-rows", str(cfg.max_driver_tally_rows)], f"bench-{name}",
+            driver_memory=driver_memory, conf={"spark.executor.memory": executor_memory})
+        say(f"measuring cluster with {n} worker(s): {rounds} rounds of the pipeline in one session (driver heap "
+            f"{driver_memory}, executors {executor_memory}; log {log}, the cluster's under {cluster.state_dir})")
+        try:
+            cluster.start()
+            wall, peak, output = run_process(command, log, {**DRIVER_ENV, **cluster_env()})
+        except ProcessFailed as failed:
+            done = len(PIPELINE_ROUND_DONE.findall(log.read_text(errors="replace")))
+            say(f"  {n} worker(s): spark-submit failed (exit {failed.returncode}) after {done} of {rounds} rounds")
+            out["workers"][str(n)] = {"ok": False, "exit": failed.returncode, "log": str(log), "rounds_done": done}
+            continue
+        finally:
+            cluster.stop()
+        summary = _last_json(output)
+        runs = summary["runs"]
+        out["workers"][str(n)] = {
+            "ok": True, "exit": 0, "log": str(log), "rounds_done": len(runs), "wall_seconds": round(wall, 3),
+            # The JVMs under spark-submit: the driver's alone (not its Python, not the executors).
+            "peak_rss_mb": peak, "memory": summary["memory"], "runs": runs,
+            "pipeline": bench_stats.contender_summary(runs, "pipeline")}
+    # What adding workers buys: the fewest workers' warm median over each larger count's.
+    medians = {int(n): w["pipeline"]["warm"].get("median") for n, w in out["workers"].items() if w["ok"]}
+    fewest = min(workers)
+    out["speedup"] = {str(n): round(medians[fewest] / m, 3) for n, m in medians.items()
+                      if n != fewest and m and medians.get(fewest)}
     return out
 
 
@@ -408,6 +484,10 @@ def check_totals(report: dict) -> None:
                 counted[f"{mode} {name}"] = c["counted"]
     if len(set(counted.values())) > 1:
         raise RuntimeError(f"requests counted differ: {counted}; they do not compute the same thing")
+    on_clusters = {n: w["pipeline"]["counted"] for n, w in report.get("cluster", {}).get("workers", {}).items()
+                   if w["ok"]}
+    if len(set(on_clusters.values())) > 1:
+        raise RuntimeError(f"requests counted on clusters of each count of workers differ: {on_clusters}")
 
 
 def measure_profile(cfg: PipelineConfig, ending: dict[int, int], records: int, repeats: int, logs: Path,
@@ -716,6 +796,7 @@ def render(report: dict) -> str:
             for name, t in history["tables"].items()))
     lines += _render_year(report.get("year"))
     lines += _render_cardinality(report.get("cardinality"))
+    lines += _render_cluster(report.get("cluster"))
     drain = report.get("kafka_python")
     if drain:
         lines.append(f"kafka_python: a plain consumer draining the range: {_range(drain['seconds'], ' s')}")
@@ -735,6 +816,31 @@ def _render_cardinality(card: dict | None) -> list[str]:
                      f"{_range(c['peer']['warm'], ' s')}; pipeline / peer {_range(sized['ratio'])}; "
                      f"{c['pipeline']['counted']:,} counted; peak RSS {sized['peak_rss_mb'] or 0:.0f} MB; "
                      f"pipeline stages {stages}")
+    return lines
+
+
+def _render_cluster(cluster: dict | None) -> list[str]:
+    if not cluster:
+        return []
+    lines = [f"cluster: {cluster['records']:,} records, each from a client of its own; one epoch (the pipeline) a "
+             f"round on a Spark standalone cluster of workers of 1 core, executors {cluster['executor_memory']}, "
+             f"driver heap {cluster['driver_memory']}; {cluster['rounds']} rounds in one session, the first cold "
+             f"(seconds: median [min-max] of the rest)"]
+    for n, w in cluster["workers"].items():
+        head = f"  {int(n):>2} worker{'' if n == '1' else 's'}: {w['rounds_done']} of {cluster['rounds']} rounds"
+        if not w["ok"]:
+            lines.append(f"{head}, then the spark-submit failed (exit {w['exit']}; {w['log']})")
+            continue
+        p = w["pipeline"]
+        cold = "-" if p["cold_seconds"] is None else f"{p['cold_seconds']:.2f} s"
+        stages = " ".join(f"{k} {v:.2f}" for k, v in p["stages"].items())
+        lines.append(f"{head}; round 1 {cold}, warm {_range(p['warm'], ' s')}; {p['counted']:,} counted; driver "
+                     f"peak heap {w['memory']['peak_heap_mb'] or 0:.0f} MB, its JVM's peak RSS "
+                     f"{w['peak_rss_mb'] or 0:.0f} MB; stages {stages}")
+    if cluster["speedup"]:
+        fewest = min(int(n) for n in cluster["workers"])
+        lines.append(f"  adding workers (the {fewest}-worker warm median / this one's, > 1: faster): " + ", ".join(
+            f"{n} workers x{ratio:.2f}" for n, ratio in cluster["speedup"].items()))
     return lines
 
 
@@ -769,8 +875,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--records", type=int, default=1_000_000, help="records to generate (default 1M; 5M and more work)")
     p.add_argument("--partitions", type=int, default=3, help="topic partitions (default 3)")
     p.add_argument("--bootstrap-servers", help="use this broker instead of starting an embedded one")
-    p.add_argument("--only", default=",".join(MEASUREMENTS),
-                   help=f"comma-separated measurements to run (default all: {','.join(MEASUREMENTS)})")
+    p.add_argument("--only", default=",".join(DEFAULT_MEASUREMENTS),
+                   help=f"comma-separated measurements to run, from {','.join(MEASUREMENTS)} (default all but "
+                        "cluster, which starts clusters of its own)")
     p.add_argument("--rounds", type=int, default=4, help="warm: rounds in the one session (default 4, at least 2)")
     p.add_argument("--epochs", type=int, default=4,
                    help="warm: epochs (micro-batches) of the multi-epoch contenders (default 4; 1: none)")
@@ -806,14 +913,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--year-records", type=int, default=2000, help="year: records per real epoch (default 2000)")
     p.add_argument("--cardinality-records", default="1000000",
                    help="cardinality: comma-separated sizes of the ranges whose records each come from a client "
-                        "of their own (default 1000000; 5000000 works)")
+                        "of their own (default 1000000; 5000000 with --cardinality-driver-memory 3g: at 1g the peer's "
+                        "state store runs out of memory)")
     p.add_argument("--cardinality-rounds", type=int, default=3,
                    help="cardinality: rounds of each size in one session, the first cold (default 3)")
     p.add_argument("--cardinality-driver-memory", default="1g",
                    help="cardinality: the spark-submit's --driver-memory (default 1g, Spark's; in local mode "
                         "it holds all of Spark)")
+    p.add_argument("--cluster-records", type=int, default=5_000_000,
+                   help="cluster: records in the range, each from a client of its own (default 5000000)")
+    p.add_argument("--cluster-workers", default="1,2",
+                   help="cluster: comma-separated counts of workers (1 core each), a cluster of each (default 1,2)")
+    p.add_argument("--cluster-rounds", type=int, default=3,
+                   help="cluster: rounds in one session on each cluster, an epoch over the range each, the first "
+                        "cold (default 3; the target asks for 10)")
+    p.add_argument("--cluster-driver-memory", default="512m",
+                   help="cluster: the spark-submit's --driver-memory (default 512m)")
+    p.add_argument("--cluster-executor-memory", default="1g",
+                   help="cluster: spark.executor.memory, and what each worker offers (default 1g, Spark's)")
     p.add_argument("--max-driver-tally-rows", type=int, default=PipelineConfig.max_driver_tally_rows,
-                   help="cardinality: the pipeline's max_driver_tally_rows (default the pipeline's, "
+                   help="cardinality, cluster: the pipeline's max_driver_tally_rows (default the pipeline's, "
                         f"{PipelineConfig.max_driver_tally_rows:,}; larger tallies are written by the executors)")
     p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
@@ -827,7 +946,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                ("--growth-ips", args.growth_ips, 1), ("--year-rounds", args.year_rounds, 1),
                                ("--year-epochs", args.year_epochs, 1), ("--year-warmup", args.year_warmup, 1),
                                ("--year-log-retention-hours", args.year_log_retention_hours, 1),
-                               ("--cardinality-rounds", args.cardinality_rounds, 1)):
+                               ("--cardinality-rounds", args.cardinality_rounds, 1),
+                               ("--cluster-rounds", args.cluster_rounds, 1)):
         if value < least:
             p.error(f"{flag} must be at least {least}")
     try:
@@ -843,8 +963,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not sizes or min(sizes) < args.partitions or len(set(sizes)) != len(sizes):
         p.error("--cardinality-records takes distinct whole numbers of at least --partitions, comma-separated; "
                 f"got {args.cardinality_records!r}")
+    try:
+        workers = sorted(int(n) for n in args.cluster_workers.split(","))
+    except ValueError:
+        workers = []
+    if not workers or workers[0] < 1 or len(set(workers)) != len(workers):
+        p.error("--cluster-workers takes distinct whole numbers of at least 1, comma-separated; "
+                f"got {args.cluster_workers!r}")
+    for flag, value in (("--cluster-driver-memory", args.cluster_driver_memory),
+                        ("--cluster-executor-memory", args.cluster_executor_memory)):
+        if not JVM_MEMORY.fullmatch(value):
+            p.error(f"{flag} takes a JVM memory size such as 512m or 1g; got {value!r}")
     for flag, value in (("--epoch-records", args.epoch_records), ("--history-records", args.history_records),
-                        ("--year-records", args.year_records)):
+                        ("--year-records", args.year_records), ("--cluster-records", args.cluster_records)):
         if value < args.partitions:
             p.error(f"{flag} must be at least --partitions")
     if not 1 <= args.partitions <= 64:
@@ -931,6 +1062,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["cardinality"] = measure_cardinality(
                 cfg.replace(max_driver_tally_rows=args.max_driver_tally_rows), sizes, args.cardinality_rounds,
                 args.partitions, args.seed, logs, workdir, args.cardinality_driver_memory)
+        if "cluster" in only:
+            say(f"measuring cluster: {args.cluster_records:,} records, a client per record, on clusters of "
+                f"{args.cluster_workers} worker(s)")
+            report["cluster"] = measure_cluster(
+                cfg.replace(max_driver_tally_rows=args.max_driver_tally_rows), args.cluster_records, workers,
+                args.cluster_rounds, args.partitions, args.seed, logs, workdir,
+                driver_memory=args.cluster_driver_memory, executor_memory=args.cluster_executor_memory)
         check_totals(report)
         print(render(report), flush=True)
         out = args.json or STATE_DIR / "benchmark" / f"{datetime.now():%Y%m%d-%H%M%S}.json"

@@ -136,6 +136,37 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
         assert text in proc.stdout, text
 
 
+def test_benchmark_runs_the_pipeline_on_clusters_of_one_and_two_workers(broker, tmp_path):
+    """``--only cluster`` at a tiny size: a cluster of each count of workers, the rounds of one
+    session on each, the tally written by the executors, both clusters counting the same."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "ipcount_lab.benchmark", "--only", "cluster",
+                           "--cluster-records", "3000", "--cluster-workers", "1,2", "--cluster-rounds", "2",
+                           "--cluster-driver-memory", "512m", "--cluster-executor-memory", "512m",
+                           "--max-driver-tally-rows", "1000",
+                           "--bootstrap-servers", broker.bootstrap_servers, "--json", str(out),
+                           "--workdir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    cluster = json.loads(out.read_text())["cluster"]
+    assert (cluster["records"], cluster["rounds"], cluster["driver_memory"], cluster["executor_memory"]) == (
+        3000, 2, "512m", "512m")
+    assert list(cluster["workers"]) == ["1", "2"]
+    for n, w in cluster["workers"].items():
+        assert w["ok"] and w["exit"] == 0 and w["rounds_done"] == 2, (n, w)
+        assert [(r["round"], r["contender"]) for r in w["runs"]] == [(1, "pipeline"), (2, "pipeline")]
+        pipeline = w["pipeline"]
+        assert pipeline["batches"] == 1 and pipeline["counted"] > 2900
+        assert pipeline["counted"] + pipeline["late"] + pipeline["malformed"] == 3000
+        assert "aggregate" not in pipeline["stages"] and pipeline["stages"]["merge"] > 0  # (the executors' path)
+        assert w["peak_rss_mb"] > 0 and w["memory"]["peak_heap_mb"] > 0
+    assert cluster["workers"]["1"]["pipeline"]["counted"] == cluster["workers"]["2"]["pipeline"]["counted"]
+    assert list(cluster["speedup"]) == ["2"] and cluster["speedup"]["2"] > 0
+    for text in ("cluster: 3,000 records", "   1 worker: 2 of 2 rounds", "   2 workers: 2 of 2 rounds",
+                 "adding workers"):
+        assert text in proc.stdout, text
+
+
 def test_benchmark_refuses_bad_arguments():
     for args, message in ((["--records", "0"], "--records must be at least 1"),
                           (["--only", "pipeline,nope"], "--only takes names from"),
@@ -144,7 +175,10 @@ def test_benchmark_refuses_bad_arguments():
                           (["--paths-epochs", "4"], "--paths-epochs must be at least 5"),
                           (["--history-records", "2"], "--history-records must be at least --partitions"),
                           (["--year-ages", "10,x"], "--year-ages takes distinct whole numbers"),
-                          (["--cardinality-records", "1000,1000"], "--cardinality-records takes distinct")):
+                          (["--cardinality-records", "1000,1000"], "--cardinality-records takes distinct"),
+                          (["--cluster-workers", "1,0"], "--cluster-workers takes distinct whole numbers"),
+                          (["--cluster-rounds", "0"], "--cluster-rounds must be at least 1"),
+                          (["--cluster-driver-memory", "512"], "--cluster-driver-memory takes a JVM memory size")):
         proc = subprocess.run([sys.executable, "-m", "ipcount_lab.benchmark", *args], capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
