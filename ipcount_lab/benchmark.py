@@ -869,6 +869,16 @@ def _render_year(year: dict | None) -> list[str]:
     return lines
 
 
+def _distinct_numbers(text: str, least: int) -> list[int] | None:
+    """The comma-separated whole numbers of ``text``, or None unless there are some, all
+    distinct and at least ``least``."""
+    try:
+        numbers = [int(n) for n in text.split(",")]
+    except ValueError:
+        return None
+    return numbers if numbers and min(numbers) >= least and len(set(numbers)) == len(numbers) else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bin/benchmark", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -950,26 +960,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                ("--cluster-rounds", args.cluster_rounds, 1)):
         if value < least:
             p.error(f"{flag} must be at least {least}")
-    try:
-        ages = [int(a) for a in args.year_ages.split(",")]
-    except ValueError:
-        ages = []
-    if not ages or min(ages) < 1 or len(set(ages)) != len(ages):
+    ages = _distinct_numbers(args.year_ages, 1)
+    if ages is None:
         p.error(f"--year-ages takes distinct whole numbers of at least 1, comma-separated; got {args.year_ages!r}")
-    try:
-        sizes = [int(n) for n in args.cardinality_records.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < args.partitions or len(set(sizes)) != len(sizes):
+    sizes = _distinct_numbers(args.cardinality_records, args.partitions)
+    if sizes is None:
         p.error("--cardinality-records takes distinct whole numbers of at least --partitions, comma-separated; "
                 f"got {args.cardinality_records!r}")
-    try:
-        workers = sorted(int(n) for n in args.cluster_workers.split(","))
-    except ValueError:
-        workers = []
-    if not workers or workers[0] < 1 or len(set(workers)) != len(workers):
+    workers = _distinct_numbers(args.cluster_workers, 1)
+    if workers is None:
         p.error("--cluster-workers takes distinct whole numbers of at least 1, comma-separated; "
                 f"got {args.cluster_workers!r}")
+    workers = sorted(workers)
     for flag, value in (("--cluster-driver-memory", args.cluster_driver_memory),
                         ("--cluster-executor-memory", args.cluster_executor_memory)):
         if not JVM_MEMORY.fullmatch(value):
