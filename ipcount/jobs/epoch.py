@@ -220,8 +220,8 @@ class EpochRunner:
                 sink_version = self.sink.write_from_spark(
                     plan, tally.counts(window_ms), tally.dead_letters(plan.epoch),
                     tally.late_records(plan.epoch, window_ms, plan.watermark_ms), totals,
-                    counted_windows_ms=tally.counted_windows_ms, watermark_after_ms=watermark_after, chain=chain, stages=stages,
-                    before_commit=lambda: self.step("after_counts_files", plan.epoch))
+                    counted_windows_ms=tally.counted_windows_ms, watermark_after_ms=watermark_after, chain=chain,
+                    stages=stages, before_commit=lambda: self.step("after_counts_files", plan.epoch))
             finally:
                 tally.rows.unpersist()
             # Spark's read and merge of the open files, its file writes, and the commit.

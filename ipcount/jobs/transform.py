@@ -330,6 +330,7 @@ def _tally_columns(dead_letter_prefix: int) -> tuple[list[Column], list[list[str
                kept_row["reason"].alias("reason"),
                F.when(totals, F.col("late")).when(kept_row.isNull(), F.lit(False)).otherwise(kept_row["late"])
                .alias("late"), "window_start_ms", "ip",
-               *(kept_row[name].alias(name) for name in details if name not in ("topic", "partition", "reason", "late")),
+               *(kept_row[name].alias(name) for name in details
+                 if name not in ("topic", "partition", "reason", "late")),
                "records", "max_event_ms"]
     return keys, sets, aggregates, columns
