@@ -254,11 +254,26 @@ def _stage_totals(spark: SparkSession, group: str) -> tuple[int, float]:
 
 def jvm_memory(spark: SparkSession) -> dict[str, float | None]:
     """The driver's peak JVM heap (MB) and its GC time (s) so far (local mode: the driver
-    is all of Spark)."""
+    is all of Spark), and the peak resident memory of this Python process, the task's part
+    (:func:`python_peak_rss_mb`)."""
     driver = next((e for e in _rest(spark, "executors") if e.get("id") == "driver"), {})
     heap = (driver.get("peakMemoryMetrics") or {}).get("JVMHeapMemory")
     return {"peak_heap_mb": None if heap is None else round(heap / 2**20, 1),
-            "gc_seconds": round(driver.get("totalGCTime", 0) / 1000, 2)}
+            "gc_seconds": round(driver.get("totalGCTime", 0) / 1000, 2),
+            "python_peak_rss_mb": python_peak_rss_mb()}
+
+
+def python_peak_rss_mb() -> float | None:
+    """This process's peak resident memory (MB), from ``VmHWM``: the peak of its own address
+    space. ``getrusage``'s ``ru_maxrss`` will not do for a process started by another: Linux
+    carries the peak over ``execve``, so a child of a large parent reports the parent's size.
+    None where ``/proc`` has no such line (not Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next((line for line in status if line.startswith("VmHWM:")), None)
+    except OSError:
+        return None
+    return None if line is None else round(int(line.split()[1]) / 1024, 1)
 
 
 def runs_json(runs: list[Run]) -> list[dict]:

@@ -323,7 +323,8 @@ def measure_cluster(cfg: PipelineConfig, records: int, workers: Sequence[int], r
         runs = summary["runs"]
         out["workers"][str(n)] = {
             "ok": True, "exit": 0, "log": str(log), "rounds_done": len(runs), "wall_seconds": round(wall, 3),
-            # The JVMs under spark-submit: the driver's alone (not its Python, not the executors).
+            # The JVMs under spark-submit: the driver's alone (not the executors); its Python's
+            # own peak (the task's part) is in "memory".
             "peak_rss_mb": peak, "memory": summary["memory"], "runs": runs,
             "pipeline": bench_stats.contender_summary(runs, "pipeline")}
     # What adding workers buys: the fewest workers' warm median over each larger count's.
@@ -836,7 +837,8 @@ def _render_cluster(cluster: dict | None) -> list[str]:
         stages = " ".join(f"{k} {v:.2f}" for k, v in p["stages"].items())
         lines.append(f"{head}; round 1 {cold}, warm {_range(p['warm'], ' s')}; {p['counted']:,} counted; driver "
                      f"peak heap {w['memory']['peak_heap_mb'] or 0:.0f} MB, its JVM's peak RSS "
-                     f"{w['peak_rss_mb'] or 0:.0f} MB; stages {stages}")
+                     f"{w['peak_rss_mb'] or 0:.0f} MB, its Python's {w['memory']['python_peak_rss_mb'] or 0:.0f} "
+                     f"MB; stages {stages}")
     if cluster["speedup"]:
         fewest = min(int(n) for n in cluster["workers"])
         lines.append(f"  adding workers (the {fewest}-worker warm median / this one's, > 1: faster): " + ", ".join(

@@ -159,7 +159,7 @@ def test_benchmark_runs_the_pipeline_on_clusters_of_one_and_two_workers(broker, 
         assert pipeline["batches"] == 1 and pipeline["counted"] > 2900
         assert pipeline["counted"] + pipeline["late"] + pipeline["malformed"] == 3000
         assert "aggregate" not in pipeline["stages"] and pipeline["stages"]["merge"] > 0  # (the executors' path)
-        assert w["peak_rss_mb"] > 0 and w["memory"]["peak_heap_mb"] > 0
+        assert w["peak_rss_mb"] > 0 and w["memory"]["peak_heap_mb"] > 0 and w["memory"]["python_peak_rss_mb"] > 20
     assert cluster["workers"]["1"]["pipeline"]["counted"] == cluster["workers"]["2"]["pipeline"]["counted"]
     assert list(cluster["speedup"]) == ["2"] and cluster["speedup"]["2"] > 0
     for text in ("cluster: 3,000 records", "   1 worker: 2 of 2 rounds", "   2 workers: 2 of 2 rounds",

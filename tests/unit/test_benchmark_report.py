@@ -107,7 +107,8 @@ def test_the_report_prints_each_cluster_its_failure_and_what_adding_workers_buys
     def on(workers, seconds):
         runs = [run("pipeline", r, s, stages={"read": s - 1.0}) for r, s in enumerate(seconds, 1)]
         return {"ok": True, "exit": 0, "log": f"cluster-{workers}w.log", "rounds_done": len(runs),
-                "peak_rss_mb": 700.4, "memory": {"peak_heap_mb": 301.6, "gc_seconds": 0.0}, "runs": runs,
+                "peak_rss_mb": 700.4, "runs": runs,
+                "memory": {"peak_heap_mb": 301.6, "gc_seconds": 0.0, "python_peak_rss_mb": 210.4},
                 "pipeline": contender_summary(runs, "pipeline")}
     cluster = {"records": 5_000_000, "rounds": 3, "driver_memory": "512m", "executor_memory": "1g",
                "workers": {"1": on(1, [90.0, 80.0, 82.0]), "2": on(2, [60.0, 50.0, 52.0]),
@@ -117,7 +118,7 @@ def test_the_report_prints_each_cluster_its_failure_and_what_adding_workers_buys
     assert "cluster: 5,000,000 records, each from a client of its own" in text
     assert "executors 1g, driver heap 512m; 3 rounds in one session, the first cold" in text
     assert ("   1 worker: 3 of 3 rounds; round 1 90.00 s, warm 81.00 s [80.00-82.00]; 990 counted; driver peak heap "
-            "302 MB, its JVM's peak RSS 700 MB; stages read 80.00") in text
+            "302 MB, its JVM's peak RSS 700 MB, its Python's 210 MB; stages read 80.00") in text
     assert "   2 workers: 3 of 3 rounds; round 1 60.00 s, warm 51.00 s [50.00-52.00]" in text
     assert "   4 workers: 1 of 3 rounds, then the spark-submit failed (exit 52; logs/cluster-4w.log)" in text
     assert "adding workers (the 1-worker warm median / this one's, > 1: faster): 2 workers x1.58" in text
