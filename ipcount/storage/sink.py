@@ -289,13 +289,18 @@ class Sink:
         holding a row the epoch counts into (a backfill correcting a closed window; the
         files' statistics rule out the rest without reading them). Another commit first means
         a new snapshot and a new merge (the lost one's files are never referenced: vacuum
-        removes them). A table in an older layout (:func:`counts_partition`) takes the
-        MERGE of :meth:`_merge_counts`, with the counts collected here."""
+        removes them). A table in an older layout (:func:`counts_partition`), or with columns
+        this version does not know (a newer one's: rewritten here, their values would be lost),
+        takes the MERGE of :meth:`_merge_counts`, with the counts collected here."""
         spark = counts.sparkSession
         path = self.cfg.counts_path
-        if not has_open_partitions(latest(path)):
-            log.warning("epoch %d: %s predates the (window_day, is_final) partitions, so its counts are merged by "
-                        "this process; a rebuild gives it that layout", epoch, path)
+        table = latest(path)
+        why = None if has_open_partitions(table) else "predates the (window_day, is_final) partitions"
+        if why is None and unknown_columns(table):
+            why = f"has columns this version does not write ({', '.join(unknown_columns(table))})"
+        if why:
+            log.warning("epoch %d: %s %s, so its counts are merged by this process, which keeps what it does not "
+                        "know", epoch, path, why)
             return self._merge_counts(epoch, counts.toArrow(), watermark_ms, finalize_untouched, chain,
                                       watermark_after_ms)
         lo_ms, hi_ms = windows_ms
@@ -304,6 +309,9 @@ class Sink:
         def merge(table, properties) -> None:
             if not has_open_partitions(table):
                 raise RuntimeError(f"{path} version {table.version()} has a file without its partition values")
+            if unknown_columns(table):  # added since the check above: the epoch's re-run takes delta-rs's MERGE
+                raise RuntimeError(f"{path} version {table.version()} gained columns this version does not write: "
+                                   f"{', '.join(unknown_columns(table))}; nothing was committed, run the epoch again")
             files = live_files(table, bounds_of="window_start")
             rewrite = [f for f in files if f.partition_values["is_final"] == "false"
                        and (finalize_untouched or f.partition_values["window_day"] in days)]
@@ -567,6 +575,13 @@ def has_open_partitions(table) -> bool:
         return False
     actions = pa.table(table.get_add_actions(flatten=True))
     return all(actions.column(f"partition.{c}").null_count == 0 for c in COUNTS_PARTITION_BY)
+
+
+def unknown_columns(table) -> list[str]:
+    """The counts snapshot's columns that :data:`COUNTS_COLUMNS` does not name (a newer
+    version's)."""
+    known = {c[0] for c in COUNTS_COLUMNS}
+    return [f.name for f in table.schema().fields if f.name not in known]
 
 
 def _may_hold(file: TableFile, lo_ms: int, hi_ms: int) -> bool:

@@ -231,3 +231,30 @@ def test_files_the_committing_process_cannot_find_are_never_committed(tmp_path, 
     for wrong in (WrittenFile("epoch-1-b.parquet", 4, {}, 1, "{}"), WrittenFile("epoch-1-a.parquet", 5, {}, 1, "{}")):
         with pytest.raises(ConfigError, match="executors must reach the tables' location"):
             _check_written(str(tmp_path / "counts"), [there, wrong])
+
+
+def test_a_column_this_version_does_not_know_keeps_its_values(cfg, spark):
+    """A newer version added a column to the counts table and filled it. An epoch of this
+    version that the executors would write rewrites the open files: rows rewritten by a
+    merge that knows only its own columns would lose the values. The counts are merged by
+    delta-rs's MERGE instead, which keeps them (the side tables are still the executors')."""
+    cfg = cfg.replace(max_records_per_epoch=300, max_driver_tally_rows=0)
+    produced = produce_dataset(cfg, n=900, seed=17)
+    assert run_epoch(cfg, spark) is not None
+    assert executor_files(cfg.counts_path)
+    table = DeltaTable(cfg.counts_path)
+    from deltalake import Field, Schema  # a newer version's column, as Sink.ensure adds its own
+
+    table.alter.add_columns(Schema([Field("source", "string", nullable=True)]).fields)
+    DeltaTable(cfg.counts_path).update(updates={"source": "'newer'"})
+    noted = {(r["window_start"], r["ip"]) for r in DeltaTable(cfg.counts_path).to_pyarrow_table().to_pylist()}
+    merges_before = len([h for h in DeltaTable(cfg.counts_path).history() if h.get("operation") == "MERGE"])
+    run_until_idle(cfg, spark)
+    assert len(epoch_ranges(cfg)) >= 3
+    rows = DeltaTable(cfg.counts_path).to_pyarrow_table().to_pylist()
+    kept = {(r["window_start"], r["ip"]) for r in rows if r["source"] == "newer"}
+    assert kept == noted and len(noted) > 50                  # every row rewritten kept its value
+    assert len([h for h in DeltaTable(cfg.counts_path).history() if h.get("operation") == "MERGE"]) > merges_before
+    assert executor_files(cfg.dead_letter_path)
+    expected = expected_tables(produced, epoch_ranges(cfg))
+    assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
