@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ipcount.jobs.crash import Crash, no_crash
 from ipcount.rules.config import PipelineConfig
@@ -28,11 +29,14 @@ from ipcount.rules.errors import CommitContention, ConfigError
 from ipcount.rules.ledger import BACKFILL as BACKFILL_EPOCH
 from ipcount.rules.ledger import SUMMARY
 from ipcount.rules.maintenance import EXPIRED_LOG_CLEANUP, log_cleanup_due
-from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, LIVE, SNAPSHOT, Cursor, changed_rows,
-                                   check_never_published, epoch_of_commit, has_change_feed, sink_records,
-                                   snapshot_rows)
+from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, DELETE, INSERT, LIVE, PUBLISHED_COLUMNS, SNAPSHOT,
+                                   Cursor, changed_rows, check_never_published, epoch_of_commit, has_change_feed,
+                                   sink_records, snapshot_rows)
 from ipcount.storage.delta import commit_infos, has_table, read_rows, table_metadata
 from ipcount.storage.publisher import Publisher, create_sink_topic, log_starts, publisher_id
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger(__name__)
 COUNTS_COLUMNS = ("window_start", "window_end", "ip", "count", "is_final")
@@ -113,14 +117,12 @@ def _publish_versions(cfg: PipelineConfig, publisher: Publisher, table, cursor: 
     except Exception as e:  # e.g. the log of old versions cleaned up
         raise ConfigError(f"the counts table's change data feed of versions {first}..{latest} cannot be read ({e}); "
                           "`ipcount publish --resync` sends the table whole") from None
-    changes: dict[int, list[dict]] = {}
-    for row in pyarrow.table(feed.read_all()).to_pylist():
-        changes.setdefault(row["_commit_version"], []).append(row)
+    changes = plain_strings(pyarrow.table(feed.read_all()))  # Arrow: rows become Python objects a version at a time
     epochs = {v: epoch_of_commit(infos[v].get("userMetadata")) for v in range(first, latest + 1)}
     kinds = _epoch_kinds(cfg, {e for e in epochs.values() if e is not None})
     for version in range(first, latest + 1):
         epoch = epochs[version]
-        rows = changed_rows(changes.get(version, []))
+        rows = changed_rows(without_unchanged_pairs(_of_version(changes, version)).to_pylist())
         if epoch is None and rows:  # only epochs change counts; anything else is not the pipeline's
             raise ConfigError(f"counts version {version} changed {len(rows)} row(s) but no epoch made it "
                               f"({infos[version].get('operation')}); published up to version {version - 1}")
@@ -135,6 +137,46 @@ def _publish_versions(cfg: PipelineConfig, publisher: Publisher, table, cursor: 
             log.info("published counts version %d (epoch %d): %d rows to %s", version, epoch, len(records),
                      cfg.publish_topic)
     return cursor
+
+
+def plain_strings(table: pa.Table) -> pa.Table:
+    """``table`` with its string_view columns (delta-rs reads strings so) as strings: this
+    pyarrow's filters, comparisons and joins do not take string_view."""
+    import pyarrow as pa
+
+    if not any(f.type == pa.string_view() for f in table.schema):
+        return table
+    return table.cast(pa.schema([f.with_type(pa.string()) if f.type == pa.string_view() else f for f in table.schema]))
+
+
+def _of_version(changes: pa.Table, version: int) -> pa.Table:
+    import pyarrow.compute as pc
+
+    return changes.filter(pc.equal(changes["_commit_version"], version))
+
+
+def without_unchanged_pairs(changes: pa.Table) -> pa.Table:
+    """One version's change data without the rows an epoch written by Spark's executors
+    deleted and inserted again as they were (it replaces whole files: every open row is a
+    delete and an insert, most unchanged). :func:`~ipcount.rules.publish.changed_rows` drops
+    such pairs too; dropped here, in Arrow, they never become Python objects. A pair is
+    dropped only when its key and every published column are equal and none is null; what
+    remains is judged by ``changed_rows`` as before."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    changes = plain_strings(changes)
+    kind = changes["_change_type"]
+    is_delete, is_insert = pc.equal(kind, DELETE), pc.equal(kind, INSERT)
+    deleted, inserted = changes.filter(is_delete), changes.filter(is_insert)
+    if not deleted.num_rows or not inserted.num_rows:
+        return changes
+    same = ["window_start", "ip", *PUBLISHED_COLUMNS]
+    rest = changes.filter(pc.invert(pc.or_(is_delete, is_insert)))
+    def unpaired(left: pa.Table, right: pa.Table) -> pa.Table:  # (a join's output is all nullable)
+        return left.join(right.select(same), keys=same, join_type="left anti").select(changes.column_names) \
+            .cast(changes.schema)
+    return pa.concat_tables([rest, unpaired(deleted, inserted), unpaired(inserted, deleted)])
 
 
 def _feed_since_creation(path: str) -> bool:
