@@ -478,11 +478,29 @@ def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
 
 def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: str,
                    markers: Callable[[int], Mapping[str, int]] | None = None, floor: str | None = None) -> int | None:
-    """Append ``data`` (Arrow) once per transaction (:func:`rs_commit_once`)."""
+    """Append ``data`` (Arrow) once per transaction (:func:`rs_commit_once`), with the
+    columns of the snapshot it follows (:func:`with_table_columns`)."""
     from deltalake import write_deltalake
 
     return rs_commit_once(path, app_id, version, user_metadata, lambda table, properties: write_deltalake(
-        table, data, mode="append", commit_properties=properties), markers=markers, floor=floor)
+        table, with_table_columns(data, table), mode="append", commit_properties=properties), markers=markers,
+        floor=floor)
+
+
+def with_table_columns(data, table):
+    """``data`` (Arrow) with each column of the snapshot ``table`` that it lacks, all nulls, in
+    the table's order: a newer version may have added a column this one does not write, and
+    delta-rs refuses an append with fewer columns than the table, even an empty one. (A
+    column added as not nullable still refuses rows: that write fails, loudly.)"""
+    import pyarrow as pa
+
+    schema = pa.schema(table.schema().to_arrow())
+    missing = [f for f in schema if f.name not in data.column_names]
+    if not missing:
+        return data
+    for f in missing:
+        data = data.append_column(f.name, pa.nulls(data.num_rows, f.type))
+    return data.select(schema.names)
 
 
 def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:

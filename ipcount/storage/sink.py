@@ -46,7 +46,7 @@ from ipcount.rules.ledger import SCHEDULED, EpochPlan, PartitionMetrics
 from ipcount.rules.maintenance import COUNTS_PARTITIONS, DAY_MS, log_properties, partition_value
 from ipcount.storage.delta import (arrow_schema, commit_infos, latest, open_table, query_arrow, retry_on_conflict,
                                    rs_append_once, rs_commit_once, rs_concurrent_errors, rs_create_table,
-                                   sql_timestamp, version_with_metadata)
+                                   sql_timestamp, version_with_metadata, with_table_columns)
 from ipcount.storage.spark import spark_ddl, task_slots
 from ipcount.storage.table_files import (TableFile, WrittenFile, add_actions, live_files, read_files,
                                          remove_actions, write_files)
@@ -501,7 +501,8 @@ class Sink:
                 dead = [Transaction(app, e, RETIRED_DATE_MS) for e in range(floor + 1, upto + 1)
                         for app in (self.txn_app_id(e), *(self._fact(e, f) for f in FACTS))]
                 try:
-                    write_deltalake(table, arrow_schema(columns).empty_table(), mode="append",
+                    empty = with_table_columns(arrow_schema(columns).empty_table(), table)
+                    write_deltalake(table, empty, mode="append",
                                     commit_properties=CommitProperties(
                                         custom_metadata={"userMetadata": f"retired epochs {floor + 1}..{upto}"},
                                         max_commit_retries=0,

@@ -154,3 +154,33 @@ def test_a_bare_table_holding_only_a_floor_is_refused_beside_a_new_ledger(tmp_pa
     Ledger(cfg.ledger_path).ensure()
     with pytest.raises(TableSetMismatch, match="the ledger .* is new"):
         tableset.claim(cfg)
+
+
+def test_tables_a_newer_version_added_a_column_to_take_every_write(tables):
+    """A newer version added a column to each table (as Sink.ensure adds its own) and filled
+    it. This version's writes that append (side tables, an epoch that counted nothing, a
+    fence, a retirement) carry the column as nulls; before, delta-rs refused them all, so the
+    chain stopped at its first epoch that counted nothing."""
+    from deltalake import Field, Schema
+
+    cfg, sink, ledger = tables
+    run(sink, ledger, 1)
+    for path in sink.paths():
+        DeltaTable(path).alter.add_columns(Schema([Field("source", "string", nullable=True)]).fields)
+        DeltaTable(path).update(updates={"source": "'newer'"})
+    run(sink, ledger, 2)                                         # counts merged, side rows appended
+    p = plan(3)
+    ledger.record_plan(p, "r")
+    counted, dead, late = rows_of(3)
+    assert sink.write(p, counted.slice(0, 0), dead, late, watermark_after_ms=None) is None  # nothing counted
+    ledger.commit(p, {0: PartitionMetrics(10, 0)}, None, None, 0.1, "r")
+    assert sink.epoch_commit(3) is not None
+    sink.fence(4)
+    assert sink.retire(3) == {path: 3 for path in sink.paths()}
+    assert counts(cfg) == {(int((T0.timestamp() + k * 5) * 1000), ip): n for k in (1, 2)
+                           for ip, n in (("10.0.0.1", k), ("10.0.0.2", 1))}
+    assert dead_letters(cfg) == {(0, 10 * (k - 1), "not_json") for k in (1, 2, 3)}
+    assert len(late_records(cfg)) == 3
+    for path in sink.paths():  # epoch 1's rows keep the newer version's values; this version's rows have none
+        sources = {r["source"] for r in DeltaTable(path).to_pyarrow_table(columns=["source"]).to_pylist()}
+        assert sources == {"newer", None}, path
