@@ -295,9 +295,10 @@ class Sink:
         spark = counts.sparkSession
         path = self.cfg.counts_path
         table = latest(path)
+        unknown = unknown_columns(table)
         why = None if has_open_partitions(table) else "predates the (window_day, is_final) partitions"
-        if why is None and unknown_columns(table):
-            why = f"has columns this version does not write ({', '.join(unknown_columns(table))})"
+        if why is None and unknown:
+            why = f"has columns this version does not write ({', '.join(unknown)})"
         if why:
             log.warning("epoch %d: %s %s, so its counts are merged by this process, which keeps what it does not "
                         "know", epoch, path, why)
@@ -309,9 +310,10 @@ class Sink:
         def merge(table, properties) -> None:
             if not has_open_partitions(table):
                 raise RuntimeError(f"{path} version {table.version()} has a file without its partition values")
-            if unknown_columns(table):  # added since the check above: the epoch's re-run takes delta-rs's MERGE
+            gained = unknown_columns(table)  # since the check above: the epoch's re-run takes delta-rs's MERGE
+            if gained:
                 raise RuntimeError(f"{path} version {table.version()} gained columns this version does not write: "
-                                   f"{', '.join(unknown_columns(table))}; nothing was committed, run the epoch again")
+                                   f"{', '.join(gained)}; nothing was committed, run the epoch again")
             files = live_files(table, bounds_of="window_start")
             rewrite = [f for f in files if f.partition_values["is_final"] == "false"
                        and (finalize_untouched or f.partition_values["window_day"] in days)]
