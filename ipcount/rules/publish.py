@@ -95,14 +95,16 @@ def changed_rows(cdf_rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     A version that replaced whole files without change data of its own (an epoch merged by
     Spark's executors: :mod:`ipcount.storage.table_files`) reads as every row of the files it
     removed deleted and every row of the files it added inserted: a row deleted and inserted
-    again is an update when it differs, and no change when it does not."""
+    again is an update when it differs, and no change when it does not. So is an update whose
+    published columns are as they were (a newer version's UPDATE of a column of its own)."""
     before: dict[tuple[Any, str], bool] = {}
-    removed: dict[tuple[Any, str], Mapping[str, Any]] = {}
+    removed: dict[tuple[Any, str], Mapping[str, Any]] = {}  # a row as it was: deleted, or a preimage
     after: list[Mapping[str, Any]] = []
     for row in cdf_rows:
         change, key = row["_change_type"], (row["window_start"], row["ip"])
         if change == PREIMAGE:
             before[key] = bool(row.get("is_final"))
+            removed[key] = row
         elif change == DELETE:
             removed[key] = row
         elif change in (INSERT, POSTIMAGE):

@@ -52,6 +52,16 @@ def test_files_replaced_whole_publish_only_the_rows_that_changed():
         ("10.0.0.9", 7, True, True)]
 
 
+def test_an_update_that_leaves_every_published_column_as_it_was_publishes_nothing():
+    # e.g. a newer version's UPDATE of a column of its own: images of rows whose published
+    # columns did not change, beside a real update of the same version.
+    rows = changed_rows([
+        cdf("update_preimage", W0, "10.0.0.1", 4, True), cdf("update_postimage", W0, "10.0.0.1", 4, True),
+        cdf("update_preimage", W0, "10.0.0.2", 3, False), cdf("update_postimage", W0, "10.0.0.2", 3, True),
+    ])
+    assert [(r["ip"], r["count"], r["is_final"]) for r in rows] == [("10.0.0.2", 3, True)]
+
+
 def test_records_are_keyed_by_window_and_ip_and_the_same_every_time():
     rows = changed_rows([cdf("insert", W0, "10.0.0.1", 2, False, end=datetime(2026, 11, 21, 10, 0, 5))])
     first = sink_records(rows, table_id="tbl-1", version=7, epoch=3, kind=LIVE)
