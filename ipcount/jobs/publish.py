@@ -102,8 +102,6 @@ def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool =
 def _publish_versions(cfg: PipelineConfig, publisher: Publisher, table, cursor: Cursor, latest: int,
                       report: PublishReport, crash: Crash) -> Cursor:
     """Versions ``cursor.next_version``..``latest``, one transaction each."""
-    import pyarrow
-
     first = cursor.next_version
     infos = commit_infos(cfg.counts_path, first)   # (table.history() would misnumber them)
     if infos is None:
@@ -112,20 +110,11 @@ def _publish_versions(cfg: PipelineConfig, publisher: Publisher, table, cursor: 
     if missing:
         raise ConfigError(f"the counts table's log lacks the commit info of version(s) {missing[:5]}; publishing "
                           "cannot tell what they were (`ipcount publish --resync` sends the table whole)")
-    try:
-        # (both ends included) Only what changed_rows reads: less to hold, and no column a newer
-        # version may have added, of a type this pyarrow cannot filter or join (binary, nested).
-        feed = table.load_cdf(starting_version=first, ending_version=latest,
-                              columns=["window_start", "ip", *PUBLISHED_COLUMNS, "_change_type", "_commit_version"])
-    except Exception as e:  # e.g. the log of old versions cleaned up
-        raise ConfigError(f"the counts table's change data feed of versions {first}..{latest} cannot be read ({e}); "
-                          "`ipcount publish --resync` sends the table whole") from None
-    changes = plain_strings(pyarrow.table(feed.read_all()))  # Arrow: rows become Python objects a version at a time
     epochs = {v: epoch_of_commit(infos[v].get("userMetadata")) for v in range(first, latest + 1)}
     kinds = _epoch_kinds(cfg, {e for e in epochs.values() if e is not None})
     for version in range(first, latest + 1):
         epoch = epochs[version]
-        rows = changed_rows(without_unchanged_pairs(_of_version(changes, version)).to_pylist())
+        rows = changed_rows(without_unchanged_pairs(_changes_of(table, version, first)).to_pylist())
         if epoch is None and rows:  # only epochs change counts; anything else is not the pipeline's
             raise ConfigError(f"counts version {version} changed {len(rows)} row(s) but no epoch made it "
                               f"({infos[version].get('operation')}); published up to version {version - 1}")
@@ -152,10 +141,22 @@ def plain_strings(table: pa.Table) -> pa.Table:
     return table.cast(pa.schema([f.with_type(pa.string()) if f.type == pa.string_view() else f for f in table.schema]))
 
 
-def _of_version(changes: pa.Table, version: int) -> pa.Table:
-    import pyarrow.compute as pc
+def _changes_of(table, version: int, first: int) -> pa.Table:
+    """The change data of one counts version, as Arrow: read a version at a time, so what is
+    held is one version's however long the backlog (an executors' epoch's is every open row,
+    twice). Only what changed_rows reads: less to hold, and no column a newer version may
+    have added, of a type this pyarrow cannot filter or join (binary, nested). ``first``:
+    the first version of this run (the error says what was sent)."""
+    import pyarrow
 
-    return changes.filter(pc.equal(changes["_commit_version"], version))
+    try:
+        feed = table.load_cdf(starting_version=version, ending_version=version,
+                              columns=["window_start", "ip", *PUBLISHED_COLUMNS, "_change_type", "_commit_version"])
+        return plain_strings(pyarrow.table(feed.read_all()))
+    except Exception as e:  # e.g. the log of old versions cleaned up
+        sent = f"; published up to version {version - 1}" if version > first else ""
+        raise ConfigError(f"the counts table's change data feed of version {version} cannot be read ({e}){sent}; "
+                          "`ipcount publish --resync` sends the table whole") from None
 
 
 def without_unchanged_pairs(changes: pa.Table) -> pa.Table:
