@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from ipcount.rules.config import location_scheme
-from ipcount.rules.errors import CommitContention
+from ipcount.rules.errors import CommitContention, ConfigError
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -490,10 +490,12 @@ def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: st
 def with_table_columns(data, table):
     """``data`` (Arrow) with each column of the snapshot ``table`` that it lacks, all nulls, in
     the table's order: a newer version may have added a column this one does not write, and
-    delta-rs refuses an append with fewer columns than the table, even an empty one. (A
-    column added as not nullable still refuses rows: that write fails, loudly.)"""
+    delta-rs refuses an append with fewer columns than the table, even an empty one. Rows
+    for a table with such a column that is not nullable are refused (:func:`check_fillable`)."""
     import pyarrow as pa
 
+    if data.num_rows:
+        check_fillable(table, data.column_names)
     schema = pa.schema(table.schema().to_arrow())
     missing = [f for f in schema if f.name not in data.column_names]
     if not missing:
@@ -501,6 +503,18 @@ def with_table_columns(data, table):
     for f in missing:
         data = data.append_column(f.name, pa.nulls(data.num_rows, f.type))
     return data.select(schema.names)
+
+
+def check_fillable(table, known: Iterable[str]) -> None:
+    """Refuse to write rows to the snapshot ``table`` if it has a NOT NULL column besides
+    ``known``: a newer version's, which this one cannot fill (delta-rs would refuse the rows
+    after the work, or, for files Spark wrote, commit files the table cannot be read with)."""
+    names = set(known)
+    required = [f.name for f in table.schema().fields if f.name not in names and not f.nullable]
+    if required:
+        raise ConfigError(f"{table.table_uri} has column(s) {', '.join(required)} that a newer version of the "
+                          "pipeline added as NOT NULL, which this version cannot fill, so it wrote nothing there: "
+                          "run the newer version")
 
 
 def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:

@@ -34,9 +34,10 @@ local file system and on object storage, with no log store of our own.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import EpochFenced
@@ -44,9 +45,9 @@ from ipcount.rules.finality import ChainCommit, adds_no_rows, finalized_below, g
 from ipcount.rules.publish import CHANGE_DATA_FEED, has_change_feed
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, PartitionMetrics
 from ipcount.rules.maintenance import COUNTS_PARTITIONS, DAY_MS, log_properties, partition_value
-from ipcount.storage.delta import (arrow_schema, commit_infos, latest, open_table, query_arrow, retry_on_conflict,
-                                   rs_append_once, rs_commit_once, rs_concurrent_errors, rs_create_table,
-                                   sql_timestamp, version_with_metadata, with_table_columns)
+from ipcount.storage.delta import (arrow_schema, check_fillable, commit_infos, latest, open_table, query_arrow,
+                                   retry_on_conflict, rs_append_once, rs_commit_once, rs_concurrent_errors,
+                                   rs_create_table, sql_timestamp, version_with_metadata, with_table_columns)
 from ipcount.storage.spark import spark_ddl, task_slots
 from ipcount.storage.table_files import (TableFile, WrittenFile, add_actions, live_files, read_files,
                                          remove_actions, write_files)
@@ -269,12 +270,22 @@ class Sink:
         written: list[list[WrittenFile]] = []
 
         def append(table, properties) -> None:
+            check_fillable(table, (c[0] for c in columns))
+            if unenforced := unenforced_features(table):
+                raise _NotForExecutors(f"{path} has {', '.join(unenforced)}")
             if not written:
                 written.append(write_files(rows, path, arrow_schema(columns), tag=f"epoch-{epoch}"))
             table.create_write_transaction(add_actions(written[0]), mode="append", schema=table.schema(),
                                            partition_by=list(table.metadata().partition_columns),
                                            commit_properties=properties)
-        return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", append, floor=self.floor_id)
+        try:
+            return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", append,
+                                  floor=self.floor_id)
+        except _NotForExecutors as why:  # raised before this attempt wrote anything
+            log.warning("epoch %d: %s, which only delta-rs's own writes honour, so its rows are appended by this "
+                        "process", epoch, why)
+            return rs_append_once(path, _conform(rows.toArrow(), columns), self.txn_app_id(epoch), epoch,
+                                  f"epoch={epoch}", floor=self.floor_id)
 
     def _merge_counts_in_spark(self, epoch: int, counts: DataFrame, windows_ms: tuple[int, int],
                                watermark_ms: int | None,
@@ -289,56 +300,68 @@ class Sink:
         holding a row the epoch counts into (a backfill correcting a closed window; the
         files' statistics rule out the rest without reading them). Another commit first means
         a new snapshot and a new merge (the lost one's files are never referenced: vacuum
-        removes them). A table in an older layout (:func:`counts_partition`), or with columns
-        this version does not know (a newer one's: rewritten here, their values would be lost),
-        takes the MERGE of :meth:`_merge_counts`, with the counts collected here."""
+        removes them). Columns this version does not know (a newer one's) are carried
+        through as they are, NULL in new rows. A table in an older layout
+        (:func:`counts_partition`), with a column Spark cannot carry, or asking what only
+        delta-rs's writes honour (:func:`unenforced_features`), takes the MERGE of
+        :meth:`_merge_counts`, with the counts collected here."""
         spark = counts.sparkSession
         path = self.cfg.counts_path
-        table = latest(path)
-        unknown = unknown_columns(table)
-        why = None if has_open_partitions(table) else "predates the (window_day, is_final) partitions"
-        if why is None and unknown:
-            why = f"has columns this version does not write ({', '.join(unknown)})"
-        if why:
-            log.warning("epoch %d: %s %s, so its counts are merged by this process, which keeps what it does not "
-                        "know", epoch, path, why)
-            return self._merge_counts(epoch, counts.toArrow(), watermark_ms, finalize_untouched, chain,
-                                      watermark_after_ms)
         lo_ms, hi_ms = windows_ms
         days = {partition_value("window_day", ms) for ms in range(lo_ms - lo_ms % DAY_MS, hi_ms + 1, DAY_MS)}
 
+        def may_read(f: TableFile) -> bool:  # a file the merge reads, or reads to rule it out
+            if f.partition_values["is_final"] == "false":
+                return finalize_untouched or f.partition_values["window_day"] in days
+            return f.partition_values["window_day"] in days and _may_hold(f, lo_ms, hi_ms)
+
         def merge(table, properties) -> None:
+            import pyarrow as pa
+
+            check_fillable(table, (c[0] for c in COUNTS_COLUMNS))
             if not has_open_partitions(table):
-                raise RuntimeError(f"{path} version {table.version()} has a file without its partition values")
-            gained = unknown_columns(table)  # since the check above: the epoch's re-run takes delta-rs's MERGE
-            if gained:
-                raise RuntimeError(f"{path} version {table.version()} gained columns this version does not write: "
-                                   f"{', '.join(gained)}; nothing was committed, run the epoch again")
+                raise _NotForExecutors(f"{path} version {table.version()} predates the (window_day, is_final) "
+                                       "partitions")
+            if unenforced := unenforced_features(table):
+                raise _NotForExecutors(f"{path} has {', '.join(unenforced)}, which only delta-rs's own writes "
+                                       "honour")
+            extra = _carried_columns(table)
             files = live_files(table, bounds_of="window_start")
-            rewrite = [f for f in files if f.partition_values["is_final"] == "false"
-                       and (finalize_untouched or f.partition_values["window_day"] in days)]
-            closed = [f for f in files if f.partition_values["is_final"] == "true"
-                      and f.partition_values["window_day"] in days and _may_hold(f, lo_ms, hi_ms)]
+            rewrite = [f for f in files if f.partition_values["is_final"] == "false" and may_read(f)]
+            closed = [f for f in files if f.partition_values["is_final"] == "true" and may_read(f)]
             rewrite += self._files_with_rows_of(spark, closed, counts)
             log.info("epoch %d: merging counts into windows %s..%s in Spark: rewriting %d of %d files", epoch,
                      sql_timestamp(lo_ms), sql_timestamp(hi_ms), len(rewrite), len(files))
-            old = self._read_counts(spark, rewrite) if rewrite else None
+            old = self._read_counts(spark, rewrite, extra=extra) if rewrite else None
             merged = _merged_counts(old, counts, epoch, watermark_ms, self.cfg.allowed_lateness_ms,
-                                    finalize_untouched)
-            written = write_files(merged, path, arrow_schema(_unpartitioned(COUNTS_COLUMNS)),
+                                    finalize_untouched, extra)
+            schema = arrow_schema(_unpartitioned(COUNTS_COLUMNS))
+            written = write_files(merged, path, pa.schema([*schema, *(f for f, _ in extra)]),
                                   partition_by=COUNTS_PARTITION_BY, tag=f"epoch-{epoch}")
             before_commit()
             table.create_write_transaction([*remove_actions(rewrite), *add_actions(written)], mode="append",
                                            schema=table.schema(), partition_by=list(COUNTS_PARTITION_BY),
                                            commit_properties=properties)
-        return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge,
-                              markers=lambda version: self._facts(epoch, version, watermark_after_ms),
-                              floor=self.floor_id)
+        try:
+            return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge,
+                                  markers=lambda version: self._facts(epoch, version, watermark_after_ms),
+                                  floor=self.floor_id)
+        except _NotForExecutors as why:  # raised before this attempt wrote anything
+            log.warning("epoch %d: %s, so its counts are merged by this process, which keeps what it does not "
+                        "know", epoch, why)
+            return self._merge_counts(epoch, counts.toArrow(), watermark_ms, finalize_untouched, chain,
+                                      watermark_after_ms)
 
-    def _read_counts(self, spark: SparkSession, files: Sequence[TableFile], with_path: bool = False) -> DataFrame:
-        """The rows of the counts table's ``files``, read by Spark's tasks."""
-        schema = (*COUNTS_COLUMNS, *((("_file", "string", False),) if with_path else ()))
-        return read_files(spark, self.cfg.counts_path, files, arrow_schema(COUNTS_COLUMNS), spark_ddl(schema),
+    def _read_counts(self, spark: SparkSession, files: Sequence[TableFile], with_path: bool = False,
+                     extra: Sequence[tuple[pa.Field, str]] = ()) -> DataFrame:
+        """The rows of the counts table's ``files``, read by Spark's tasks, with the
+        ``extra`` columns (:func:`_carried_columns`)."""
+        import pyarrow as pa
+
+        schema = (*COUNTS_COLUMNS, *((f.name, kind, True) for f, kind in extra),
+                  *((("_file", "string", False),) if with_path else ()))
+        arrow = pa.schema([*arrow_schema(COUNTS_COLUMNS), *(f for f, _ in extra)])
+        return read_files(spark, self.cfg.counts_path, files, arrow, spark_ddl(schema),
                           tasks=task_slots(spark) or 2, with_path=with_path)
 
     def _files_with_rows_of(self, spark: SparkSession, files: Sequence[TableFile], counts: DataFrame
@@ -410,6 +433,7 @@ class Sink:
             return "false" if final_until is None else f"({col} <= {final_until})"
 
         def merge(table, properties) -> None:
+            check_fillable(table, (c[0] for c in COUNTS_COLUMNS))
             source, full_pass = touched, False
             # Where every row has its partition value, delta-rs reads and rewrites only the
             # partitions the source's rows name (outside a full pass). An older table's rows may
@@ -580,11 +604,70 @@ def has_open_partitions(table) -> bool:
     return all(actions.column(f"partition.{c}").null_count == 0 for c in COUNTS_PARTITION_BY)
 
 
-def unknown_columns(table) -> list[str]:
+class _NotForExecutors(Exception):
+    """The snapshot is one Spark's merge cannot rewrite (why: the message); nothing of the
+    attempt was written."""
+
+
+def _carried_columns(table) -> list[tuple[pa.Field, str]]:
     """The counts snapshot's columns that :data:`COUNTS_COLUMNS` does not name (a newer
-    version's)."""
+    version's), each as its Arrow field and Spark SQL type: rewritten files keep them.
+    :class:`_NotForExecutors` if Spark has no type for one."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import from_arrow_type
+
     known = {c[0] for c in COUNTS_COLUMNS}
-    return [f.name for f in table.schema().fields if f.name not in known]
+    carried = []
+    for field in pa.schema(table.schema().to_arrow()):
+        if field.name in known:
+            continue
+        why = None
+        if not all(_PLAIN_NAME.fullmatch(name) for name in _field_names(field)):
+            why = "a name Spark's type strings would need quoted"
+        else:
+            try:
+                carried.append((field.with_nullable(True), from_arrow_type(field.type).simpleString()))
+            except Exception as e:  # e.g. a view type; PySparkTypeError, a TypeError here
+                why = f"no Spark type ({e})"
+        if why:
+            raise _NotForExecutors(f"{table.table_uri} has column {field.name} of type {field.type}, with {why}")
+    return carried
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _field_names(field) -> Iterator[str]:
+    """``field``'s name and those of the fields nested in it."""
+    import pyarrow as pa
+
+    yield field.name
+    kind = field.type
+    if pa.types.is_struct(kind):
+        for i in range(kind.num_fields):
+            yield from _field_names(kind.field(i))
+    elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        yield from _field_names(kind.value_field)
+    elif pa.types.is_map(kind):
+        yield from _field_names(kind.key_field)
+        yield from _field_names(kind.item_field)
+
+
+def unenforced_features(table) -> list[str]:
+    """What the snapshot ``table`` asks of every write that a commit of files written by
+    Spark's executors would not honour: CHECK constraints, generated, identity or default
+    columns, invariants (delta-rs's writes check or fill them), column mapping and deletion
+    vectors (which the executors' reads and writes do not know)."""
+    config = table.metadata().configuration
+    found = [key for key in config if key.startswith("delta.constraints.")]
+    if config.get("delta.columnMapping.mode", "none") != "none":
+        found.append("delta.columnMapping.mode")
+    if config.get("delta.enableDeletionVectors", "false") == "true":
+        found.append("delta.enableDeletionVectors")
+    found += [f"{f.name} {key}" for f in table.schema().fields for key in f.metadata
+              if key.startswith(("delta.generationExpression", "delta.identity", "delta.invariants",
+                                 "CURRENT_DEFAULT"))]
+    return found
 
 
 def _may_hold(file: TableFile, lo_ms: int, hi_ms: int) -> bool:
@@ -601,13 +684,15 @@ def _unpartitioned(columns: Columns) -> Columns:
 
 
 def _merged_counts(old: DataFrame | None, counts: DataFrame, epoch: int, watermark_ms: int | None,
-                   lateness_ms: int, finalize_untouched: bool) -> DataFrame:
+                   lateness_ms: int, finalize_untouched: bool,
+                   extra: Sequence[tuple[pa.Field, str]] = ()) -> DataFrame:
     """The rows of ``old`` (counts rows) with the epoch's ``counts`` merged in, as the MERGE
     of :meth:`Sink._merge_counts` leaves them: counts added, ``first_epoch``/``last_epoch``
     the least/greatest epoch counted into the row, final once the watermark passed the
     window's end plus the lateness (untouched rows too, if ``finalize_untouched``); new rows
     for windows and clients not in ``old``. Partition columns from ``window_start``. No
-    ``old`` (no file to rewrite): the epoch's rows as new ones, with no join."""
+    ``old`` (no file to rewrite): the epoch's rows as new ones, with no join. The ``extra``
+    columns (:func:`_carried_columns`) as ``old`` has them, NULL in new rows."""
     from pyspark.sql import functions as F
 
     s = counts.alias("s")
@@ -634,7 +719,8 @@ def _merged_counts(old: DataFrame | None, counts: DataFrame, epoch: int, waterma
         F.when(~had, final_now).otherwise(was_final | (final_now if finalize_untouched else touched & final_now))
          .alias("is_final"),
         F.date_format(start, "yyyy-MM-dd'T'HH").alias("window_hour"),
-        F.date_format(start, "yyyy-MM-dd").alias("window_day"))
+        F.date_format(start, "yyyy-MM-dd").alias("window_day"),
+        *((F.lit(None).cast(kind) if old is None else t(f.name)).alias(f.name) for f, kind in extra))
 
 
 def partition_of(table) -> str | None:

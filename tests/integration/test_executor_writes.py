@@ -235,9 +235,9 @@ def test_files_the_committing_process_cannot_find_are_never_committed(tmp_path, 
 
 def test_a_column_this_version_does_not_know_keeps_its_values(cfg, spark):
     """A newer version added a column to the counts table and filled it. An epoch of this
-    version that the executors would write rewrites the open files: rows rewritten by a
-    merge that knows only its own columns would lose the values. The counts are merged by
-    delta-rs's MERGE instead, which keeps them (the side tables are still the executors')."""
+    version that the executors write rewrites the open files: the rewritten rows keep the
+    column's values (before 877b4d3 a merge that knew only its own columns wrote NULL there),
+    and the rows it adds have none."""
     cfg = cfg.replace(max_records_per_epoch=300, max_driver_tally_rows=0)
     produced = produce_dataset(cfg, n=900, seed=17)
     assert run_epoch(cfg, spark) is not None
@@ -248,13 +248,65 @@ def test_a_column_this_version_does_not_know_keeps_its_values(cfg, spark):
     table.alter.add_columns(Schema([Field("source", "string", nullable=True)]).fields)
     DeltaTable(cfg.counts_path).update(updates={"source": "'newer'"})
     noted = {(r["window_start"], r["ip"]) for r in DeltaTable(cfg.counts_path).to_pyarrow_table().to_pylist()}
-    merges_before = len([h for h in DeltaTable(cfg.counts_path).history() if h.get("operation") == "MERGE"])
+    files_before = set(executor_files(cfg.counts_path))
     run_until_idle(cfg, spark)
     assert len(epoch_ranges(cfg)) >= 3
     rows = DeltaTable(cfg.counts_path).to_pyarrow_table().to_pylist()
     kept = {(r["window_start"], r["ip"]) for r in rows if r["source"] == "newer"}
     assert kept == noted and len(noted) > 50                  # every row rewritten kept its value
-    assert len([h for h in DeltaTable(cfg.counts_path).history() if h.get("operation") == "MERGE"]) > merges_before
+    assert {(r["window_start"], r["ip"]) for r in rows if r["source"] is None} == \
+        {(r["window_start"], r["ip"]) for r in rows} - noted  # new rows have none
+    assert set(executor_files(cfg.counts_path)) - files_before  # the executors wrote the epochs' counts
+    assert not [h for h in DeltaTable(cfg.counts_path).history() if h.get("operation") == "MERGE"]
     assert executor_files(cfg.dead_letter_path)
     expected = expected_tables(produced, epoch_ranges(cfg))
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
+
+
+def newer_counts_table(cfg, column, *constraints):
+    """The counts table as a newer version would make it: with ``column`` (an Arrow field) of
+    its own, and ``constraints`` (name, SQL) on it."""
+    from ipcount.storage.delta import arrow_schema
+    from ipcount.storage.sink import COUNTS_COLUMNS, COUNTS_PARTITION_BY
+
+    DeltaTable.create(cfg.counts_path, schema=arrow_schema(COUNTS_COLUMNS).append(column),
+                      partition_by=list(COUNTS_PARTITION_BY))
+    for name, sql in constraints:
+        DeltaTable(cfg.counts_path).alter.add_constraint({name: sql})
+
+
+def test_a_column_a_newer_version_requires_stops_the_epoch_before_any_counts_file_is_written(cfg, spark):
+    """A counts table a newer version made with a NOT NULL column of its own: the executors'
+    counts merge is refused before it writes a file, naming the column (before, delta-rs's
+    MERGE failed after the work; an executors' append left files no reader of the table
+    could read). The side tables, without it, take the epoch's rows."""
+    import pyarrow as pa
+    import pytest
+
+    from ipcount.rules.errors import ConfigError
+
+    cfg = cfg.replace(max_records_per_epoch=300, max_driver_tally_rows=0)
+    produce_dataset(cfg, n=300, seed=19)
+    newer_counts_table(cfg, pa.field("source", pa.string(), False))
+    with pytest.raises(ConfigError, match="source.*NOT NULL"):
+        run_epoch(cfg, spark)
+    assert DeltaTable(cfg.counts_path).transaction_version(f"{cfg.pipeline_id}/epoch-1") is None
+    assert not list(Path(cfg.counts_path).rglob("epoch-*.parquet"))
+    assert executor_files(cfg.dead_letter_path)
+
+
+def test_a_table_asking_what_only_delta_rs_s_writes_check_is_merged_by_delta_rs(cfg, spark):
+    """A counts table whose newer version's column has a CHECK constraint (here: never NULL,
+    which this version cannot honour). Files the executors wrote would be committed unchecked
+    (delta-rs checks only its own writes): the counts are merged by delta-rs, which refuses
+    the rows, so the epoch fails with nothing of it in the table."""
+    import pyarrow as pa
+    import pytest
+
+    cfg = cfg.replace(max_records_per_epoch=300, max_driver_tally_rows=0)
+    produce_dataset(cfg, n=300, seed=23)
+    newer_counts_table(cfg, pa.field("source", pa.string(), True), ("source_set", "source IS NOT NULL"))
+    with pytest.raises(Exception, match="failed validation"):
+        run_epoch(cfg, spark)
+    assert DeltaTable(cfg.counts_path).transaction_version(f"{cfg.pipeline_id}/epoch-1") is None
+    assert not DeltaTable(cfg.counts_path).to_pyarrow_table().num_rows

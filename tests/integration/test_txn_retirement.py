@@ -184,3 +184,34 @@ def test_tables_a_newer_version_added_a_column_to_take_every_write(tables):
     for path in sink.paths():  # epoch 1's rows keep the newer version's values; this version's rows have none
         sources = {r["source"] for r in DeltaTable(path).to_pyarrow_table(columns=["source"]).to_pylist()}
         assert sources == {"newer", None}, path
+
+
+def test_a_column_a_newer_version_requires_is_refused_before_anything_is_written(tmp_path):
+    """Tables a newer version created with a NOT NULL column of its own: this version cannot
+    fill it, so each write with rows is refused with a ConfigError naming the column, before
+    anything is written (before, the counts MERGE failed with delta-rs's "Invalid data", and
+    the side tables' executor appends committed files the tables cannot be read with).
+    Writes without rows (an epoch that counted nothing, a fence) still commit."""
+    from ipcount.rules.errors import ConfigError
+    from ipcount.storage.sink import COUNTS_PARTITION_BY
+
+    cfg = PipelineConfig(warehouse=str(tmp_path / "w"), pipeline_id="p", topic="t")
+    sink = Sink(cfg)
+    for path, columns in sink.tables():
+        partitions = list(COUNTS_PARTITION_BY) if path == cfg.counts_path else None
+        DeltaTable.create(path, schema=arrow_schema(columns).append(pa.field("source", pa.string(), False)),
+                          partition_by=partitions)
+    sink.ensure()
+    ledger = Ledger(cfg.ledger_path)
+    ledger.ensure()
+    versions = {path: DeltaTable(path).version() for path in sink.paths()}
+    ledger.record_plan(plan(1), "r")
+    counted, dead, late = rows_of(1)
+    none = [r.slice(0, 0) for r in (counted, dead, late)]
+    for rows in ((counted, *none[1:]), (none[0], dead, none[2]), (none[0], none[1], late)):  # each table refuses
+        with pytest.raises(ConfigError, match=r"source.*newer version"):
+            sink.write(plan(1), *rows, watermark_after_ms=None)
+    assert {path: DeltaTable(path).version() for path in sink.paths()} == versions
+    assert sink.write(plan(1), *none, watermark_after_ms=None) is None
+    sink.fence(2)
+    assert sink.epoch_commit(1) is not None and sink.epoch_commit(2).fenced
