@@ -49,7 +49,7 @@ from ipcount.storage.delta import (arrow_schema, check_fillable, commit_infos, l
                                    retry_on_conflict, rs_append_once, rs_commit_once, rs_concurrent_errors,
                                    rs_create_table, sql_timestamp, version_with_metadata, with_table_columns)
 from ipcount.storage.spark import spark_ddl, task_slots
-from ipcount.storage.table_files import (TableFile, WrittenFile, add_actions, live_files, read_files,
+from ipcount.storage.table_files import (TableFile, WrittenFile, add_actions, all_present, live_files, read_files,
                                          remove_actions, write_files)
 
 if TYPE_CHECKING:
@@ -300,8 +300,11 @@ class Sink:
         holding a row the epoch counts into (a backfill correcting a closed window; the
         files' statistics rule out the rest without reading them). Another commit first means
         a new snapshot and a new merge (the lost one's files are never referenced: vacuum
-        removes them). Columns this version does not know (a newer one's) are carried
-        through as they are, NULL in new rows. A table in an older layout
+        removes them), unless the commits that came first changed none of the files the merge
+        read or would read (a fence, a retirement, a backfill's commit to closed windows of
+        other days, a compaction of other files): then the same files are committed again,
+        as the merge of the new snapshot would write them. Columns this version does not know
+        (a newer one's) are carried through as they are, NULL in new rows. A table in an older layout
         (:func:`counts_partition`), with a column Spark cannot carry, or asking what only
         delta-rs's writes honour (:func:`unenforced_features`), takes the MERGE of
         :meth:`_merge_counts`, with the counts collected here."""
@@ -315,6 +318,8 @@ class Sink:
                 return finalize_untouched or f.partition_values["window_day"] in days
             return f.partition_values["window_day"] in days and _may_hold(f, lo_ms, hi_ms)
 
+        attempt: dict = {}  # the last attempt's snapshot (its files' paths), files read and written, columns
+
         def merge(table, properties) -> None:
             import pyarrow as pa
 
@@ -327,17 +332,24 @@ class Sink:
                                        "honour")
             extra = _carried_columns(table)
             files = live_files(table, bounds_of="window_start")
-            rewrite = [f for f in files if f.partition_values["is_final"] == "false" and may_read(f)]
-            closed = [f for f in files if f.partition_values["is_final"] == "true" and may_read(f)]
-            rewrite += self._files_with_rows_of(spark, closed, counts)
-            log.info("epoch %d: merging counts into windows %s..%s in Spark: rewriting %d of %d files", epoch,
-                     sql_timestamp(lo_ms), sql_timestamp(hi_ms), len(rewrite), len(files))
-            old = self._read_counts(spark, rewrite, extra=extra) if rewrite else None
-            merged = _merged_counts(old, counts, epoch, watermark_ms, self.cfg.allowed_lateness_ms,
-                                    finalize_untouched, extra)
-            schema = arrow_schema(_unpartitioned(COUNTS_COLUMNS))
-            written = write_files(merged, path, pa.schema([*schema, *(f for f, _ in extra)]),
-                                  partition_by=COUNTS_PARTITION_BY, tag=f"epoch-{epoch}")
+            if attempt and _merge_still_holds(attempt, files, extra, may_read) \
+                    and all_present(path, attempt["written"]):
+                log.info("epoch %d: the commit(s) that came first changed no file its merge read: committing its "
+                         "files at version %d", epoch, table.version() + 1)
+            else:
+                rewrite = [f for f in files if f.partition_values["is_final"] == "false" and may_read(f)]
+                closed = [f for f in files if f.partition_values["is_final"] == "true" and may_read(f)]
+                rewrite += self._files_with_rows_of(spark, closed, counts)
+                log.info("epoch %d: merging counts into windows %s..%s in Spark: rewriting %d of %d files", epoch,
+                         sql_timestamp(lo_ms), sql_timestamp(hi_ms), len(rewrite), len(files))
+                old = self._read_counts(spark, rewrite, extra=extra) if rewrite else None
+                merged = _merged_counts(old, counts, epoch, watermark_ms, self.cfg.allowed_lateness_ms,
+                                        finalize_untouched, extra)
+                schema = arrow_schema(_unpartitioned(COUNTS_COLUMNS))
+                written = write_files(merged, path, pa.schema([*schema, *(f for f, _ in extra)]),
+                                      partition_by=COUNTS_PARTITION_BY, tag=f"epoch-{epoch}")
+                attempt.update(files={f.path for f in files}, rewrite=rewrite, written=written, extra=extra)
+            rewrite, written = attempt["rewrite"], attempt["written"]
             before_commit()
             table.create_write_transaction([*remove_actions(rewrite), *add_actions(written)], mode="append",
                                            schema=table.schema(), partition_by=list(COUNTS_PARTITION_BY),
@@ -602,6 +614,17 @@ def has_open_partitions(table) -> bool:
         return False
     actions = pa.table(table.get_add_actions(flatten=True))
     return all(actions.column(f"partition.{c}").null_count == 0 for c in COUNTS_PARTITION_BY)
+
+
+def _merge_still_holds(attempt: dict, files: Sequence[TableFile], extra, may_read: Callable[[TableFile], bool]
+                       ) -> bool:
+    """Whether a Spark merge attempt's files (``attempt``: the snapshot it followed, the
+    files it read and wrote) are what a merge of the snapshot of ``files`` would write: the
+    same columns, every file it replaces still live, and no file it would read or rule out
+    added since (nor removed: a removed one's rows are in an added one)."""
+    live = {f.path for f in files}
+    return (attempt["extra"] == extra and all(f.path in live for f in attempt["rewrite"])
+            and not any(may_read(f) for f in files if f.path not in attempt["files"]))
 
 
 class _NotForExecutors(Exception):

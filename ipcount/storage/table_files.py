@@ -85,6 +85,16 @@ def absolute_location(location: str) -> str:
     return location if location_scheme(location) else str(Path(location).absolute())
 
 
+def all_present(location: str, files: Sequence[WrittenFile]) -> bool:
+    """Whether each of ``files`` is still at ``location`` with its size (a full vacuum deletes
+    files no commit names once they are old enough)."""
+    try:
+        _check_written(absolute_location(location), files)
+        return True
+    except ConfigError:
+        return False
+
+
 def _check_written(location: str, files: Sequence[WrittenFile]) -> None:
     """That each file is at ``location`` with its size, as this process reaches the location."""
     from pyarrow import fs as pafs

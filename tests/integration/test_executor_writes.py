@@ -310,3 +310,67 @@ def test_a_table_asking_what_only_delta_rs_s_writes_check_is_merged_by_delta_rs(
         run_epoch(cfg, spark)
     assert DeltaTable(cfg.counts_path).transaction_version(f"{cfg.pipeline_id}/epoch-1") is None
     assert not DeltaTable(cfg.counts_path).to_pyarrow_table().num_rows
+
+
+def test_a_commit_that_came_first_redoes_the_merge_only_if_it_changed_what_the_merge_read(cfg, spark):
+    """Between an executors' merge and its commit another commit lands. One that touched no
+    file the merge read (a fence of another epoch; a backfill of another day, for a backfill)
+    leaves the merge's files good: they are committed at the next version, nothing written
+    twice (before, the whole merge was done again, and its first files left behind). One
+    that removed a file it read, or added one it would read, makes it start over from the
+    new snapshot. Against the counts summed by hand, with no (window, client) twice."""
+    from collections import Counter
+    from datetime import datetime, timedelta, timezone
+
+    from deltalake import write_deltalake
+
+    from ipcount.storage.delta import arrow_schema
+    from ipcount.storage.sink import COUNTS_COLUMNS, Sink
+
+    sink = Sink(cfg)
+    sink.ensure()
+    day = {d: datetime(2026, 11, 20 + d, 10, tzinfo=timezone.utc) for d in range(4)}
+    expected: Counter = Counter()
+
+    def merge(epoch: int, on: datetime, scheduled: bool = True, before_commit=lambda: None) -> None:
+        windows = [on + timedelta(seconds=5 * k) for k in range(4)]
+        rows = {(w, f"10.0.{epoch}.{i}" if i % 2 else "10.0.0.1"): epoch + i for i, w in enumerate(windows)}
+        df = spark.createDataFrame([(w, w + timedelta(seconds=5), ip, n) for (w, ip), n in rows.items()],
+                                   "window_start timestamp, window_end timestamp, ip string, count long")
+        ms = [int(w.timestamp() * 1000) for w in windows]
+        assert sink._merge_counts_in_spark(epoch, df, (min(ms), max(ms)), None, finalize_untouched=scheduled,
+                                           before_commit=before_commit) is not None
+        expected.update(rows)
+
+    def on_first_call(action):
+        calls = []
+
+        def hook():
+            calls.append(1)
+            if len(calls) == 1:
+                action()
+        return hook
+
+    def epoch_files(epoch: int) -> tuple[set[str], set[str]]:  # (written, live)
+        written = {p.name for p in Path(cfg.counts_path).rglob(f"epoch-{epoch}-*.parquet")}
+        return written, {Path(p).name for p in DeltaTable(cfg.counts_path).file_uris()} & written
+
+    def assert_merged(epoch: int, again: bool) -> None:  # merged again, or its files committed once
+        written, live = epoch_files(epoch)
+        assert live and (written - live if again else written == live), epoch
+
+    merge(1, day[0])
+    empty = arrow_schema(COUNTS_COLUMNS).empty_table()
+    merge(2, day[0], before_commit=on_first_call(lambda: write_deltalake(cfg.counts_path, empty, mode="append")))
+    assert_merged(2, again=False)
+    merge(3, day[0], before_commit=on_first_call(lambda: merge(4, day[0])))   # 4 rewrote the files 3 read
+    assert_merged(3, again=True)
+    # Backfills of a day without files: 6's files are where 5 would have read, though 5 read none.
+    merge(5, day[1], scheduled=False, before_commit=on_first_call(lambda: merge(6, day[1], scheduled=False)))
+    assert_merged(5, again=True)
+    # A backfill of another day adds nothing a backfill of day 2 reads.
+    merge(7, day[2], scheduled=False, before_commit=on_first_call(lambda: merge(8, day[3], scheduled=False)))
+    assert_merged(7, again=False)
+    rows = DeltaTable(cfg.counts_path).to_pyarrow_table(columns=["window_start", "ip"]).to_pylist()
+    assert len(rows) == len({(r["window_start"], r["ip"]) for r in rows})
+    assert counts(cfg) == Counter({(int(w.timestamp() * 1000), ip): n for (w, ip), n in expected.items()})
