@@ -195,7 +195,8 @@ def _file_writer(location: str, schema_bytes: bytes, partition_by: tuple[str, ..
                     directory = partition_path(values)
                     relative = f"{directory}/{tag}-{uuid.uuid4().hex}.parquet" if directory \
                         else f"{tag}-{uuid.uuid4().hex}.parquet"
-                    fs.create_dir(f"{root}/{directory}" if directory else root, recursive=True)
+                    if fs.type_name == "local":  # (on object storage a directory is only a marker object)
+                        fs.create_dir(f"{root}/{directory}" if directory else root, recursive=True)
                     stream = fs.open_output_stream(f"{root}/{relative}")
                     open_files[key] = (pq.ParquetWriter(stream, schema, compression="snappy"), stream, relative,
                                        FileStats())
