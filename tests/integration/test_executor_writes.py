@@ -312,6 +312,23 @@ def test_a_table_asking_what_only_delta_rs_s_writes_check_is_merged_by_delta_rs(
     assert not DeltaTable(cfg.counts_path).to_pyarrow_table().num_rows
 
 
+def test_side_tables_asking_what_only_delta_rs_checks_take_the_task_s_append(cfg, spark):
+    """CHECK constraints on the dead-letter and late tables (which every row of theirs meets):
+    files the executors wrote would be committed unchecked, so those rows are appended by
+    delta-rs, which checks them; the counts stay the executors'. Against the ground truth."""
+    from ipcount.storage.sink import Sink
+
+    cfg = cfg.replace(max_records_per_epoch=400, max_driver_tally_rows=0)
+    produced = produce_dataset(cfg, seed=29)
+    Sink(cfg).ensure()
+    DeltaTable(cfg.dead_letter_path).alter.add_constraint({"placed": "`offset` >= 0"})
+    DeltaTable(cfg.late_path).alter.add_constraint({"ordered": "window_end > window_start"})
+    assert len(run_until_idle(cfg, spark)) >= 3
+    assert_ground_truth(cfg, produced)
+    assert not executor_files(cfg.dead_letter_path) and not executor_files(cfg.late_path)
+    assert DeltaTable(cfg.late_path).file_uris() and executor_files(cfg.counts_path)
+
+
 def test_a_commit_that_came_first_redoes_the_merge_only_if_it_changed_what_the_merge_read(cfg, spark):
     """Between an executors' merge and its commit another commit lands. One that touched no
     file the merge read (a fence of another epoch; a backfill of another day, for a backfill)
