@@ -270,9 +270,7 @@ class Sink:
         written: list[list[WrittenFile]] = []
 
         def append(table, properties) -> None:
-            check_fillable(table, (c[0] for c in columns))
-            if unenforced := unenforced_features(table):
-                raise _NotForExecutors(f"{path} has {', '.join(unenforced)}")
+            _check_executors_may_write(table, columns)
             if not written:
                 written.append(write_files(rows, path, arrow_schema(columns), tag=f"epoch-{epoch}"))
             table.create_write_transaction(add_actions(written[0]), mode="append", schema=table.schema(),
@@ -282,8 +280,7 @@ class Sink:
             return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", append,
                                   floor=self.floor_id)
         except _NotForExecutors as why:  # raised before this attempt wrote anything
-            log.warning("epoch %d: %s, which only delta-rs's own writes honour, so its rows are appended by this "
-                        "process", epoch, why)
+            log.warning("epoch %d: %s, so its rows are appended by this process", epoch, why)
             return rs_append_once(path, _conform(rows.toArrow(), columns), self.txn_app_id(epoch), epoch,
                                   f"epoch={epoch}", floor=self.floor_id)
 
@@ -304,9 +301,9 @@ class Sink:
         read or would read (a fence, a retirement, a backfill's commit to closed windows of
         other days, a compaction of other files): then the same files are committed again,
         as the merge of the new snapshot would write them. Columns this version does not know
-        (a newer one's) are carried through as they are, NULL in new rows. A table in an older layout
-        (:func:`counts_partition`), with a column Spark cannot carry, or asking what only
-        delta-rs's writes honour (:func:`unenforced_features`), takes the MERGE of
+        (a newer one's) are carried through as they are, NULL in new rows. A table in an
+        older layout (:func:`counts_partition`), with a column Spark cannot carry, or asking
+        what only delta-rs's writes honour (:func:`unenforced_features`), takes the MERGE of
         :meth:`_merge_counts`, with the counts collected here."""
         spark = counts.sparkSession
         path = self.cfg.counts_path
@@ -323,13 +320,10 @@ class Sink:
         def merge(table, properties) -> None:
             import pyarrow as pa
 
-            check_fillable(table, (c[0] for c in COUNTS_COLUMNS))
+            _check_executors_may_write(table, COUNTS_COLUMNS)
             if not has_open_partitions(table):
                 raise _NotForExecutors(f"{path} version {table.version()} predates the (window_day, is_final) "
                                        "partitions")
-            if unenforced := unenforced_features(table):
-                raise _NotForExecutors(f"{path} has {', '.join(unenforced)}, which only delta-rs's own writes "
-                                       "honour")
             extra = _carried_columns(table)
             files = live_files(table, bounds_of="window_start")
             if attempt and _merge_still_holds(attempt, files, extra, may_read) \
@@ -628,8 +622,19 @@ def _merge_still_holds(attempt: dict, files: Sequence[TableFile], extra, may_rea
 
 
 class _NotForExecutors(Exception):
-    """The snapshot is one Spark's merge cannot rewrite (why: the message); nothing of the
-    attempt was written."""
+    """The snapshot is one whose rows Spark's executors must not write (why: the message);
+    nothing of the attempt was written."""
+
+
+def _check_executors_may_write(table, columns: Columns) -> None:
+    """Before the executors write files for the snapshot ``table`` with ``columns``: a
+    ConfigError for a NOT NULL column they cannot fill (:func:`check_fillable`),
+    :class:`_NotForExecutors` where only delta-rs's own writes honour what the table asks
+    (:func:`unenforced_features`)."""
+    check_fillable(table, (c[0] for c in columns))
+    if unenforced := unenforced_features(table):
+        raise _NotForExecutors(f"{table.table_uri} has {', '.join(unenforced)}, which only delta-rs's own writes "
+                               "honour")
 
 
 def _carried_columns(table) -> list[tuple[pa.Field, str]]:
