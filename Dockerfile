@@ -1,10 +1,19 @@
-# Two images from one file, with the same pinned Python packages and jars as bin/setup, so
+# Two images from one file (and a stage that builds the parse jar), with the same pinned Python packages and jars as bin/setup, so
 # versions always agree:
 #   product  what a deployment runs: Airflow (api-server, scheduler, dag-processor) with the
 #            DAGs and plugin, the Spark master, workers and Connect server, the Kafka set-up
 #            (create-topic, scram-user) and Kafka's consumer-groups tool. No lab code.
 #   lab      the product plus the lab (ipcount_lab, bin/lab, s3proxy): docker-compose.yml's
 #            stand-ins for infrastructure you would have (dev CA, object store, traffic).
+# The record parse's jar (jars/ipcount-parse), built where a JDK is; the images need a JRE only.
+FROM python:3.11-slim-bookworm AS parse-jar
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends openjdk-17-jdk-headless maven \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /opt/ipcount
+COPY jars ./jars
+RUN mvn -s jars/maven-settings.xml -B -q -f jars/ipcount-parse/pom.xml -Dmaven.test.skip=true package
+
 FROM python:3.11-slim-bookworm AS product
 
 RUN apt-get update \
@@ -20,6 +29,7 @@ RUN for pom in kafka-broker:kafka spark-extras:spark; do \
       mvn -s jars/maven-settings.xml -B -q -f "jars/${pom%%:*}.xml" dependency:copy-dependencies \
         -DoutputDirectory="/opt/ipcount/.local/jars/${pom##*:}" -DincludeScope=runtime; \
     done && rm -rf /root/.m2
+COPY --from=parse-jar /opt/ipcount/.local/build/ipcount-parse/ipcount-parse.jar ./.local/jars/ipcount/
 COPY ipcount ./ipcount
 COPY dags ./dags
 COPY plugins ./plugins

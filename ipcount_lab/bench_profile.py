@@ -9,15 +9,9 @@ completion with Spark's ``noop`` sink (every selected column computed, nothing w
   run, as every epoch has its own); + classify; + tally (the one aggregation everything
   the epoch writes comes from); the tally collected as Arrow and its metrics taken (the
   epoch's read stage). Each step's cost is its figure less the one before.
-* ``pieces``: the parse's costly expressions one at a time, over a second cache that holds
-  each record's trimmed text and parsed JSON already (so a piece's figure less ``scan`` is
-  that piece alone): the JSON parse itself and the flat-object match that spares most
-  records it (both over the raw cache), the exactly-one-value
-  check (and its fallback's two parses, run for every record), the JSON type lookups, the
-  NGINX match, the ISO time, the IP syntax check and the canonical IPv6 text.
-
-The pieces use :mod:`ipcount.jobs.transform`'s own expressions, so the profile follows the
-parse as it changes.
+* ``pieces``: the parse by record format, each over a cache of its own records: the JSON
+  objects (``scan_json``, ``parse_json``) and the rest, access-log lines and malformed
+  records (``scan_other``, ``parse_other``); a parse figure less its scan is that parse.
 """
 from __future__ import annotations
 
@@ -81,32 +75,16 @@ def profile(spark: SparkSession, cfg: PipelineConfig, ending: dict[int, int], re
     path["read_stage"] = round(statistics.median(seconds), 3)
     say("profile: path " + ", ".join(f"{k} {v:.2f} s" for k, v in path.items()))
 
+    # The parse by record format: JSON objects and the rest (access-log lines, malformed).
     text = F.btrim(F.col("value").cast("string"), F.lit(R.WHITESPACE))
-    pieces: dict[str, float] = {"trim": _timed(raw.select(text.alias("t")), repeats),
-                                "parse_json": _timed(raw.select(F.try_parse_json(text).alias("d")), repeats),
-                                "flat_json": _timed(raw.select(transform.flat_fields(text)), repeats),
-                                "nginx_match": _timed(raw.select(F.regexp_extract(text, R.NGINX_PATTERN, 1)), repeats)}
-    prepared = raw.select(text.alias("t"), F.try_parse_json(text).alias("d")).select(
-        "t", "d", F.try_variant_get("d", "$.ip", "string").alias("ip"),
-        F.try_variant_get("d", "$.ts", "string").alias("ts")).persist(StorageLevel.MEMORY_AND_DISK)
-    prepared.count()
-    t, d, ip = F.col("t"), F.col("d"), F.col("ip")
-    pieces["scan"] = _timed(prepared, repeats)
-    pieces["whole_value_check"] = _timed(prepared.select(F.when(d.isNotNull(), transform.whole_value(t))), repeats)
-    pieces["whole_value_wrapped"] = _timed(prepared.select(  # the check's fallback, for every record
-        F.json_array_length(F.concat(F.lit("["), t, F.lit("]"))),
-        F.json_array_length(F.concat(F.lit("["), t, F.lit(",0]")))), repeats)
-    pieces["json_kinds"] = _timed(prepared.select(
-        F.schema_of_variant(F.try_variant_get(d, "$.ip", "variant")),
-        F.schema_of_variant(F.try_variant_get(d, "$.ts", "variant"))), repeats)
-    pieces["iso_time"] = _timed(prepared.select(transform.iso_to_ms(F.col("ts"))), repeats)
-    pieces["ip_syntax"] = _timed(prepared.select(transform.is_ip_syntax(ip)), repeats)
-    groups = transform._ipv6_groups(F.when(ip.contains(":"), transform._without_ipv4_tail(F.lower(ip))))  # noqa: SLF001
-    with_groups = prepared.select(groups.alias("g")).select(
-        "g", F.concat(F.lit(":"), F.array_join("g", ":"), F.lit(":")).alias("f"))
-    pieces["canonical_ipv6"] = _timed(with_groups.select(
-        transform._canonical_ipv6(F.col("g"), F.col("f"))), repeats)  # noqa: SLF001
-    prepared.unpersist()
+    pieces: dict[str, float] = {}
+    for name, subset in (("json", text.startswith("{")), ("other", ~F.coalesce(text.startswith("{"), F.lit(False)))):
+        part = raw.where(subset).persist(StorageLevel.MEMORY_AND_DISK)
+        part.count()
+        pieces[f"scan_{name}"] = _timed(part, repeats)
+        pieces[f"parse_{name}"] = _timed(transform.parse(part, cfg.max_value_bytes, cfg.event_time,
+                                                         cfg.max_event_time_ahead_ms, planned_at), repeats)
+        part.unpersist()
     raw.unpersist()
     say("profile: pieces " + ", ".join(f"{k} {v:.2f} s" for k, v in pieces.items()))
     compiled = _codegen(spark)

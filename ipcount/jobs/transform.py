@@ -1,7 +1,8 @@
 """The epoch's Spark transformations: parse, classify late records, aggregate.
 
-Built from Spark's own functions only (no Python UDFs), so records never leave the JVM.
-The rules are those of :mod:`ipcount.rules.records`, which the tests use as ground truth.
+Built from Spark's own functions and the project's parse function (Java, jars/ipcount-parse),
+no Python UDFs, so records never leave the JVM. The rules are those of
+:mod:`ipcount.rules.records`, which the tests use as ground truth.
 """
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import LongType, StructField, StructType, TimestampType
+from pyspark.sql.types import LongType, StructField, StructType
 
 from ipcount.rules import records as R
-from ipcount.storage.spark import is_remote
+from ipcount.rules.errors import MissingJarsError
+from ipcount.storage.spark import PARSE_JAR, is_remote
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -21,9 +23,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def _variant_kind(variant: Column, path: str) -> Column:
-    """Type name of a JSON field ("STRING", "BIGINT", ...), NULL when absent."""
-    return F.schema_of_variant(F.try_variant_get(variant, path, "variant"))
+# "None" for the parse function's long arguments (RecordParser.NONE in jars/ipcount-parse).
+NONE = -(2**63)
+KAFKA_COLUMNS = ("topic", "partition", "offset", "timestamp", "key", "value")
 
 
 def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max_ahead_ms: int | None = None,
@@ -39,32 +41,29 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
     the dead-letter table as they arrived. With ``watermark_ms``, the rows carry it too
     (``_watermark_ms``, for :func:`classify`): the epoch's constants are joined once.
 
-    Built in stages, each costly value (trimmed text, parsed JSON, regex matches, event
-    time, reason) a column of its own: Spark does not share a subexpression between the
-    branches of a CASE, so written as one expression the JSON was parsed some 30 times per
-    record. The optimizer keeps these stages apart, since it only merges a costly column into
-    its consumer where it is used once.
+    The rules run as ``ipcount.parse``, the project's own Spark function (jars/ipcount-parse,
+    registered by :data:`ipcount.storage.spark.SESSION_CONF`): one pass over each value's
+    bytes in the code Spark generates, where built-in functions took regex matches, a JSON
+    parse and some thirty expressions (docs/performance.md). Its result is a column of its
+    own, whose fields the next select takes: the optimizer does not copy a costly expression
+    into each of its three consumers.
     """
     with_planned_at = planned_at_ms is not None and planned_at_ms >= 0
     carry = watermark_ms is not None
-    before, after = _columns(raw.sparkSession,
-                             ("parse", max_value_bytes, event_time, max_ahead_ms, with_planned_at, carry),
-                             lambda: _parse_stages(max_value_bytes, event_time == "kafka", max_ahead_ms,
-                                                   with_planned_at, carry))
-    df = raw
-    for stage in before:
-        df = df.select(*stage)
+    _columns(raw.sparkSession, ("parse function",), lambda: _check_parse_function(raw.sparkSession))
+    stages = _columns(raw.sparkSession, ("parse", max_value_bytes, event_time, max_ahead_ms, with_planned_at, carry),
+                      lambda: _parse_stages(max_value_bytes, event_time == "kafka", max_ahead_ms, with_planned_at,
+                                            carry))
     constants = {name: value for name, value in (("_planned_at_ms", planned_at_ms if with_planned_at else None),
                                                  ("_watermark_ms", watermark_ms)) if value is not None}
-    if constants:
-        df = with_constants(df, constants)
-    for stage in after:
+    df = with_constants(raw.select(*KAFKA_COLUMNS), constants) if constants else raw
+    for stage in stages:
         df = df.select(*stage)
     return df
 
 
 # Columns are unresolved expressions, free to use on any DataFrame, and building those of the
-# parse, classify and tally takes thousands of py4j round trips, a fixed cost of every epoch
+# parse, classify and tally takes hundreds of py4j round trips, a fixed cost of every epoch
 # (docs/performance.md): each Spark session builds them once per set of parameters.
 _BUILT: weakref.WeakKeyDictionary[SparkSession, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
@@ -80,170 +79,39 @@ def _columns(spark: SparkSession, key: tuple, build: Callable[[], T]) -> T:
 Stage = list  # the arguments of one select: Columns and column names
 
 
-def _parse_stages(max_value_bytes: int, from_kafka: bool, max_ahead_ms: int | None,
-                  with_planned_at: bool, carry_watermark: bool) -> tuple[list[Stage], list[Stage]]:
-    """The parse's selects (:func:`parse`), those before the epoch's constants are joined
-    (``_planned_at_ms``, when ``with_planned_at``; ``_watermark_ms``, kept to the end when
-    ``carry_watermark``) and those after."""
-    kafka = [F.col(c) for c in ("topic", "partition", "offset", "timestamp", "key", "value")]
-    value, text, doc, is_json = F.col("value"), F.col("_text"), F.col("_doc"), F.col("_is_json")
+def _check_parse_function(spark: SparkSession) -> bool:
+    """Whether ``spark`` has ``ipcount.parse``; :class:`MissingJarsError` saying what to do if
+    not, before any work (analysis only: nothing runs)."""
+    probe = F.call_function("ipcount.parse", F.lit(b"x"), F.lit(NONE), F.lit(NONE), F.lit(1), F.lit(False),
+                            F.lit(NONE))
+    try:
+        spark.range(0).select(probe).schema
+    except Exception as e:  # noqa: BLE001 - classic and Connect raise different classes
+        raise MissingJarsError(
+            f"this Spark has no function ipcount.parse ({str(e).splitlines()[0]}): its JVM needs "
+            f"{PARSE_JAR.name} (bin/setup builds it into {PARSE_JAR.parent}; a Spark Connect server of "
+            "your own takes it in --jars) and spark.sql.catalog.ipcount=ipcount.parse.ParseCatalog") from e
+    return True
 
-    trimmed = [*kafka, F.btrim(value.cast("string"), F.lit(R.WHITESPACE)).alias("_text")]
-    # Most JSON records are flat {"ip", "ts"} objects, read with one regex match as "ip ts";
-    # the JSON parser, the whole-value check and the type lookups are for the others.
-    flat = [[*kafka, text, text.startswith("{").alias("_is_json")],
-            ["*", F.when(is_json, flat_fields(text)).alias("_flat")]]
-    is_flat = F.coalesce(~F.col("_flat").startswith("{"), F.lit(False))
-    split = [
-        "*", F.when(is_json & ~is_flat, F.try_parse_json(text)).alias("_doc"),
-        # NGINX's remote_addr group is never empty, so "" means the line did not match.
-        F.when(~is_json, F.regexp_extract(text, R.NGINX_PATTERN, 1)).alias("_nginx_ip")]
-    flat_ts = F.substring_index(F.col("_flat"), " ", -1)
-    fields = [
-        "*",
-        F.when(is_flat, F.lit(True)).when(doc.isNotNull(), whole_value(text)).alias("_whole"),
-        F.when(is_flat, F.lit("STRING")).otherwise(_variant_kind(doc, "$.ip")).alias("_ip_kind"),
-        F.when(is_flat, F.when(flat_ts.startswith('"'), F.lit("STRING")).otherwise(F.lit("BIGINT")))
-        .otherwise(_variant_kind(doc, "$.ts")).alias("_ts_kind"),
-        F.when(is_flat, F.substring_index(F.col("_flat"), " ", 1))
-        .when(is_json, F.try_variant_get(doc, "$.ip", "string")).otherwise(F.col("_nginx_ip")).alias("_ip"),
-        F.when(is_flat, F.btrim(flat_ts, F.lit('"'))).otherwise(F.try_variant_get(doc, "$.ts", "string"))
-        .alias("_json_ts"),
-        F.when(F.col("_nginx_ip") != "", F.regexp_extract(text, R.NGINX_PATTERN, 2)).alias("_nginx_time")]
 
-    ts_kind, nginx_time = F.col("_ts_kind"), F.col("_nginx_time")
-    if from_kafka:
-        any_ms = F.unix_millis(F.col("timestamp"))
-        ts_ok = F.lit(True)
-    else:
-        nginx_ms = F.when(nginx_time.rlike(R.NGINX_TIME_PATTERN),
-                          F.unix_millis(F.try_to_timestamp(nginx_time, F.lit("dd/MMM/yyyy:HH:mm:ss Z"))))
-        json_ms = F.when(ts_kind == "STRING", iso_to_ms(F.col("_json_ts"))).otherwise(
-            F.col("_json_ts").try_cast("long"))
-        any_ms = F.when(is_json, json_ms).otherwise(nginx_ms)
-        ts_ok = ts_kind.isNotNull() & ((ts_kind == "STRING") | (ts_kind == "BIGINT"))
-    timed = ["*", any_ms.alias("_any_ms")]
-    any_ms = F.col("_any_ms")
-    event_ms = F.when((any_ms >= R.MIN_EVENT_MS) & (any_ms < R.MAX_EVENT_MS), any_ms.cast("long"))
-
-    ip, ip_kind = F.col("_ip"), F.col("_ip_kind")
-    kafka_ms = F.unix_millis(F.col("timestamp"))
-    planned_at = F.col("_planned_at_ms") if with_planned_at else F.lit(None).cast("long")
-    # least() skips NULLs: a missing (negative) Kafka timestamp leaves the planning time.
-    reference = F.least(F.when(kafka_ms >= 0, kafka_ms), planned_at)
-    ahead = F.lit(False) if max_ahead_ms is None else F.coalesce(
-        F.col("_event_ms") > reference + F.lit(max_ahead_ms), F.lit(False))
-    reason = (
-        F.when(value.isNull(), R.NULL_VALUE)
-        .when(F.length(value) == 0, R.EMPTY_VALUE)
-        .when(F.length(value) > max_value_bytes, R.TOO_LARGE)
-        .when(F.try_validate_utf8(value).isNull(), R.NOT_UTF8)
-        .when(is_json & ~F.coalesce(F.col("_whole"), F.lit(False)), R.BAD_JSON)  # NULL: did not parse
-        .when(is_json & (ip_kind.isNull() | (ip_kind != "STRING") | ~ts_ok), R.BAD_SHAPE)
-        .when(~is_json & (F.col("_nginx_ip") == ""), R.UNRECOGNIZED)
-        .when(~is_ip_syntax(ip), R.INVALID_IP)
-        .when(F.col("_event_ms").isNull(), R.INVALID_TIMESTAMP)
-        .when(ahead, R.EVENT_TIME_AHEAD)
-    )
-    well_formed = F.col("reason").isNull()
-    # The canonical IPv6 text in stages (tail, groups, framed groups), each a column of its
-    # own for the reason given above; IPv4 addresses are canonical as they are.
+def _parse_stages(max_value_bytes: int, from_kafka: bool, max_ahead_ms: int | None, with_planned_at: bool,
+                  carry_watermark: bool) -> list[Stage]:
+    """The parse's selects (:func:`parse`), after the epoch's constants are joined
+    (``_planned_at_ms``, when ``with_planned_at``; ``_watermark_ms``, kept when
+    ``carry_watermark``)."""
+    kafka = [F.col(c) for c in KAFKA_COLUMNS]
     kept = ["_watermark_ms"] if carry_watermark else []
-    after = [["*", event_ms.alias("_event_ms")],
-             [*kafka, *kept, ip, "_event_ms", reason.alias("reason")],
-             [*kafka, *kept, "reason", "_event_ms", F.when(well_formed & ~ip.contains(":"), ip).alias("_ipv4"),
-              F.when(well_formed & ip.contains(":"), _without_ipv4_tail(F.lower(ip))).alias("_ipv6")],
-             [*kafka, *kept, "reason", "_event_ms", "_ipv4", _ipv6_groups(F.col("_ipv6")).alias("_groups")],
-             ["*", F.concat(F.lit(":"), F.array_join("_groups", ":"), F.lit(":")).alias("_framed")],
-             [*kafka, *kept, "reason",
-              F.coalesce("_ipv4", _canonical_ipv6(F.col("_groups"), F.col("_framed"))).alias("ip"),
-              F.when(F.col("reason").isNull(), F.col("_event_ms")).alias("event_ms")]]
-    return [trimmed, *flat, split, fields, timed], after
-
-
-def flat_fields(text: Column) -> Column:
-    """``text`` (JSON, trimmed) as "ip ts" when it matches :data:`records.FLAT_JSON_PATTERN`
-    (ts a string with its quotes, or the integer's digits), else ``text`` unchanged."""
-    return F.regexp_replace(text, R.FLAT_JSON_PATTERN, "$1$4 $2$3")
-
-
-def whole_value(text: Column) -> Column:
-    """Whether ``text``, which parses as JSON, is exactly one JSON value: parse_json stops
-    after the first value and ignores what follows.
-
-    The object parsed ends at a "}", so when the text's only "}" is its last character,
-    nothing follows it: most records, at the cost of two searches. The text must hold no "["
-    either, since the wrapped parse below is also what caps the nesting
-    (:data:`ipcount.rules.records.MAX_JSON_DEPTH`), and without "[" and with one "}" there is
-    no nesting. Otherwise, wrapped in an array, the text must be one element, and one more
-    element appended must make two (text that closes the array early fails the second): two
-    more parses.
-    """
-    simple = (F.instr(text, "}") == F.length(text)) & (F.instr(text, "[") == 0)
-    return F.when(simple, F.lit(True)).otherwise(
-        (F.json_array_length(F.concat(F.lit("["), text, F.lit("]"))) == 1)
-        & (F.json_array_length(F.concat(F.lit("["), text, F.lit(",0]"))) == 2))
-
-
-def _without_ipv4_tail(ip: Column) -> Column:
-    """``::ffff:1.2.3.4`` -> ``::ffff:102:304``: an IPv4 tail as the two groups it stands for."""
-    v4 = r"([0-9]+)\.([0-9]+)\.([0-9]+)\.([0-9]+)$"
-
-    def group(i: int) -> Column:
-        value = F.regexp_extract(ip, v4, i).cast("int") * 256 + F.regexp_extract(ip, v4, i + 1).cast("int")
-        return F.lower(F.hex(value))
-    return F.when(ip.contains("."), F.regexp_replace(ip, F.lit(v4), F.concat(group(1), F.lit(":"), group(3)))
-                  ).otherwise(ip)
-
-
-def _ipv6_groups(ip: Column) -> Column:
-    """IPv6 text without an IPv4 tail -> its eight groups in hex without leading zeros
-    ("::" expanded to the zero groups it stands for)."""
-    halves = F.split(ip, "::", -1)
-
-    def groups_of(part: Column) -> Column:
-        return F.when(part == "", F.array().cast("array<string>")).otherwise(F.split(part, ":", -1))
-    left, right = groups_of(F.get(halves, 0)), groups_of(F.get(halves, 1))
-    expanded = F.when(F.size(halves) == 2, F.concat(
-        left, F.array_repeat(F.lit("0"), F.lit(8) - F.size(left) - F.size(right)), right)).otherwise(
-        F.split(ip, ":", -1))
-    return F.transform(expanded, lambda g: F.lower(F.conv(g, 16, 16)))
-
-
-def _canonical_ipv6(groups: Column, framed: Column) -> Column:
-    """Eight groups (and the same joined as ``:g1:...:g8:``) -> RFC 5952 text: the longest
-    run of two or more zero groups, the first of equals, becomes "::"; an IPv4-mapped
-    address (``::ffff:a.b.c.d``) becomes its IPv4 address. The rule is
-    :func:`ipcount.rules.records.canonical_ip`."""
-    mapped = F.array_join(F.slice(groups, 1, 6), ":") == "0:0:0:0:0:ffff"
-
-    def octet_pair(i: int) -> Column:
-        g = F.conv(F.get(groups, i), 16, 10).cast("int")
-        return F.concat_ws(".", F.shiftright(g, 8).cast("string"), (g % 256).cast("string"))
-    text = F.array_join(groups, ":")
-    for run in range(2, 9):  # each longer run wraps the shorter ones, so it is tested first
-        zeros = ":" + "0:" * run
-        at = F.locate(zeros, framed)
-        before = F.regexp_replace(F.substring(framed, F.lit(1), at - 1), "^:", "")
-        after = F.regexp_replace(F.substring(framed, at + len(zeros), F.lit(64)), ":$", "")
-        text = F.when(at > 0, F.concat(before, F.lit("::"), after)).otherwise(text)
-    return F.when(mapped, F.concat_ws(".", octet_pair(6), octet_pair(7))).otherwise(text)
-
-
-def is_ip_syntax(ip: Column) -> Column:
-    """Whether ``ip`` matches :data:`records.IP_PATTERN`: text without ":" can only match its
-    IPv4 branch, which alone costs a third of the whole pattern."""
-    return F.when(ip.contains(":"), ip.rlike(R.IP_PATTERN)).otherwise(ip.rlike(R.IPV4_PATTERN))
-
-
-def iso_to_ms(ts: Column) -> Column:
-    """ISO-8601 text -> epoch ms, NULL unless it matches :data:`records.ISO_PATTERN` and is a
-    real instant. The pattern admits only forms Spark's own string-to-timestamp cast reads
-    (fraction digits past the microsecond dropped, offsets checked by java.time), and
-    unix_millis drops the fraction past the ms: one cast instead of three regex extractions
-    and a formatted parse. The type is TimestampType (with local time zone), not the name
-    "timestamp", which spark.sql.timestampType could make one without a time zone."""
-    return F.when(ts.rlike(R.ISO_PATTERN), F.unix_millis(ts.try_cast(TimestampType())))
+    planned_at = F.col("_planned_at_ms") if with_planned_at else F.lit(NONE)
+    # The function takes an int and a long: larger settings mean the same as these (no value
+    # is over 2 GiB, no event time that far ahead).
+    max_bytes, max_ahead = min(max_value_bytes, 2**31 - 1), NONE if max_ahead_ms is None else min(max_ahead_ms, 2**62)
+    parsed = F.call_function(
+        "ipcount.parse", F.col("value"), F.coalesce(F.unix_millis(F.col("timestamp")), F.lit(NONE)), planned_at,
+        F.lit(max_bytes), F.lit(from_kafka), F.lit(max_ahead))
+    result = F.col("_parsed")
+    return [[*kafka, *kept, parsed.alias("_parsed")],
+            [*kafka, *kept, result["reason"].alias("reason"), result["ip"].alias("ip"),
+             result["event_ms"].alias("event_ms")]]
 
 
 def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int, watermark_ms: int | None) -> DataFrame:

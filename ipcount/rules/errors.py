@@ -35,7 +35,8 @@ class StartPositionError(IpcountError, ValueError, exit_code=EXIT_USAGE):
 
 
 class MissingJarsError(IpcountError, exit_code=EXIT_USAGE):
-    """Spark's Kafka source or Delta jars are not where bin/setup puts them."""
+    """Spark's Kafka source or Delta jars, or the parse's, are not where bin/setup puts them (or
+    not in the Spark that runs the epoch)."""
 
 
 class DataLossError(IpcountError, RuntimeError, exit_code=EXIT_DATA_LOSS):

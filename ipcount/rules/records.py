@@ -9,8 +9,9 @@ A Kafka record value is one access-log event, either
   ``203.0.113.9 - - [21/Nov/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512 "-" "curl/8"``.
 
 Anything else is malformed and gets exactly one reason code (first match in the order of
-:data:`REASONS`). :mod:`ipcount.jobs.transform` does the same with Spark built-in functions; the
-tests hold the two to each other. Event times are epoch milliseconds (sub-ms is truncated).
+:data:`REASONS`). The Spark job runs the same rules in Java (``ipcount.parse``, from
+jars/ipcount-parse); the tests hold the two to each other record by record. Event times are
+epoch milliseconds (sub-ms is truncated).
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def dead_letter_prefix_bytes(max_value_bytes: int) -> int:
     """How many bytes of a too_large value its dead letter keeps."""
     return min(DEAD_LETTER_PREFIX_BYTES, max_value_bytes)
 
-# Spark's JSON parser (Jackson) stops at 1,000 levels of nesting, and the whole-value check
-# (jobs.transform) wraps the record in one more: 999 levels at most, the record's object included.
+# At most 999 levels of nesting, the record's object included (Spark's JSON parser, which the
+# job once used, stopped at 1,000 and the job wrapped the record in one more).
 MAX_JSON_DEPTH = 999
 MIN_EVENT_MS = 946_684_800_000    # 2000-01-01T00:00:00Z
 MAX_EVENT_MS = 4_102_444_800_000  # 2100-01-01T00:00:00Z
@@ -53,56 +54,14 @@ MAX_EVENT_MS = 4_102_444_800_000  # 2100-01-01T00:00:00Z
 MAX_OFFSET_MINUTES = 18 * 60
 WHITESPACE = " \t\r\n"
 
-# One pattern per grammar so Python's re and Java's regex read them alike: no \s, \S, \d
-# (Python's are Unicode-aware, Java's ASCII-only); explicit ASCII classes only.
-# The end of the text is "nothing follows": "$" also matches before a final "\n" in Python,
-# and before a final "\n", "\r", U+0085, U+2028 or U+2029 in Java. ([\s\S] is any character
-# in both.)
+# Explicit ASCII classes only (Python's \d and \s are Unicode-aware). The end of the text is
+# "nothing follows": "$" also matches before a final "\n".
 _END = r"(?![\s\S])"
-_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-_IPV4 = rf"{_OCTET}(\.{_OCTET}){{3}}"
-
-
-def _ipv6_pattern() -> str:
-    h = "[0-9A-Fa-f]{1,4}"
-
-    def groups(n: int) -> str:
-        return "" if n == 0 else h + f"(:{h}){{{n - 1}}}" if n > 1 else h
-
-    alternatives = [f"{groups(8)}", f"{groups(6)}:{_IPV4}"]
-    # "::" stands for one or more zero groups; left + right explicit groups < 8
-    # (the embedded IPv4 tail counts as two groups).
-    for tail_v4 in (False, True):
-        room = 6 if tail_v4 else 8
-        for left in range(0, room):
-            for right in range(0, room - left):
-                if left + right > room - 1:
-                    continue
-                right_part = groups(right)
-                if tail_v4:
-                    right_part = f"{right_part}:{_IPV4}" if right else _IPV4
-                alternatives.append(f"{groups(left)}::{right_part}")
-    return "(" + "|".join(f"({a})" for a in alternatives) + ")"
-
-
-IP_PATTERN = rf"^(({_IPV4})|{_ipv6_pattern()}){_END}"
-# The same test for text without ":" (IP_PATTERN's only such branch), at a third of its cost.
-IPV4_PATTERN = rf"^{_IPV4}{_END}"
 ISO_PATTERN = (r"^([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})"
                r"(\.([0-9]{1,9}))?(Z|[+-][0-9]{2}:[0-9]{2})" + _END)
 # remote_addr - remote_user [time_local] "request" status body_bytes_sent ["referer" "agent"]
 NGINX_PATTERN = (r'^([^ ]+) [^ ]+ [^ ]+ \[([^\]]+)\] "[^"]*" [0-9]{3} ([0-9]+|-)'
                  r'( "[^"]*" "[^"]*")?' + _END)
-# A flat JSON object of just "ip" and "ts" (either order), with string values that need no
-# unescaping and an integer ts of at most 18 digits (a long): the Spark job reads most records
-# with this one match, and hands the rest to its JSON parser. What it matches is valid JSON
-# with no duplicate key, one value and no nesting; group 1 or 4 is the ip, 2 or 3 the ts
-# (a string with its quotes, or the integer's digits).
-_WS = "[ \\t\\r\\n]*"
-_FLAT_IP = f'"ip"{_WS}:{_WS}"([0-9A-Fa-f:.]{{1,45}})"'
-_FLAT_TS = f'"ts"{_WS}:{_WS}("[0-9A-Za-z:.+-]{{1,64}}"|[1-9][0-9]{{0,17}})'
-FLAT_JSON_PATTERN = (rf"^\{{{_WS}{_FLAT_IP}{_WS},{_WS}{_FLAT_TS}{_WS}\}}{_END}"
-                     rf"|^\{{{_WS}{_FLAT_TS}{_WS},{_WS}{_FLAT_IP}{_WS}\}}{_END}")
 NGINX_TIME_PATTERN = r"^[0-9]{2}/[A-Z][a-z]{2}/[0-9]{4}:[0-9]{2}:[0-9]{2}:[0-9]{2} [+-][0-9]{4}" + _END
 
 _iso = re.compile(ISO_PATTERN)

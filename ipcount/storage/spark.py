@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Resolved once from Maven Central by bin/setup (see jars/spark-extras.xml).
 SPARK_JARS_DIR = STATE_DIR / "jars" / "spark"
+# The record parse as a Spark function, built by bin/setup from jars/ipcount-parse.
+PARSE_JAR = STATE_DIR / "jars" / "ipcount" / "ipcount-parse.jar"
 # A spark-submitted driver must run this interpreter: the one with the pinned pyspark and
 # this package (the DAGs' operator and the benchmark pass it to spark-submit).
 DRIVER_ENV = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
@@ -47,15 +49,18 @@ def spark_env() -> dict[str, str]:
     return {"SPARK_HOME": str(spark_home()), "PYSPARK_PYTHON": sys.executable}
 
 
-def spark_jars(jars_dir: Path = SPARK_JARS_DIR) -> list[str]:
-    """The Kafka connector and Delta jars, which pyspark's own jars do not include."""
+def spark_jars(jars_dir: Path = SPARK_JARS_DIR, parse_jar: Path = PARSE_JAR) -> list[str]:
+    """The Kafka connector and Delta jars, which pyspark's own jars do not include, and the
+    record parse's."""
     jars = sorted(str(p) for p in jars_dir.glob("*.jar"))
     needed = ("spark-sql-kafka", "delta-spark", "kafka-clients")
     missing = [n for n in needed if not any(Path(j).name.startswith(n) for j in jars)]
     if missing:
         raise MissingJarsError(
             f"no {', '.join(missing)} jar in {jars_dir}; run bin/setup to fetch them from Maven Central")
-    return jars
+    if not parse_jar.is_file():
+        raise MissingJarsError(f"no {parse_jar}; run bin/setup to build it from jars/ipcount-parse")
+    return [*jars, str(parse_jar)]
 
 
 # Settings each session sets for itself (a Spark Connect session too, whatever its server's).
@@ -63,6 +68,8 @@ SESSION_CONF = {
     "spark.sql.session.timeZone": "UTC",
     # Epochs are small batches on few cores: a handful of shuffle partitions, not 200.
     "spark.sql.shuffle.partitions": "4",
+    # The record parse, ipcount.parse(...) (jars/ipcount-parse; the jar is in spark_jars()).
+    "spark.sql.catalog.ipcount": "ipcount.parse.ParseCatalog",
 }
 
 
@@ -76,13 +83,12 @@ def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         # Only path-based Delta tables are used; keep Spark's catalog directory out of the cwd.
         "spark.sql.warehouse.dir": str(STATE_DIR / "spark-warehouse"),
-        # Spark recurses once per nesting level of a JSON value (parse_json, schema_of_variant):
-        # 4 MB thread stacks leave room for the deepest record Jackson accepts, where 1 MB
-        # overflowed in a cold JVM, and a StackOverflowError kills the executor. (These
-        # replace any extraJavaOptions of spark-defaults.conf: add these to your own.)
-        # The parse's generated code has a method over HotSpot's 8,000-byte limit for JIT
-        # compilation; without -XX:-DontCompileHugeMethods it runs interpreted, far slower
-        # (docs/performance.md).
+        # 4 MB thread stacks: room for Spark's JSON functions, which recurse once per nesting
+        # level (the parse no longer uses them; a StackOverflowError kills the executor).
+        # Spark's generated code can have methods over HotSpot's 8,000-byte limit for JIT
+        # compilation (the parse of built-in functions had one); without
+        # -XX:-DontCompileHugeMethods they run interpreted, far slower (docs/performance.md).
+        # (These replace any extraJavaOptions of spark-defaults.conf: add these to your own.)
         "spark.driver.extraJavaOptions": f"-Dlog4j2.level=warn {JVM_OPTIONS}",
         "spark.executor.extraJavaOptions": JVM_OPTIONS,
     }

@@ -1,6 +1,8 @@
 """docker-compose.yml and the Dockerfile stay consistent with the code they deploy."""
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from ipcount.rules.config import REPO_ROOT, PipelineConfig
@@ -74,6 +76,18 @@ def test_image_fetches_jars_from_the_same_poms_as_setup():
         assert (REPO_ROOT / "jars" / f"{pom}.xml").is_file()
         assert pom in stages[stage] and f"jars/{pom}.xml" in setup
     assert "s3proxy" not in stages["product"]
+    # The parse jar: built in a stage of its own from the POM bin/setup builds, copied where
+    # spark_jars() looks for it.
+    assert "-f jars/ipcount-parse/pom.xml" in stages["parse-jar"] and "jars/ipcount-parse" in setup
+    assert ("COPY --from=parse-jar /opt/ipcount/.local/build/ipcount-parse/ipcount-parse.jar ./.local/jars/ipcount/"
+            in stages["product"])
+
+
+def test_the_parse_jar_compiles_against_the_pinned_spark():
+    """jars/ipcount-parse's Spark is pyspark's: the function runs in that JVM."""
+    pom = (REPO_ROOT / "jars" / "ipcount-parse" / "pom.xml").read_text()
+    pin = re.search(r"^pyspark==(\S+)$", (REPO_ROOT / "requirements.txt").read_text(), re.M)
+    assert pin and f"<spark.version>{pin.group(1)}</spark.version>" in pom
 
 
 def test_the_product_image_holds_no_lab_and_compose_runs_each_service_on_its_image():
