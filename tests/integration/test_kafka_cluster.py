@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from kafka.errors import KafkaConnectionError
 
 from ipcount.jobs.epoch import run_epoch
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
@@ -67,11 +68,15 @@ def cluster_cfg(cfg, kafka_cluster):
 
 def partitions(cfg, topic: str, timeout: float = 30.0) -> dict[int, dict]:
     """The topic's partitions as the brokers describe them; a broker whose metadata has not
-    caught up yet (a topic just made) is asked again, and no answer in time is no pass."""
+    caught up yet (a topic just made), or a node just killed that the client still tried, is
+    asked again, and no answer in time is no pass."""
     deadline = time.monotonic() + timeout
     while True:
-        with admin_client(cfg) as client:
-            (described,) = client.describe_topics([topic])
+        try:
+            with admin_client(cfg) as client:
+                (described,) = client.describe_topics([topic])
+        except KafkaConnectionError as e:
+            described = {"error_code": repr(e), "partitions": []}
         if described["error_code"] == 0 and described["partitions"]:
             return {p["partition_index"]: p for p in described["partitions"]}
         assert time.monotonic() < deadline, described
