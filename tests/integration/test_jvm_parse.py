@@ -13,18 +13,23 @@ from ipcount.storage.spark import PARSE_JAR
 from tests import parse_cases
 
 
-def _jvm_parse(values: list[bytes | None], kafka_ms: list[int], event_time: str,
-               *extra: str) -> list[tuple[str | None, str | None, int | None]]:
+def _cli(lines: str, *args: str) -> list[str]:
+    """The output lines of the jar's command line (ipcount.parse.Cli) for ``lines``."""
     java = shutil.which("java")
     assert java and PARSE_JAR.exists(), f"needs java and {PARSE_JAR}: run bin/setup"
-    lines = "".join(f"{'-' if v is None else v.hex()}\t{ms}\t{parse_cases.PLANNED_AT_MS}\n"
-                    for v, ms in zip(values, kafka_ms))
-    done = subprocess.run([java, "-cp", str(PARSE_JAR), "ipcount.parse.Cli", "--event-time", event_time,
-                           "--max-value-bytes", "65536", "--max-ahead-ms", str(parse_cases.HOUR_MS), *extra],
+    done = subprocess.run([java, "-cp", str(PARSE_JAR), "ipcount.parse.Cli", *args],
                           input=lines, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def _jvm_parse(values: list[bytes | None], kafka_ms: list[int], event_time: str,
+               *extra: str) -> list[tuple[str | None, str | None, int | None]]:
+    lines = "".join(f"{'-' if v is None else v.hex()}\t{ms}\t{parse_cases.PLANNED_AT_MS}\n"
+                    for v, ms in zip(values, kafka_ms))
     out = []
-    for line in done.stdout.splitlines():
+    for line in _cli(lines, "--event-time", event_time, "--max-value-bytes", "65536",
+                     "--max-ahead-ms", str(parse_cases.HOUR_MS), *extra):
         reason, ip, event_ms = line.split("\t")
         out.append((None if reason == "-" else reason, None if ip == "-" else ip,
                     None if event_ms == "-" else int(event_ms)))
@@ -85,11 +90,7 @@ def test_jvm_parser_without_a_kafka_timestamp_or_planning_time():
     """A missing Kafka timestamp ("-": NONE) is no reference for event_time_ahead, and in
     "kafka" mode no event time."""
     value = b'{"ip": "1.2.3.4", "ts": 4102444700000}'
-    java = shutil.which("java")
-    assert java and PARSE_JAR.exists(), f"needs java and {PARSE_JAR}: run bin/setup"
     lines = f"{value.hex()}\t-\t-\n{value.hex()}\t-\n{value.hex()}\n-\n"
     for event_time, want in (("payload", ["-\t1.2.3.4\t4102444700000"] * 3 + ["null_value\t-\t-"]),
                              ("kafka", ["invalid_timestamp\t-\t-"] * 3 + ["null_value\t-\t-"])):
-        done = subprocess.run([java, "-cp", str(PARSE_JAR), "ipcount.parse.Cli", "--event-time", event_time,
-                               "--max-ahead-ms", "0"], input=lines, capture_output=True, text=True, timeout=60)
-        assert done.stdout.splitlines() == want, done.stderr
+        assert _cli(lines, "--event-time", event_time, "--max-ahead-ms", "0") == want
