@@ -1,7 +1,7 @@
 """The lab, not part of the product (which never imports it, and whose image leaves it out):
 the embedded stack (Kafka from Maven jars, an S3 store, PostgreSQL, a Spark cluster and
 Connect server, Airflow's environment), the traffic generator, chaos, and the benchmark with
-its peer (Spark Structured Streaming).
+its peers (Spark Structured Streaming, Flink SQL).
 
 - :mod:`.cli`                ``bin/lab``: the lab's commands
 - :mod:`.service`            what the services share: pid files, logs, readiness, stopping (Kafka, s3proxy,
@@ -25,4 +25,6 @@ its peer (Spark Structured Streaming).
 - :mod:`.bench_growth`       how the counts MERGE's cost grows with the table
 - :mod:`.bench_year`         real epochs on table sets a year old (synthesized), maintained or not
 - :mod:`.peer`               the Structured Streaming contender
+- :mod:`.bench_flink`        the Flink contender: runs its job, checks its sink topic against a recount
+- :mod:`.flink_job`          the seeds' job in Flink SQL (runs under PyFlink's own virtualenv)
 """

@@ -11,6 +11,10 @@ warm and cold against cold.
   exactly as the DAG submits it: ``spark-submit spark_jobs/epoch_job.py epoch``), repeated.
   Two times each: **wall** (the whole process, JVM start included) and **work** (from a
   ready Spark session to done), and the driver's peak resident memory.
+* **flink** (:mod:`ipcount_lab.bench_flink`): the seeds' reference job in Flink SQL on the
+  same range, warm (several jobs in one process) and cold (a process per job), its sink
+  topic read back and checked against a recount; skipped, saying so, until
+  ``bin/setup --flink`` has set it up.
 * **paths**: the DAG's fixed costs on Spark Connect: the Connect server's start, a small
   epoch and an empty one each as a fresh ``ipcount epoch`` process, the same epochs warm in
   one process, and the DAG's JVM-free idle check.
@@ -50,13 +54,13 @@ from ipcount.storage.spark import DRIVER_ENV
 from ipcount_lab import bench_rounds, bench_stats
 from ipcount_lab.service import free_port
 
-MEASUREMENTS = ("warm", "cold", "paths", "kafka_python", "profile", "history", "growth", "year", "cardinality",
-                "cluster")
+MEASUREMENTS = ("warm", "cold", "flink", "paths", "kafka_python", "profile", "history", "growth", "year",
+                "cardinality", "cluster")
 # What runs unless --only says otherwise: ``cluster`` starts Spark clusters of its own and its
 # default is the target's 5M records on each, so it runs when named.
 DEFAULT_MEASUREMENTS = tuple(m for m in MEASUREMENTS if m != "cluster")
 # The measurements that read the --records range (the others bring records of their own).
-READ_THE_RANGE = ("warm", "cold", "kafka_python", "profile")
+READ_THE_RANGE = ("warm", "cold", "flink", "kafka_python", "profile")
 COLD = ("spark_count", "peer", "pipeline")
 # Ratios, as (label, the pipeline's contender, the other): throughput ratios, > 1 when the pipeline is faster.
 WARM_RATIOS = (("pipeline / peer", "pipeline", "peer"), ("pipeline / read limit", "pipeline", "spark_count"),
@@ -483,6 +487,8 @@ def check_totals(report: dict) -> None:
             c = report.get(mode, {}).get("contenders", {}).get(name)
             if c:
                 counted[f"{mode} {name}"] = c["counted"]
+    if report.get("flink", {}).get("counted") is not None:
+        counted["flink"] = report["flink"]["counted"]
     if len(set(counted.values())) > 1:
         raise RuntimeError(f"requests counted differ: {counted}; they do not compute the same thing")
     on_clusters = {n: w["pipeline"]["counted"] for n, w in report.get("cluster", {}).get("workers", {}).items()
@@ -749,6 +755,7 @@ def render(report: dict) -> str:
                          f"{'-' if c['counted'] is None else format(c['counted'], ','):>10}")
         lines += [f"  {label:<34} {_range(sp)}" for label, sp in cold["ratios"].items()]
         lines.append("")
+    lines += _render_flink(report)
     paths = report.get("paths")
     if paths:
         warm = paths["warm"]
@@ -802,6 +809,31 @@ def render(report: dict) -> str:
     if drain:
         lines.append(f"kafka_python: a plain consumer draining the range: {_range(drain['seconds'], ' s')}")
     return "\n".join(lines).rstrip("\n")
+
+
+def _render_flink(report: dict) -> list[str]:
+    flink = report.get("flink")
+    if not flink:
+        return []
+    if "skipped" in flink:
+        return [f"flink: skipped: {flink['skipped']}", ""]
+    warm, cold = flink["warm"], flink["cold"]
+    lines = [f"flink: the seeds' job in Flink SQL, {flink['counted']:,} requests counted by every job, as the "
+             f"recount; job runtime as Flink reports it (seconds: median [min-max])",
+             f"  warm, {flink['jobs']} jobs in one process: the first {warm['first_job_seconds']:.2f}, the rest "
+             f"{_range(warm['job'])}; peak JVM {warm['peak_mb'] or 0:.0f} MB",
+             f"  cold, a process per job: job {_range(cold['job'])}, process wall {_range(cold['wall'])}; peak JVM "
+             f"{cold['peak_mb']:.0f} MB"]
+    # Ratios of medians (the contenders run in processes of their own, so not round by round).
+    pipeline = report.get("warm", {}).get("contenders", {}).get("pipeline")
+    if pipeline and warm["job"]:
+        lines.append(f"  pipeline / flink, warm (the pipeline's warm epoch against Flink's warm job): "
+                     f"{warm['job']['median'] / pipeline['warm']['median']:.2f}")
+    cold_pipeline = report.get("cold", {}).get("contenders", {}).get("pipeline")
+    if cold_pipeline:
+        lines.append(f"  pipeline / flink, cold (process wall against process wall): "
+                     f"{cold['wall']['median'] / cold_pipeline['wall']['median']:.2f}")
+    return [*lines, ""]
 
 
 def _render_cardinality(card: dict | None) -> list[str]:
@@ -890,7 +922,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(DEFAULT_MEASUREMENTS),
                    help=f"comma-separated measurements to run, from {','.join(MEASUREMENTS)} (default all but "
                         "cluster, which starts clusters of its own)")
-    p.add_argument("--rounds", type=int, default=4, help="warm: rounds in the one session (default 4, at least 2)")
+    p.add_argument("--rounds", type=int, default=4, help="warm: rounds in the one session; flink: jobs in its warm process "
+                        "(default 4, at least 2)")
     p.add_argument("--epochs", type=int, default=4,
                    help="warm: epochs (micro-batches) of the multi-epoch contenders (default 4; 1: none)")
     p.add_argument("--small-epochs", type=int, default=100,
@@ -902,7 +935,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--paths-warmup", type=int, default=40,
                    help="paths: epochs the Connect server runs before those, untimed, for its JIT (default 40)")
     p.add_argument("--cold-repeats", type=int, default=3,
-                   help="cold: runs of each contender; profile: runs per figure (default 3)")
+                   help="cold: runs of each contender; flink: its cold processes; profile: runs per figure "
+                        "(default 3)")
     p.add_argument("--history-epochs", type=int, default=1000,
                    help="history: whole epochs in the scheduled chain, a minute of event time each (default 1000)")
     p.add_argument("--history-records", type=int, default=10_000,
@@ -1031,6 +1065,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "cold" in only:
             say(f"measuring cold: each contender a fresh process, {args.cold_repeats} time(s)")
             report["cold"] = measure_cold(cfg, ending, args.records, args.cold_repeats, logs, workdir)
+        if "flink" in only:
+            from ipcount_lab import bench_flink
+
+            why = bench_flink.not_set_up()
+            if why:
+                say(f"skipping flink: {why}")
+                report["flink"] = {"skipped": why}
+            else:
+                say(f"measuring flink: {args.rounds} jobs in one process, then {args.cold_repeats} process(es) of one")
+                report["flink"] = bench_flink.measure(cfg, ending, args.rounds, args.cold_repeats, logs, run_process,
+                                                      say)
         if "paths" in only:
             say("measuring paths: the Spark Connect server, epochs on it and the DAG's idle check")
             report["paths"] = measure_paths(cfg, args.epoch_records, args.paths_epochs, args.partitions, args.seed,

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from ipcount_lab import bench_flink
 from ipcount_lab.bench_rounds import CONTENDERS, EPOCH_CONTENDERS
 from ipcount_lab.benchmark import COLD
 
@@ -68,6 +69,21 @@ def test_benchmark_runs_every_measurement_and_writes_json(broker, tmp_path):
         assert summary["wall"]["median"] > summary["work"]["median"] > 0 and summary["peak_driver_mb"] > 50, name
     assert cold["pipeline"]["counted"] == cold["peer"]["counted"] == c["pipeline"]["counted"]
     assert {"pipeline / peer (work)", "pipeline / peer (wall)"} <= set(report["cold"]["ratios"])
+
+    flink = report["flink"]  # the seeds' job in Flink SQL, when bin/setup --flink has set it up (bin/test does)
+    if bench_flink.not_set_up():
+        assert "bin/setup --flink" in flink["skipped"] and "flink: skipped: " in proc.stdout
+    else:
+        # Every job's sink topic was read back read_committed and matched the recount window by
+        # window (else it raises); the recount agrees with the pipeline's count of the range.
+        assert flink["counted"] == c["pipeline"]["counted"] and flink["jobs"] == 2 and flink["repeats"] == 1
+        assert [r["round"] for r in flink["warm"]["runs"]] == [1, 2] and flink["warm"]["job"]["n"] == 1
+        assert all(r["seconds"] > 0 and r["submitted_seconds"] >= r["seconds"] for r in flink["warm"]["runs"])
+        cold_run, = flink["cold"]["runs"]
+        assert cold_run["wall_seconds"] > cold_run["submitted_seconds"] > 0 and cold_run["peak_mb"] > 50
+        assert flink["warm"]["peak_mb"] > 50
+        for text in ("flink: the seeds' job in Flink SQL", "pipeline / flink, warm", "pipeline / flink, cold"):
+            assert text in proc.stdout, text
 
     paths = report["paths"]
     assert paths["connect_start"]["wall_seconds"] > 0 and paths["epoch"]["wall_seconds"] > 0

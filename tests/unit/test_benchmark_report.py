@@ -122,3 +122,37 @@ def test_the_report_prints_each_cluster_its_failure_and_what_adding_workers_buys
     assert "   2 workers: 3 of 3 rounds; round 1 60.00 s, warm 51.00 s [50.00-52.00]" in text
     assert "   4 workers: 1 of 3 rounds, then the spark-submit failed (exit 52; logs/cluster-4w.log)" in text
     assert "adding workers (the 1-worker warm median / this one's, > 1: faster): 2 workers x1.58" in text
+
+
+def test_the_report_prints_flink_beside_the_pipeline_as_ratios_of_medians():
+    spread_of = (lambda m: {"median": m, "min": m, "max": m, "n": 1})
+    flink = {"jobs": 3, "repeats": 1, "counted": 990,
+             "warm": {"first_job_seconds": 8.0, "job": spread_of(6.0), "peak_mb": 900.0},
+             "cold": {"job": spread_of(9.0), "wall": spread_of(20.0), "peak_mb": 700.0}}
+    report = {"flink": flink, "warm": {"contenders": {"pipeline": {"warm": spread_of(2.0)}}},
+              "cold": {"contenders": {"pipeline": {"wall": spread_of(10.0)}}}}
+    from ipcount_lab.benchmark import _render_flink
+
+    text = "\n".join(_render_flink(report))
+    assert "990 requests counted by every job" in text and "the first 8.00, the rest 6.00 [6.00-6.00]" in text
+    assert "process wall 20.00 [20.00-20.00]; peak JVM 700 MB" in text
+    assert "pipeline / flink, warm (the pipeline's warm epoch against Flink's warm job): 3.00" in text
+    assert "pipeline / flink, cold (process wall against process wall): 2.00" in text
+    alone = "\n".join(_render_flink({"flink": flink}))  # no pipeline figures: no ratios
+    assert "pipeline / flink" not in alone
+    assert _render_flink({"flink": {"skipped": "no PyFlink"}}) == ["flink: skipped: no PyFlink", ""]
+
+
+def test_the_flink_contender_says_what_is_missing_until_it_is_set_up(tmp_path, monkeypatch):
+    from ipcount_lab import bench_flink
+
+    monkeypatch.setattr(bench_flink, "FLINK_PYTHON", tmp_path / "venv" / "bin" / "python")
+    monkeypatch.setattr(bench_flink, "FLINK_JARS", tmp_path / "jars")
+    assert "no PyFlink virtualenv" in bench_flink.not_set_up() and "bin/setup --flink" in bench_flink.not_set_up()
+    bench_flink.FLINK_PYTHON.parent.mkdir(parents=True)
+    bench_flink.FLINK_PYTHON.touch()
+    assert "no flink-sql-connector-kafka jar" in bench_flink.not_set_up()
+    (tmp_path / "jars").mkdir()
+    (tmp_path / "jars" / "flink-sql-connector-kafka-5.0.0-2.2.jar").touch()
+    assert bench_flink.not_set_up() is None
+    assert bench_flink.connector_jar().name == "flink-sql-connector-kafka-5.0.0-2.2.jar"
