@@ -28,24 +28,27 @@ import uuid
 # The access-log line: client, identity, user, [time +0000], the request. Java regex in SQL
 # literals (no escapes but '').
 NGINX = r"^(\S+) \S+ \S+ \[([0-9]{2}/[A-Za-z]{3}/[0-9]{4}:[0-9]{2}:[0-9]{2}:[0-9]{2}) \+0000\] "
-ISO_MS = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z$"
-IPV4 = r"^((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])$"
-IPV6 = r"^[0-9a-f:.]{2,45}$"
+# 'yyyy-MM-ddTHH:mm:ss.SSSZ' as a Java pattern in an SQL literal; TO_TIMESTAMP is NULL where
+# a text does not fit it.
+ISO_MS = "yyyy-MM-dd''T''HH:mm:ss.SSS''Z''"
+# An IPv4 address, or IPv6 text.
+OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+IP = rf"^(({OCTET}\.){{3}}{OCTET}|[0-9a-f.]*:[0-9a-f:.]*)$"
 # Event time of a record that has none: never counted (the view drops it) and far behind
 # every watermark, so it moves nothing.
 NO_TIME = "TIMESTAMP '1970-01-01 00:00:00.000'"
 
 CLIENT = f"CASE WHEN `value` LIKE '{{%' THEN JSON_VALUE(`value`, '$.ip') ELSE REGEXP_EXTRACT(`value`, '{NGINX}', 1) END"
-# A value with U+FFFD was not UTF-8 (raw decodes bad bytes to it).
-WELL_FORMED = (f"({CLIENT}) IS NOT NULL AND (REGEXP({CLIENT}, '{IPV4}') OR (POSITION(':' IN {CLIENT}) > 0 AND "
-               f"REGEXP({CLIENT}, '{IPV6}'))) AND POSITION(U&'\\FFFD' IN `value`) = 0")
+TS = "JSON_VALUE(`value`, '$.ts')"
+# Flink SQL has no variables: each mention of CLIENT or TS is evaluated again, so each is
+# mentioned as few times as may be. A value with U+FFFD was not UTF-8 (raw decodes bad bytes
+# to it).
+WELL_FORMED = f"REGEXP(COALESCE({CLIENT}, ''), '{IP}') AND POSITION(U&'\\FFFD' IN `value`) = 0"
 # Only a well-formed record's time may move the watermark: a malformed record's own time
 # (the generator's bad_shape record is dated weeks ahead) would make every later one late.
 EVENT_TIME = f"""CASE WHEN {WELL_FORMED} THEN COALESCE(CASE
-  WHEN `value` LIKE '{{%' THEN CASE
-    WHEN REGEXP(JSON_VALUE(`value`, '$.ts'), '{ISO_MS}')
-      THEN TO_TIMESTAMP(REPLACE(REPLACE(JSON_VALUE(`value`, '$.ts'), 'T', ' '), 'Z', ''), 'yyyy-MM-dd HH:mm:ss.SSS')
-    ELSE CAST(TO_TIMESTAMP_LTZ(TRY_CAST(JSON_VALUE(`value`, '$.ts') AS BIGINT), 3) AS TIMESTAMP(3)) END
+  WHEN `value` LIKE '{{%' THEN COALESCE(TO_TIMESTAMP({TS}, '{ISO_MS}'),
+                                      CAST(TO_TIMESTAMP_LTZ(TRY_CAST({TS} AS BIGINT), 3) AS TIMESTAMP(3)))
   ELSE TO_TIMESTAMP(REGEXP_EXTRACT(`value`, '{NGINX}', 2), 'dd/MMM/yyyy:HH:mm:ss') END, {NO_TIME}) ELSE {NO_TIME} END"""
 
 
