@@ -14,6 +14,7 @@ window by window, IP by IP, against a recount of the range by the record specifi
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections import Counter
 from datetime import datetime, timezone
@@ -89,6 +90,8 @@ def run_jobs(cfg: PipelineConfig, ending: Mapping[int, int], jobs: int, log: Pat
     command = [str(FLINK_PYTHON), str(FLINK_JOB), "--bootstrap-servers", cfg.bootstrap_servers,
                "--topic", cfg.topic, "--ending", json.dumps({str(p): o for p, o in ending.items()}),
                "--connector-jar", str(connector_jar()), "--window-seconds", str(cfg.window_seconds),
+               # As many parallel tasks as Spark's local[*] runs.
+               "--parallelism", str(os.cpu_count() or 1),
                *(arg for sink in sinks for arg in ("--sink-topic", sink))]
     wall, peak, out = run_process(command, log, {"JVM_ARGS": FLINK_JVM_ARGS})
     results = [json.loads(line) for line in out.splitlines() if line.startswith('{"job"')]
