@@ -61,23 +61,21 @@ def offsets(spec: dict[int, int]) -> str:
     return ";".join(f"partition:{p},offset:{o}" for p, o in sorted(spec.items()))
 
 
+def with_options(options: dict[str, str]) -> str:
+    """A table's WITH clause."""
+    return "WITH (\n" + ",\n".join(f"  '{key}' = '{value}'" for key, value in options.items()) + "\n)"
+
+
 def source_ddl(args: argparse.Namespace, ending: dict[int, int]) -> str:
     return f"""CREATE TEMPORARY TABLE raw_requests (
   `value` STRING,
   event_time AS {EVENT_TIME},
   WATERMARK FOR event_time AS event_time - INTERVAL '{args.watermark_delay_seconds}' SECOND
-) WITH (
-  'connector' = 'kafka',
-  'topic' = '{args.topic}',
-  'properties.bootstrap.servers' = '{args.bootstrap_servers}',
-  'properties.group.id' = 'flink-{args.topic}',
-  'properties.isolation.level' = 'read_committed',
-  'scan.startup.mode' = 'specific-offsets',
-  'scan.startup.specific-offsets' = '{offsets(dict.fromkeys(ending, 0))}',
-  'scan.bounded.mode' = 'specific-offsets',
-  'scan.bounded.specific-offsets' = '{offsets(ending)}',
-  'format' = 'raw'
-)"""
+) """ + with_options({
+        "connector": "kafka", "topic": args.topic, "properties.bootstrap.servers": args.bootstrap_servers,
+        "properties.group.id": f"flink-{args.topic}", "properties.isolation.level": "read_committed",
+        "scan.startup.mode": "specific-offsets", "scan.startup.specific-offsets": offsets(dict.fromkeys(ending, 0)),
+        "scan.bounded.mode": "specific-offsets", "scan.bounded.specific-offsets": offsets(ending), "format": "raw"})
 
 
 # A record counts when it is well-formed and has a time (EVENT_TIME).
@@ -86,16 +84,11 @@ SELECT {CLIENT} AS ip, event_time FROM raw_requests WHERE event_time > {NO_TIME}
 
 
 def sink_ddl(args: argparse.Namespace, topic: str) -> str:
-    return f"""CREATE TEMPORARY TABLE ip_counts (window_start TIMESTAMP(3), ip STRING, requests BIGINT) WITH (
-  'connector' = 'kafka',
-  'topic' = '{topic}',
-  'properties.bootstrap.servers' = '{args.bootstrap_servers}',
-  'properties.transaction.timeout.ms' = '600000',
-  'sink.delivery-guarantee' = 'exactly-once',
-  'sink.transactional-id-prefix' = '{topic}-{uuid.uuid4().hex[:8]}',
-  'format' = 'json',
-  'json.timestamp-format.standard' = 'ISO-8601'
-)"""
+    return "CREATE TEMPORARY TABLE ip_counts (window_start TIMESTAMP(3), ip STRING, requests BIGINT) " + with_options({
+        "connector": "kafka", "topic": topic, "properties.bootstrap.servers": args.bootstrap_servers,
+        "properties.transaction.timeout.ms": "600000", "sink.delivery-guarantee": "exactly-once",
+        "sink.transactional-id-prefix": f"{topic}-{uuid.uuid4().hex[:8]}",
+        "format": "json", "json.timestamp-format.standard": "ISO-8601"})
 
 
 COUNT = """INSERT INTO ip_counts
