@@ -8,6 +8,7 @@ through every malformed class of :mod:`ipcount.rules.records`.
 """
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import logging
@@ -76,7 +77,9 @@ class TrafficGenerator:
     def _make_ip(self, i: int) -> str:
         r = self._rng
         if i % 10 == 9:
-            return f"2001:db8:{r.randrange(65536):x}::{r.randrange(1, 65536):x}"
+            # As the record spec writes it (2001:db8:0::1 is 2001:db8::1): a contender that
+            # counts addresses as written must count the same clients.
+            return str(ipaddress.IPv6Address(f"2001:db8:{r.randrange(65536):x}::{r.randrange(1, 65536):x}"))
         return f"{r.choice((203, 198, 192, 10, 172, 100))}.{r.randrange(256)}.{r.randrange(256)}.{r.randrange(1, 255)}"
 
     def records(self, count: int | None, start_ms: int) -> Iterator[Record]:
