@@ -93,7 +93,10 @@ def run_jobs(cfg: PipelineConfig, ending: Mapping[int, int], jobs: int, log: Pat
                # As many parallel tasks as Spark's local[*] runs.
                "--parallelism", str(os.cpu_count() or 1),
                *(arg for sink in sinks for arg in ("--sink-topic", sink))]
-    wall, peak, out = run_process(command, log, {"JVM_ARGS": FLINK_JVM_ARGS})
+    # A few times what a job took here (under 20 s a million records, JVM start included): a
+    # job that hangs (a sink it cannot write, say) ends the run instead of stalling it.
+    timeout = 120 + jobs * (60 + sum(ending.values()) / 20_000)
+    wall, peak, out = run_process(command, log, {"JVM_ARGS": FLINK_JVM_ARGS}, timeout)
     results = [json.loads(line) for line in out.splitlines() if line.startswith('{"job"')]
     if [r["sink_topic"] for r in results] != sinks:
         raise RuntimeError(f"the Flink process ran {len(results)} of {jobs} jobs; its output: {log}")

@@ -37,6 +37,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -132,20 +133,31 @@ class ProcessFailed(RuntimeError):
     """A measured command exited with an error: its exit code and the log that holds its output
     (a measurement that counts failures records them, the others let this end the run)."""
 
-    def __init__(self, command: Sequence[str], returncode: int, log_path: Path) -> None:
-        super().__init__(f"{Path(command[0]).name} failed (exit {returncode}); its output: {log_path}")
+    def __init__(self, command: Sequence[str], returncode: int, log_path: Path, timeout: float | None = None) -> None:
+        why = f"was stopped after {timeout:g} s" if timeout is not None else f"failed (exit {returncode})"
+        super().__init__(f"{Path(command[0]).name} {why}; its output: {log_path}")
         self.returncode, self.log_path = returncode, log_path
 
 
-def run_process(command: Sequence[str], log_path: Path, env: dict | None = None) -> tuple[float, float | None, str]:
+def run_process(command: Sequence[str], log_path: Path, env: dict | None = None,
+                timeout: float | None = None) -> tuple[float, float | None, str]:
     """(wall seconds, peak JVM MB, output) of a command that must succeed: the peak is the sum of
-    the resident memory of the ``java`` processes in its process tree (:class:`PeakMemory`)."""
+    the resident memory of the ``java`` processes in its process tree (:class:`PeakMemory`).
+    With ``timeout``, a command still running after that many seconds is killed with every
+    process it started, and fails."""
     started = time.monotonic()
     with open(log_path, "w") as log:  # a file, not a pipe: Spark's logs would fill a pipe and stall it
+        # A session of its own when it may be killed: its JVMs go with it.
         proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})}, start_new_session=timeout is not None)
         memory = PeakMemory(proc.pid)
-        proc.wait()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            memory.stop()
+            raise ProcessFailed(command, proc.returncode, log_path, timeout) from None
     wall = time.monotonic() - started
     peak = memory.stop()
     out = log_path.read_text(errors="replace")

@@ -156,3 +156,25 @@ def test_the_flink_contender_says_what_is_missing_until_it_is_set_up(tmp_path, m
     (tmp_path / "jars" / "flink-sql-connector-kafka-5.0.0-2.2.jar").touch()
     assert bench_flink.not_set_up() is None
     assert bench_flink.connector_jar().name == "flink-sql-connector-kafka-5.0.0-2.2.jar"
+
+
+def test_a_measured_command_that_hangs_is_killed_with_its_children_and_fails(tmp_path):
+    import time
+    from pathlib import Path
+
+    import pytest
+
+    from ipcount_lab.benchmark import ProcessFailed, run_process
+
+    pid_file = tmp_path / "child.pid"
+    # A child process that outlives its parent's kill unless the whole session is killed.
+    script = f"sleep 60 & echo $! > {pid_file}; wait"
+    started = time.monotonic()
+    with pytest.raises(ProcessFailed, match="stopped after 1 s"):
+        run_process(["bash", "-c", script], tmp_path / "hang.log", timeout=1)
+    assert time.monotonic() - started < 10
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    status = Path(f"/proc/{child}/status")
+    # Gone with its parent, or dead and not yet reaped by whichever process adopted it.
+    assert not status.exists() or "\nState:\tZ" in status.read_text()
