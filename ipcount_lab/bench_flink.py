@@ -92,6 +92,7 @@ def run_jobs(cfg: PipelineConfig, ending: Mapping[int, int], jobs: int, log: Pat
                "--connector-jar", str(connector_jar()), "--window-seconds", str(cfg.window_seconds),
                # As many parallel tasks as Spark's local[*] runs.
                "--parallelism", str(os.cpu_count() or 1),
+               "--checkpoint-dir", str(log.parent / f"{log.stem}-checkpoints"),
                *(arg for sink in sinks for arg in ("--sink-topic", sink))]
     # A few times what a job took here (under 20 s a million records, JVM start included): a
     # job that hangs (a sink it cannot write, say) ends the run instead of stalling it.

@@ -1044,6 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
     broker = None
+    finished = False
     if args.bootstrap_servers:
         servers = args.bootstrap_servers
     else:
@@ -1136,12 +1137,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
         say(f"figures written to {out}")
+        finished = True
         return 0
     finally:
         if broker is not None:
             broker.stop()
-        if args.workdir is None:
+        if args.workdir is None and finished:
             shutil.rmtree(workdir, ignore_errors=True)
+        elif args.workdir is None:  # a failure names a log in it
+            say(f"the run failed: its tables and logs are kept in {workdir}")
 
 
 def machine() -> dict:

@@ -29,6 +29,7 @@ import json
 import sys
 import time
 import uuid
+from pathlib import Path
 
 # The access-log line: client, identity, user, [time +0000], the request. Java regex in SQL
 # literals (no escapes but '').
@@ -106,6 +107,11 @@ def run_job(args: argparse.Namespace, ending: dict[int, int], sink_topic: str) -
                        ("table.local-time-zone", "UTC"),
                        ("execution.checkpointing.interval", f"{args.checkpoint_ms} ms"),
                        ("execution.checkpointing.mode", "EXACTLY_ONCE"),
+                       # On files, as a deployment keeps them: in the JobManager's heap (the
+                       # default) a checkpoint fails once a state passes 5 MB, as the windows'
+                       # state does at 5M records, and with it the job.
+                       ("execution.checkpointing.storage", "filesystem"),
+                       ("execution.checkpointing.dir", Path(args.checkpoint_dir).resolve().as_uri()),
                        ("parallelism.default", str(args.parallelism)),
                        # A failing job fails the run: Flink would restart it without end.
                        ("restart-strategy.type", "none")):
@@ -132,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watermark-delay-seconds", type=int, default=60)
     p.add_argument("--checkpoint-ms", type=int, default=1000,
                    help="checkpoint interval: the sink commits its transaction at each (default 1000)")
+    p.add_argument("--checkpoint-dir", required=True, help="where the job's checkpoints go (a directory)")
     p.add_argument("--parallelism", type=int, default=2, help="bin/benchmark gives the machine's cores (default 2)")
     args = p.parse_args(argv)
     ending = {int(k): int(v) for k, v in json.loads(args.ending).items()}
