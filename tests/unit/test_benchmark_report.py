@@ -2,8 +2,13 @@
 taken round by round, the cold round kept apart."""
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
+import pytest
+
 from ipcount_lab.bench_stats import contender_summary, growth, history_summary, paired_ratio, spread, steady
-from ipcount_lab.benchmark import render
+from ipcount_lab.benchmark import ProcessFailed, render, run_process
 
 
 def run(contender, rnd, seconds, **extra):
@@ -159,13 +164,6 @@ def test_the_flink_contender_says_what_is_missing_until_it_is_set_up(tmp_path, m
 
 
 def test_a_measured_command_that_hangs_is_killed_with_its_children_and_fails(tmp_path):
-    import time
-    from pathlib import Path
-
-    import pytest
-
-    from ipcount_lab.benchmark import ProcessFailed, run_process
-
     pid_file = tmp_path / "child.pid"
     # A child process that outlives its parent's kill unless the whole session is killed.
     script = f"sleep 60 & echo $! > {pid_file}; wait"
