@@ -49,7 +49,7 @@ def test_compose_keeps_the_tables_in_its_object_store():
     assert services[host]["environment"]["S3_SECRET"] == env["AWS_SECRET_ACCESS_KEY"]
     from ipcount_lab.embedded_s3 import EmbeddedS3
     assert env["AWS_ACCESS_KEY_ID"] == EmbeddedS3.access_key_id
-    for name in ("airflow-init", "airflow-scheduler", "airflow-apiserver"):
+    for name in ("airflow-init", "airflow-scheduler", "airflow-apiserver", "airflow-triggerer"):
         assert services[name]["environment"]["AWS_ENDPOINT_URL"] == env["AWS_ENDPOINT_URL"]
         assert not any("warehouse" in v for v in services[name].get("volumes", [])), name
     # Airflow's other services start after airflow-init
@@ -133,7 +133,8 @@ def test_compose_spark_connect_is_what_the_airflow_tasks_point_at():
     env = services["airflow-scheduler"]["environment"]
     assert env["AIRFLOW_CONN_IPCOUNT_CONNECT"] == \
         f"spark-connect://:{server['environment']['CONNECT_TOKEN']}@localhost:{flags['--port']}"
-    for name in ("airflow-scheduler", "airflow-dag-processor", "airflow-apiserver"):  # all parse the DAGs alike
+    # all parse the DAGs alike
+    for name in ("airflow-scheduler", "airflow-dag-processor", "airflow-apiserver", "airflow-triggerer"):
         assert services[name]["environment"]["IPCOUNT_SPARK_CONNECT_CONNECTION"] == "ipcount_connect", name
     settings = {k[len("IPCOUNT_"):].lower(): v for k, v in env.items() if k.startswith("IPCOUNT_")}
     assert PipelineConfig.from_mapping(settings).spark_connect_connection == "ipcount_connect"  # valid, no stale one
