@@ -31,13 +31,17 @@ from airflow.sdk.exceptions import AirflowSkipException
 
 from ipcount.cli import run_in_session
 from ipcount.orchestration.dags import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, backfill_params, check_backfill_request,
-                                        counts_asset, dagrun_timeout, epoch_summary, task_defaults)
+                                        dagrun_timeout, epoch_summary, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
+from ipcount.orchestration.lineage import counts_asset, sink_assets, source_asset, table_assets
 from ipcount.orchestration.operators import epoch_operator
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
 COUNTS = counts_asset(CFG)
+# Lineage: the main tables are outlets of publish_summary, which skips for a replay target
+# (its tables are its own, under <warehouse>/replays/) and for a request with nothing new.
+SOURCE, TABLES, SINK = source_asset(CFG), table_assets(CFG), sink_assets(CFG)
 
 with DAG(
     dag_id=BACKFILL_DAG_ID,
@@ -57,9 +61,9 @@ with DAG(
         return check_backfill_request(CFG, params)
 
     run_backfill = epoch_operator(CFG, "run_backfill", "backfill", REQUEST_BACKFILL_ARGS, run_params=False,
-                                  run_in_session=run_in_session)
+                                  run_in_session=run_in_session, inlets=[SOURCE])
 
-    @task
+    @task(inlets=[COUNTS], outlets=SINK)
     def publish_counts() -> dict:
         """The main counts' versions not published yet (this backfill's, as kind backfill) ->
         the sink topic, exactly once (when publish is on). Replay targets are never published."""
@@ -68,7 +72,7 @@ with DAG(
         with resolved(CFG) as cfg:
             return publish_step(cfg)
 
-    @task(outlets=[COUNTS])
+    @task(outlets=[COUNTS, *TABLES])
     def publish_summary(run_id: str | None = None, params: dict | None = None, outlet_events=None) -> dict:
         """The epochs this run committed, to the log, XCom and (main target) the counts Asset."""
         summary = epoch_summary(CFG, run_id, params["target"])

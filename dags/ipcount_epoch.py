@@ -37,15 +37,18 @@ from airflow.sdk.exceptions import AirflowSkipException
 from ipcount.cli import run_in_session
 from ipcount.jobs import idle
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
-from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, counts_asset, dag_params, dagrun_timeout,
+from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, dag_params, dagrun_timeout,
                                         epoch_summary, epoch_timetable, run_config, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
+from ipcount.orchestration.lineage import counts_asset, sink_assets, source_asset, table_assets
 from ipcount.orchestration.operators import epoch_operator
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
 log = logging.getLogger(__name__)
 COUNTS = counts_asset(CFG)
+# Lineage for Airflow's asset graph: source topic -> the epoch's tables -> the sink topic.
+SOURCE, TABLES, SINK = source_asset(CFG), table_assets(CFG), sink_assets(CFG)
 
 with DAG(
     dag_id=EPOCH_DAG_ID,
@@ -74,9 +77,9 @@ with DAG(
         return "run_epoch" if verdict.run else None
 
     run_epoch = epoch_operator(CFG, "run_epoch", "epoch", ("--skip-offset-commit", "--skip-publish"),
-                               run_in_session=run_in_session)
+                               run_in_session=run_in_session, inlets=[SOURCE], outlets=TABLES)
     backfill_interval = epoch_operator(CFG, "backfill_interval", "backfill", INTERVAL_BACKFILL_ARGS,
-                                       run_in_session=run_in_session)
+                                       run_in_session=run_in_session, inlets=[SOURCE], outlets=TABLES)
 
     @task(trigger_rule="none_failed_min_one_success")
     def commit_offsets(params: dict | None = None) -> bool:
@@ -84,7 +87,7 @@ with DAG(
         with resolved(run_config(CFG, params)) as cfg:
             return commit_group_offsets_from_ledger(cfg)
 
-    @task
+    @task(inlets=[COUNTS], outlets=SINK)
     def publish_counts(params: dict | None = None) -> dict:
         """Counts versions not published yet -> the sink topic, one Kafka transaction each with
         the publisher's cursor (when publish is on; fails, and is retried, when Kafka refuses)."""

@@ -24,6 +24,7 @@ from airflow.sdk import DAG, task
 
 from ipcount.orchestration.dags import MAINTENANCE_DAG_ID, maintenance_schedule, task_defaults
 from ipcount.orchestration.kafka_connection import resolved
+from ipcount.orchestration.lineage import maintenance_asset
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -39,7 +40,7 @@ with DAG(
     default_args=task_defaults(CFG, retries=1),
     tags=["ipcount", "maintenance"],
 ):
-    @task
+    @task(outlets=[maintenance_asset(CFG)])
     def maintain(run_id: str | None = None) -> dict:
         """Every table compacted, checkpointed and vacuumed once; what was done, to the log and XCom."""
         from ipcount.jobs.maintenance import run_maintenance  # (Delta and Kafka clients: not at parse time)

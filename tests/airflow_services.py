@@ -40,7 +40,9 @@ def airflow_services(home: Path, env: dict, services: tuple[str, ...] = ("api-se
     keep_passwords_private(home)
     try:
         for name in services:
-            args = ["api-server", "--port", env["AIRFLOW__API__PORT"]] if name == "api-server" else [name]
+            # A triggerer's log server would take the port of any other stack's triggerer.
+            args = (["api-server", "--port", env["AIRFLOW__API__PORT"]] if name == "api-server" else
+                    ["triggerer", "--skip-serve-logs"] if name == "triggerer" else [name])
             log = open(home / f"{name}.log", "w")
             procs.append(subprocess.Popen([AIRFLOW, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
@@ -109,3 +111,18 @@ def metadata_rows(env: dict, sql: str, **params) -> list[tuple]:
             return [tuple(row) for row in connection.execute(text(sql), params)]
     finally:
         engine.dispose()
+
+
+def asset_graph(env: dict, dag_ids: tuple[str, ...]) -> dict[str, dict]:
+    """Airflow's asset graph over its REST API, by asset URI: the DAGs scheduled on each
+    asset, the tasks that produce and consume it (``dag.task`` names) and its watchers."""
+    base = env["AIRFLOW__API__BASE_URL"]
+    request = urllib.request.Request(f"{base}/api/v2/assets?dag_ids={','.join(dag_ids)}&limit=100",
+                                     headers={"Authorization": f"Bearer {access_token(base, Path(env['AIRFLOW_HOME']))}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assets = json.load(response)["assets"]
+    return {a["uri"]: {"name": a["name"],
+                       "scheduled": sorted(d["dag_id"] for d in a["scheduled_dags"]),
+                       "producers": sorted(f"{t['dag_id']}.{t['task_id']}" for t in a["producing_tasks"]),
+                       "consumers": sorted(f"{t['dag_id']}.{t['task_id']}" for t in a["consuming_tasks"]),
+                       "watchers": sorted(w["name"] for w in a["watchers"])} for a in assets}

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.rules.config import (REPO_ROOT, RUN, SETTINGS, SETTINGS_BY_NAME, SETTINGS_HELP, PipelineConfig,
-                                  Setting, flag, location_scheme, negated_flag)
+                                  Setting, flag, negated_flag)
 from ipcount.rules.errors import BadRequestError, ConfigError
 from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, request_from_fields
 from ipcount.rules.tableset import MEANING
@@ -63,14 +63,6 @@ def maintenance_schedule(cfg: PipelineConfig) -> str | None:
     triggered) for ``none``."""
     schedule = cfg.maintenance_schedule.strip()
     return None if schedule.lower() == "none" else schedule
-
-
-def counts_asset(cfg: PipelineConfig):
-    """The Asset both DAGs update when they commit counts into the main table."""
-    from airflow.sdk import Asset
-
-    path = cfg.counts_path
-    return Asset(name=f"{cfg.pipeline_id}_counts", uri=path if location_scheme(path) else f"file://{path}")
 
 
 def dag_params(cfg: PipelineConfig) -> dict[str, Any]:

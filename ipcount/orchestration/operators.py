@@ -130,16 +130,19 @@ class EpochConnectOperator(PythonOperator):
 
 
 def epoch_operator(cfg: PipelineConfig, task_id: str, command: str, task_args: tuple[str, ...] = (),
-                   run_params: bool = True, run_in_session: Callable | None = None):
+                   run_params: bool = True, run_in_session: Callable | None = None, **task_kwargs):
     """The task running ``ipcount <command>``: in the task's own process on the Spark Connect
     server of ``spark_connect_connection`` when that is set (``run_in_session`` runs it:
     :func:`ipcount.cli.run_in_session`), else spark-submit (:func:`spark_submit_kwargs`).
-    Chosen by configuration, never by probing."""
+    Chosen by configuration, never by probing. ``task_kwargs`` (inlets, outlets) go to the
+    operator."""
     if not cfg.spark_connect_connection:
-        return EpochSubmitOperator(task_id=task_id, **spark_submit_kwargs(cfg, command, task_args, run_params))
+        return EpochSubmitOperator(task_id=task_id, **spark_submit_kwargs(cfg, command, task_args, run_params),
+                                   **task_kwargs)
     if run_in_session is None:
         raise ConfigError("spark_connect_connection is set, but the DAG file gave no command runner")
     args = command_args(cfg, command, task_args, run_params)   # (no Spark jars needed on this host)
     return EpochConnectOperator(task_id=task_id, python_callable=run_in_session, conn_id=cfg.spark_connect_connection,
                                 pipeline_id=cfg.pipeline_id, command_args=args, kafka_connection=cfg.kafka_connection,
-                                bootstrap_servers=cfg.bootstrap_servers, timeout_seconds=cfg.kafka_timeout_seconds)
+                                bootstrap_servers=cfg.bootstrap_servers, timeout_seconds=cfg.kafka_timeout_seconds,
+                                **task_kwargs)

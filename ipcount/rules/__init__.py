@@ -15,5 +15,6 @@ offset range, a plan, a ledger row, a record and a setting mean. Unit-tested on 
 - :mod:`.maintenance`  which counts partitions are final, how long a vacuum keeps files, run reports
 - :mod:`.kafka_security`  the Kafka security settings as each client's options
 - :mod:`.private_files`   files that hold secrets: private from their first byte
+- :mod:`.lineage`   the datasets' names: Airflow Asset URIs and OpenLineage namespaces
 - :mod:`.file_stats`  a data file's statistics as a Delta add action records them
 """

@@ -13,7 +13,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from ipcount_lab.generator import TrafficGenerator, produce
-from tests.airflow_services import airflow, airflow_database, airflow_services, metadata_rows, service_env
+from tests.airflow_services import (airflow, airflow_database, airflow_services, asset_graph, metadata_rows,
+                                   service_env)
 from tests.conftest import connect_connection, free_port, run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, lanes, ledger, owned_offsets
@@ -64,6 +65,17 @@ def test_airflow_backfill_create_counts_each_interval_once(cfg, spark, tmp_path,
         # The scheduler's own run (the latest interval) finds nothing new.
         (scheduled,) = _wait_for(env, "scheduled", 1)
         assert scheduled[1] == "success"
+        # Airflow's asset graph, over its REST API: the source topic -> the tables
+        graph = asset_graph(env, ("ipcount_epoch", "ipcount_backfill"))
+        warehouse = f"file://{cfg.warehouse}"
+        assert graph[f"kafka://{cfg.bootstrap_servers.split(',')[0]}/{cfg.topic}"]["consumers"] == [
+            "ipcount_backfill.run_backfill", "ipcount_epoch.backfill_interval", "ipcount_epoch.run_epoch"]
+        for table in ("ledger", "dead_letters", "late_records"):
+            assert graph[f"{warehouse}/{table}"]["producers"] == [
+                "ipcount_backfill.publish_summary", "ipcount_epoch.backfill_interval", "ipcount_epoch.run_epoch"]
+        counts_table = graph[f"{warehouse}/counts"]
+        assert counts_table["producers"] == ["ipcount_backfill.publish_summary", "ipcount_epoch.publish_summary"]
+        assert counts_table["consumers"] == ["ipcount_backfill.publish_counts", "ipcount_epoch.publish_counts"]
         # Then history arrives that only a backfill will count: records stamped two days ago.
         second = produce(cfg.bootstrap_servers, cfg.topic, TrafficGenerator(seed=72, events_per_second=50)
                          .records(90, day(2) + 3_600_000), partition_of=lambda i, r: i % 3,

@@ -68,11 +68,13 @@ def test_dag_folder_imports_without_errors(airflow_environ):
         "    'schedule': getattr(d.timetable, 'summary', None) or str(d.schedule),\n"
         "    'periodic': getattr(d.timetable, 'periodic', False), 'timetable': type(d.timetable).__name__,\n"
         "    'params': sorted(d.params.keys())}\n"
+        "  info[name + ' lineage'] = {t.task_id: [sorted(a.uri for a in t.inlets), sorted(a.uri for a in t.outlets)]\n"
+        "                             for t in d.tasks if t.inlets or t.outlets}\n"
         "print(json.dumps(info))\n")
     proc = subprocess.run([sys.executable, "-c", script], env=_env(airflow_environ), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    info = {k: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items() if not k.endswith(" lineage")}
     from ipcount.orchestration.dags import BACKFILL_PARAMS, RUN_PARAMS
 
     assert info.pop("ipcount_maintenance") == {
@@ -95,6 +97,23 @@ def test_dag_folder_imports_without_errors(airflow_environ):
     assert proc.returncode == 0, proc.stderr[-3000:]
     epoch_dag = json.loads(proc.stdout.strip().splitlines()[-1])["ipcount_epoch"]
     assert (epoch_dag["timetable"], epoch_dag["max_active_runs"]) == ("ContinuousTimetable", 1), epoch_dag
+    # Lineage for the asset graph: the source topic -> the tables -> the sink topic
+    lineage = {"IPCOUNT_BOOTSTRAP_SERVERS": "b1:9093,b2:9093", "IPCOUNT_TOPIC": "web.requests-v1",
+               "IPCOUNT_WAREHOUSE": "/srv/wh", "IPCOUNT_PUBLISH": "true", "IPCOUNT_PUBLISH_TOPIC": "ip-counts"}
+    proc = subprocess.run([sys.executable, "-c", script], env={**_env(airflow_environ), **lineage},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    source, sink = ["kafka://b1:9093/web.requests-v1"], ["kafka://b1:9093/ip-counts"]
+    written = ["file:///srv/wh/dead_letters", "file:///srv/wh/late_records", "file:///srv/wh/ledger"]
+    assert info["ipcount_epoch lineage"] == {
+        "run_epoch": [source, written], "backfill_interval": [source, written],
+        "publish_counts": [["file:///srv/wh/counts"], sink], "publish_summary": [[], ["file:///srv/wh/counts"]]}
+    # (a backfill's tables are the main ones only when its summary is not skipped: a replay's are its own)
+    assert info["ipcount_backfill lineage"] == {
+        "run_backfill": [source, []], "publish_counts": [["file:///srv/wh/counts"], sink],
+        "publish_summary": [[], ["file:///srv/wh/counts", *written]]}
+    assert info["ipcount_maintenance lineage"] == {"maintain": [[], ["file:///srv/wh/maintenance"]]}
 
 
 def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_environ, cfg):
