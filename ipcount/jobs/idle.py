@@ -12,12 +12,14 @@ only source of positions; the consumer group is never read.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Mapping
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger_summary import committed_chain
-from ipcount.storage.ledger import Ledger
+from ipcount.storage.ledger import Ledger, LedgerView
 
 
 @dataclass(frozen=True)
@@ -60,3 +62,86 @@ def check(cfg: PipelineConfig) -> Verdict:
     except Exception as e:  # noqa: BLE001 - the Spark job gives the authoritative error
         return Verdict(True, f"could not check without Spark ({type(e).__name__}: {e}); running the epoch")
     return verdict(positions, unfinished, earliest, latest)
+
+
+class Watch:
+    """:func:`check` for a watcher that looks every few seconds (the on-data schedule's
+    trigger): the ledger kept open and read again only when its version moves, one admin
+    client kept (both opened again after a failure). Like :func:`check`, it asks the broker for
+    log ends only: no consumer, no group, nothing consumed or committed."""
+
+    # A table object follows its own log: one made anew now and then sees a table that was
+    # deleted and created again at the same place.
+    REOPEN_SECONDS = 60.0
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        self.cfg = cfg
+        self._table: Any = None
+        self._opened_at = 0.0
+        self._view: tuple[int, LedgerView] | None = None   # (ledger version, its view)
+        self._client: contextlib.ExitStack | None = None
+        self._admin: Any = None
+
+    def look(self) -> tuple[Verdict, Hashable]:
+        """The verdict, and which work is pending: the chain's positions. New records past
+        the same positions are the same work for the next run, and so is an epoch planned
+        from them (the run that planned it is on it, or a retry finishes it)."""
+        try:
+            view = self._ledger()
+            _, positions, unfinished = committed_chain(view.summary, self.cfg.topic, view.tail)
+            key = tuple(sorted(positions.items()))
+            if unfinished or not positions:
+                return verdict(positions, unfinished, {}, {}), key
+            earliest, latest = self._offsets()
+        except Exception as e:  # noqa: BLE001 - the epoch, if one runs, gives the authoritative error
+            self._table = None
+            self.close()
+            return Verdict(True, f"could not look ({type(e).__name__}: {e})"), ("failed", type(e).__name__)
+        return verdict(positions, unfinished, earliest, latest), key
+
+    def _ledger(self) -> LedgerView:
+        from ipcount.storage.delta import open_table
+
+        if self._table is None or time.monotonic() - self._opened_at >= self.REOPEN_SECONDS:
+            self._table, self._opened_at, self._view = open_table(self.cfg.ledger_path), time.monotonic(), None
+            if self._table is None:
+                return LedgerView(None, [])
+        else:
+            self._table.update_incremental()
+        version = self._table.version()
+        if self._view is None or self._view[0] != version:
+            self._view = (version, Ledger(self.cfg.ledger_path).view(self._table))
+        return self._view[1]
+
+    def _offsets(self) -> tuple[dict[int, int], dict[int, int]]:
+        from ipcount.storage import broker
+
+        if self._client is None:
+            stack = contextlib.ExitStack()
+            self._admin = stack.enter_context(broker.admin_client(self.cfg))
+            self._client = stack
+        return broker.offsets_with(self._admin, self.cfg.topic)
+
+    def close(self) -> None:
+        if self._client is not None:
+            client, self._client, self._admin = self._client, None, None
+            client.close()
+
+
+@dataclass
+class Firing:
+    """When a watcher fires (pure): once for each new piece of pending work, and again for
+    the same work every ``refire_seconds`` while it stays pending (an event Airflow lost or
+    merged, a run that failed). Never while idle."""
+
+    refire_seconds: float
+    fired: tuple[Hashable, float] | None = field(default=None, init=False)   # (key, when)
+
+    def __call__(self, run: bool, key: Hashable, now: float) -> bool:
+        if not run:
+            self.fired = None
+            return False
+        if self.fired is None or self.fired[0] != key or now - self.fired[1] >= self.refire_seconds:
+            self.fired = (key, now)
+            return True
+        return False

@@ -8,7 +8,8 @@ from difflib import get_close_matches
 from typing import Any, Mapping
 
 from ipcount.orchestration.kafka_connection import resolved
-from ipcount.rules.config import (REPO_ROOT, RUN, SETTINGS, SETTINGS_BY_NAME, SETTINGS_HELP, PipelineConfig,
+from ipcount.orchestration.lineage import source_asset
+from ipcount.rules.config import (ON_DATA, REPO_ROOT, RUN, SETTINGS, SETTINGS_BY_NAME, SETTINGS_HELP, PipelineConfig,
                                   Setting, flag, negated_flag)
 from ipcount.rules.errors import BadRequestError, ConfigError
 from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, request_from_fields
@@ -49,13 +50,24 @@ CONTINUOUS = "@continuous"
 
 
 def epoch_timetable(cfg: PipelineConfig):
-    """The epoch DAG's schedule: ``@continuous``, or the cron expression (or preset) as data
-    intervals - not trigger instants - so a backfill run counts its interval's records."""
+    """The epoch DAG's schedule: ``@continuous``; ``on-data``, the source Asset (its watcher
+    fires on new records) or ``on_data_fallback``'s clock; else the cron expression (or
+    preset). Clocks run as data intervals - not trigger instants - so a backfill run counts
+    its interval's records."""
     from airflow.timetables.interval import CronDataIntervalTimetable
 
-    if cfg.schedule.strip() == CONTINUOUS:
+    schedule = cfg.schedule.strip()
+    if schedule == CONTINUOUS:
         return CONTINUOUS
-    return CronDataIntervalTimetable(cfg.schedule, timezone="UTC")
+    if schedule == ON_DATA:
+        from airflow.sdk import AssetOrTimeSchedule
+
+        fallback = cfg.on_data_fallback.strip()
+        if fallback.lower() == "none":
+            return [source_asset(cfg)]
+        return AssetOrTimeSchedule(assets=[source_asset(cfg)],
+                                   timetable=CronDataIntervalTimetable(fallback, timezone="UTC"))
+    return CronDataIntervalTimetable(schedule, timezone="UTC")
 
 
 def maintenance_schedule(cfg: PipelineConfig) -> str | None:

@@ -3,16 +3,24 @@ topic, so Airflow's asset graph (and OpenLineage, when installed) shows topic ->
 sink. Every DAG file takes them from here, so each Asset is declared alike everywhere."""
 from __future__ import annotations
 
-from ipcount.rules.config import PipelineConfig
+from ipcount.rules.config import ON_DATA, PipelineConfig
 from ipcount.rules.lineage import table_uri, topic_uri
 
 
 def source_asset(cfg: PipelineConfig):
-    """The source topic, the inlet of every task that reads it."""
-    from airflow.sdk import Asset
+    """The source topic, the inlet of every task that reads it. Under the on-data schedule
+    it carries the watcher that starts the epoch DAG's runs; every DAG must declare it with
+    that watcher, since Airflow keeps the watchers of the DAG file it parsed last."""
+    from airflow.sdk import Asset, AssetWatcher
 
+    watchers = []
+    if cfg.schedule.strip() == ON_DATA:
+        from ipcount.orchestration.watcher import NewRecordsTrigger, watch_settings
+
+        watchers = [AssetWatcher(name=f"{cfg.pipeline_id}_new_records",
+                                 trigger=NewRecordsTrigger(watch_settings(cfg), cfg.on_data_poll_seconds))]
     return Asset(name=f"{cfg.pipeline_id}_source",
-                 uri=topic_uri(cfg.bootstrap_servers, cfg.topic, cfg.kafka_connection))
+                 uri=topic_uri(cfg.bootstrap_servers, cfg.topic, cfg.kafka_connection), watchers=watchers)
 
 
 def counts_asset(cfg: PipelineConfig):

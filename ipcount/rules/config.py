@@ -189,8 +189,16 @@ class PipelineConfig:
         "* * * * *",
         "the epoch DAG's schedule, read when Airflow parses the DAG: a cron expression or preset, as data "
         "intervals [previous tick, tick) (a run made by airflow backfill create counts the records whose Kafka "
-        "timestamps fall in its interval), or @continuous: each run starts as the last one ends (the lowest "
-        "latency)")
+        "timestamps fall in its interval), @continuous: each run starts as the last one ends, or on-data: a run "
+        "starts within on_data_poll_seconds of new records, none while the log is idle (an asset watcher in "
+        "Airflow's triggerer compares the log ends with the ledger; on_data_fallback runs it on a clock too)")
+    on_data_fallback: str = setting(
+        "@hourly",
+        "with schedule on-data, the clock that also starts runs (a cron expression or preset, as data intervals: "
+        "it bounds the delay after a lost event or a stopped triggerer, and gives airflow backfill create its "
+        "intervals), or none: new data alone starts runs")
+    on_data_poll_seconds: int = setting(
+        2, "with schedule on-data, how often the watcher compares the log ends with the ledger", minimum=1)
     command_timeout_seconds: int = setting(
         3_600,
         "the longest one Spark command of a DAG run (epoch, backfill, rebuild) may take: the tasks' "
@@ -259,8 +267,11 @@ class PipelineConfig:
         self._check_numbers_and_choices()
         self._check_start_position()
         if not self.schedule.strip():
-            raise ConfigError("schedule is empty; expected a cron expression such as '* * * * *' or a "
-                              "preset such as '@hourly'")
+            raise ConfigError("schedule is empty; expected a cron expression such as '* * * * *', a "
+                              "preset such as '@hourly', @continuous or on-data")
+        if self.on_data_fallback.strip() in ("", "@continuous", ON_DATA):
+            raise ConfigError(f"on_data_fallback {self.on_data_fallback!r}: expected a cron expression or preset "
+                              "such as '@hourly' (the clock beside the data), or none")
         if self.spark_remote and not re.match(r"^sc://[^/\s:;]+(:\d{1,5})?/?$", self.spark_remote):
             # (No ;parameters: a token there would be in every command line; it has its file.)
             raise ConfigError(f"spark_remote must be a Spark Connect URL such as sc://localhost:15002, with no "
@@ -489,6 +500,10 @@ COMMAND_SETTINGS = {
     # it reads no file or IPCOUNT_* variable, so none meant for the pipeline can stop it.
     "connect-server": (),
 }
+
+
+# The schedule whose runs are started by new records (an asset watcher), not a clock.
+ON_DATA = "on-data"
 
 
 # Where delta-rs can keep tables besides a local directory (its credentials and endpoint

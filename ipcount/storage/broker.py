@@ -174,10 +174,15 @@ def partition_offsets(cfg: PipelineConfig) -> tuple[dict[int, int], dict[int, in
     """(earliest, latest) offset per partition of the topic. ``latest`` is the last stable
     offset (read_committed): an epoch never plans past an open transaction."""
     with admin_client(cfg) as client:
-        tps = [TopicPartition(cfg.topic, p) for p in partitions_of(client, cfg.topic)]
-        earliest = client.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in tps})
-        latest = client.list_partition_offsets({tp: OffsetSpec.LATEST for tp in tps},
-                                               isolation_level=IsolationLevel.READ_COMMITTED)
+        return offsets_with(client, cfg.topic)
+
+
+def offsets_with(client: KafkaAdminClient, topic: str) -> tuple[dict[int, int], dict[int, int]]:
+    """:func:`partition_offsets` through an open admin client (a watcher keeps one)."""
+    tps = [TopicPartition(topic, p) for p in partitions_of(client, topic)]
+    earliest = client.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in tps})
+    latest = client.list_partition_offsets({tp: OffsetSpec.LATEST for tp in tps},
+                                           isolation_level=IsolationLevel.READ_COMMITTED)
     return ({tp.partition: earliest[tp].offset for tp in tps},
             {tp.partition: latest[tp].offset for tp in tps})
 

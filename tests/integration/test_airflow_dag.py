@@ -60,6 +60,7 @@ def test_dag_folder_imports_without_errors(airflow_environ):
         "import json\n"
         "from airflow.dag_processing.dagbag import DagBag\n"
         "from airflow.configuration import conf\n"
+        "from airflow.triggers.base import BaseEventTrigger\n"
         "bag = DagBag(dag_folder=conf.get('core', 'dags_folder'))\n"
         "info = {'errors': bag.import_errors}\n"
         "for name, d in sorted(bag.dags.items()):\n"
@@ -68,13 +69,19 @@ def test_dag_folder_imports_without_errors(airflow_environ):
         "    'schedule': getattr(d.timetable, 'summary', None) or str(d.schedule),\n"
         "    'periodic': getattr(d.timetable, 'periodic', False), 'timetable': type(d.timetable).__name__,\n"
         "    'params': sorted(d.params.keys())}\n"
-        "  info[name + ' lineage'] = {t.task_id: [sorted(a.uri for a in t.inlets), sorted(a.uri for a in t.outlets)]\n"
+        "  info[name + ' lineage'] = {t.task_id: [sorted(a.uri for a in t.inlets),\n"
+        "                                         sorted(a.uri for a in t.outlets)]\n"
         "                             for t in d.tasks if t.inlets or t.outlets}\n"
+        "  info[name + ' watchers'] = {a.uri: [[w.name, BaseEventTrigger.hash(*w.trigger.serialize())]\n"
+        "                                      for w in a.watchers]\n"
+        "                             for t in d.tasks for a in [*t.inlets, *t.outlets]\n"
+        "                             if getattr(a, 'watchers', None)}\n"
         "print(json.dumps(info))\n")
     proc = subprocess.run([sys.executable, "-c", script], env=_env(airflow_environ), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    info = {k: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items() if not k.endswith(" lineage")}
+    info = {k: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()
+            if not k.endswith((" lineage", " watchers"))}
     from ipcount.orchestration.dags import BACKFILL_PARAMS, RUN_PARAMS
 
     assert info.pop("ipcount_maintenance") == {
@@ -114,6 +121,20 @@ def test_dag_folder_imports_without_errors(airflow_environ):
         "run_backfill": [source, []], "publish_counts": [["file:///srv/wh/counts"], sink],
         "publish_summary": [[], ["file:///srv/wh/counts", *written]]}
     assert info["ipcount_maintenance lineage"] == {"maintain": [[], ["file:///srv/wh/maintenance"]]}
+    assert not info["ipcount_epoch watchers"]
+    # Runs started by new records: the source Asset's watcher (or the fallback clock). Every DAG
+    # declares the Asset with the same watcher: Airflow keeps those of the DAG parsed last.
+    proc = subprocess.run([sys.executable, "-c", script],
+                          env={**_env(airflow_environ), **lineage, "IPCOUNT_SCHEDULE": "on-data"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["errors"] == {}
+    assert (info["ipcount_epoch"]["timetable"], info["ipcount_epoch"]["max_active_runs"]) == \
+        ("AssetOrTimeSchedule", 1), info["ipcount_epoch"]
+    watchers = info["ipcount_epoch watchers"]
+    assert list(watchers) == source and [name for name, _ in watchers[source[0]]] == ["ipcount_new_records"]
+    assert info["ipcount_backfill watchers"] == watchers
 
 
 def test_dag_test_runs_a_real_epoch_through_spark_submit(airflow_environ, cfg):

@@ -295,3 +295,26 @@ def test_a_runner_that_loses_the_race_to_plan_finishes_the_winners_epoch(cfg, sp
     ranges = epoch_ranges(cfg)
     assert_contiguous(ranges, dict(Counter(p.partition for p in produced)), 100)
     assert counts(cfg) == expected_tables(produced, ranges).counts
+
+
+def test_the_on_data_watch_follows_the_ledger_and_log_ends_without_a_consumer_group(cfg, spark):
+    from ipcount.jobs.idle import Watch
+
+    watch = Watch(cfg)
+    try:
+        first, key = watch.look()
+        assert first.run and "no committed scheduled epoch" in first.why and key == ()
+        produce_dataset(cfg, n=300)
+        run_until_idle(cfg, spark)
+        with broker_io.admin_client(cfg) as admin:
+            groups = sorted(map(str, admin.list_groups()))
+        idle, key = watch.look()
+        ends = {r["partition"]: r["until_offset"] for r in ledger_rows(cfg)}
+        assert not idle.run and key == tuple(sorted(ends.items())), (idle, key)
+        produce_dataset(cfg, n=30, seed=12)
+        pending, same = watch.look()
+        assert pending.run and pending.why.startswith("30 new offset(s)") and same == key, pending
+        with broker_io.admin_client(cfg) as admin:
+            assert sorted(map(str, admin.list_groups())) == groups   # it looked as an admin only
+    finally:
+        watch.close()

@@ -123,8 +123,9 @@ class Monitor:
             lag = sum(max(0, model.partition_lag(end, chain.get(p), positions.log_start.get(p)))
                       for p, end in positions.log_end.items())
         now = datetime.now(timezone.utc)
+        interval = model.schedule_interval(cfg.schedule, now, cfg.on_data_poll_seconds)
         health = model.assess_health(
-            now, last[0] if last else None, last[1] if last else None, model.schedule_interval(cfg.schedule, now),
+            now, last[0] if last else None, last[1] if last else None, interval,
             lag, unfinished, failed_since_success() if target == MAIN_TARGET else (), positions.error,
             watermark_ms=last[2] if last else None)
         return model.with_maintenance(health, now, tables.last_maintenance(),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping
 
+from ipcount.rules.config import ON_DATA
 from ipcount.rules.ledger import BACKFILL, COMMITTED, EPOCH_KINDS, LOST, PLANNED, kind_of, metric_totals, rows_by_epoch
 from ipcount.rules.maintenance import TableMaintenance
 
@@ -185,11 +186,14 @@ def partition_lag(log_end: int | None, position: int | None, log_start: int | No
     return log_end - (position if position is not None else (log_start or 0))
 
 
-def schedule_interval(cron: str, now: datetime) -> timedelta | None:
+def schedule_interval(cron: str, now: datetime, poll_seconds: int = 0) -> timedelta | None:
     """The time between the schedule's fire times around ``now`` (None if it is not a
-    periodic cron expression or preset)."""
+    periodic cron expression or preset); for ``on-data``, how often its watcher looks
+    (``poll_seconds``): a run follows new records that soon."""
     from croniter import croniter
 
+    if cron.strip() == ON_DATA:
+        return timedelta(seconds=poll_seconds)
     try:
         it = croniter(cron, now)
         first = it.get_next(datetime)

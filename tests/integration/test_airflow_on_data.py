@@ -1,0 +1,112 @@
+"""The on-data schedule with the real scheduler and triggerer: the source Asset's watcher
+starts a run within seconds of new records, none while the log is idle, and records that
+arrive while a run is active are counted by the next run, not left for the fallback clock."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ipcount_lab.generator import TrafficGenerator, produce
+from ipcount.storage import broker as broker_io
+from tests.airflow_services import airflow, airflow_services, asset_graph, metadata_rows, service_env
+from tests.conftest import connect_connection, free_port
+from tests.ground_truth import expected_tables
+from tests.tables import counts, epoch_ranges, ledger, owned_offsets
+
+pytestmark = pytest.mark.airflow
+
+
+def _runs(env) -> list[tuple]:
+    return metadata_rows(env, "SELECT run_id, run_type, state FROM dag_run WHERE dag_id = 'ipcount_epoch' ORDER BY id")
+
+
+def _chain_end(cfg) -> dict[int, int]:
+    """Where the committed scheduled chain ends, per partition (from the ledger)."""
+    ends: dict[int, int] = {}
+    for r in ledger(cfg):
+        if r["status"] == "committed":
+            ends[r["partition"]] = max(ends.get(r["partition"], 0), r["until_offset"])
+    return ends
+
+
+def _wait(what, check, timeout, env):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (found := check()):
+            return found
+        time.sleep(0.5)
+    home = env["AIRFLOW_HOME"]
+    raise AssertionError(f"{what} within {timeout} s; runs {_runs(env)}; see {home}/*.log and {home}/logs")
+
+
+def _counted(cfg, env, timeout):
+    """Waits until the chain reaches the log end and no run is active; the time it took."""
+    start = time.monotonic()
+    _wait("the chain at the log end and every run finished",
+          lambda: _chain_end(cfg) == broker_io.partition_offsets(cfg)[1]
+          and all(state in ("success", "failed") for _, _, state in _runs(env)), timeout, env)
+    return time.monotonic() - start
+
+
+def test_on_data_runs_when_records_arrive_and_never_while_idle(cfg, connect, tmp_path):
+    # The fallback clock's first interval ends next year: every run here is the watcher's.
+    cfg = cfg.replace(schedule="on-data", on_data_fallback="@yearly", on_data_poll_seconds=1,
+                      spark_connect_connection="ipcount_connect")
+    home = tmp_path / "airflow"
+    home.mkdir()
+    env = {**service_env(home, cfg, free_port()), **connect_connection(connect)}
+    gen = TrafficGenerator(seed=38, events_per_second=50, malformed_share=0.02)
+
+    def batch(n: int) -> list:
+        return produce(cfg.bootstrap_servers, cfg.topic, gen.records(n, int(time.time() * 1000)),
+                       partition_of=lambda i, r: i % 3)
+    produced = batch(150)
+
+    airflow(env, "db", "migrate")
+    airflow(env, "dags", "reserialize")
+    with airflow_services(home, env, services=("api-server", "scheduler", "triggerer")):
+        # The records waiting at start: the watcher's first look starts a run.
+        _counted(cfg, env, timeout=240)
+        runs = _runs(env)
+        assert runs and {kind for _, kind, _ in runs} == {"asset_triggered"}, runs
+        graph = asset_graph(env, ("ipcount_epoch",))
+        source = graph[f"kafka://{cfg.bootstrap_servers.split(',')[0]}/{cfg.topic}"]
+        assert (source["scheduled"], source["watchers"]) == (["ipcount_epoch"], [f"{cfg.pipeline_id}_new_records"])
+
+        # Idle: no run at all.
+        settled = len(_runs(env))
+        time.sleep(30)
+        assert len(_runs(env)) == settled, _runs(env)[settled:]
+
+        # New records: a run is queued within seconds, and counts them.
+        produced += batch(60)
+        start = time.monotonic()
+        _wait("a run for the new records", lambda: len(_runs(env)) > settled, 15, env)
+        queued_after = time.monotonic() - start
+        _counted(cfg, env, timeout=180)
+        assert [kind for _, kind, _ in _runs(env)[settled:]] == ["asset_triggered"], _runs(env)[settled:]
+
+        # Records that arrive while a run is active, after its epoch committed (Airflow issue
+        # 56050: events during a run are merged for the next one): the next run counts them,
+        # long before the fallback clock.
+        settled = len(_runs(env))
+        produced += batch(40)
+
+        def committed_by_an_active_run():
+            active = {run_id for run_id, _, state in _runs(env)[settled:] if state == "running"}
+            return next((r["run_id"] for r in ledger(cfg) if r["status"] == "committed" and r["run_id"] in active),
+                        None)
+        active = _wait("a run that committed its epoch and is still running", committed_by_an_active_run, 30, env)
+        produced += batch(40)
+        assert dict((run_id, state) for run_id, _, state in _runs(env))[active] == "running"
+        late_batch = _counted(cfg, env, timeout=150)
+        assert [kind for _, kind, _ in _runs(env)[settled:]] == ["asset_triggered"] * 2, _runs(env)[settled:]
+    runs = _runs(env)
+    assert {state for _, _, state in runs} == {"success"}, runs
+    print(f"on-data: run queued {queued_after:.1f} s after new records; records produced during a run "
+          f"counted {late_batch:.1f} s later; {len(runs)} runs")
+
+    owned_offsets(cfg)                                              # no overlap
+    assert counts(cfg) == expected_tables(produced, epoch_ranges(cfg)).counts
+    assert sum(u - f for ranges in epoch_ranges(cfg) for f, u in ranges.values()) == len(produced)
