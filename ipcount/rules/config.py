@@ -199,6 +199,10 @@ class PipelineConfig:
         "intervals), or none: new data alone starts runs")
     on_data_poll_seconds: int = setting(
         2, "with schedule on-data, how often the watcher compares the log ends with the ledger", minimum=1)
+    metrics_token_file: str = setting(
+        "",
+        "file (mode 0600) holding a token of at least 32 characters that a scraper sends as Authorization: "
+        "Bearer to read the monitor's /ipcount/metrics (Airflow logins may read it too); empty: Airflow logins only")
     command_timeout_seconds: int = setting(
         3_600,
         "the longest one Spark command of a DAG run (epoch, backfill, rebuild) may take: the tasks' "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import pytest
 
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.rules.config import STATE_DIR, PipelineConfig
+from ipcount.rules.private_files import write_private_file
 from ipcount.storage import broker as broker_io
 from ipcount.storage.maintenance import maintain
 from ipcount_lab.embedded_airflow import admin_password, passwords_file
@@ -31,7 +33,7 @@ from tests.airflow_auth import PATH as AUTH_MANAGER
 from tests.airflow_services import access_token, airflow, airflow_services, service_env
 from tests.conftest import BROKER_PASSWORD, free_port, run_until_idle
 from tests.ground_truth import expected_tables
-from tests.tables import ledger
+from tests.tables import last_maintenance, ledger
 
 pytestmark = pytest.mark.airflow
 BASE_MS = 1_795_255_200_000
@@ -55,6 +57,7 @@ class Server:
     url: str
     home: Path
     token: str
+    scrape_token: str
 
     def get(self, path: str, token: str | None = "default", cookie: str | None = None):
         """(status, body) of GET ``/ipcount<path>``; JSON bodies parsed."""
@@ -72,6 +75,21 @@ class Server:
         except urllib.error.HTTPError as e:
             status, body, kind = e.code, e.read().decode(), e.headers.get("Content-Type", "")
         return status, (json.loads(body) if kind.startswith("application/json") else body)
+
+    def metrics(self, token: str | None = None) -> dict[tuple[str, frozenset], float]:
+        """One scrape of /ipcount/metrics (with the scrape token unless ``token``), parsed:
+        (sample name, labels but the pipeline's) -> value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, body = self.get("/metrics", token=token or self.scrape_token)
+        assert status == 200, (status, body)
+        samples = {}
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                labels = dict(sample.labels)
+                assert labels.pop("pipeline") == self.cfg.pipeline_id, sample
+                samples[(sample.name, frozenset(labels.items()))] = sample.value
+        return samples
 
     def api(self, path: str):
         status, body = self.get(path)
@@ -105,12 +123,15 @@ def server(broker, tmp_path_factory):
                                          "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
                                          "sasl.username": "ipcount", "sasl.password": BROKER_PASSWORD,
                                          "ssl.ca.location": secure["kafka_ssl_cafile"]}})})
+    # A scraper's token for /ipcount/metrics (a private file, as the setting asks).
+    scrape_token = secrets.token_urlsafe(32)
+    env["IPCOUNT_METRICS_TOKEN_FILE"] = str(write_private_file(root / "scrape-token", scrape_token + "\n"))
     airflow(env, "db", "migrate")
     with airflow_services(home, env, services=("api-server",)):
         url = f"http://127.0.0.1:{port}"
         passwords = passwords_file(home)
         assert admin_password(home) and passwords.stat().st_mode & 0o777 == 0o600  # written, owner only
-        yield Server(cfg, url, home, access_token(url, home))
+        yield Server(cfg, url, home, access_token(url, home), scrape_token)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +173,12 @@ def test_an_empty_pipeline_shows_empty_pages(server):
     for page in ("/lag", "/counts"):
         status, html = server.get(page)
         assert status == 200 and "no data yet" in html
+    metrics = server.metrics()      # no ledger yet: the log ends, no epoch, nothing counted
+    assert {k: v for k, v in metrics.items() if k[0] in ("ipcount_lag_records", "ipcount_chain_position")} == \
+        {("ipcount_lag_records", frozenset({("partition", str(p))})): 0 for p in range(3)}
+    assert metrics[("ipcount_health", frozenset({("state", "idle")}))] == 1
+    assert metrics[("ipcount_epochs_total", frozenset({("kind", "scheduled")}))] == 0
+    assert not [k for k in metrics if k[0].startswith(("ipcount_last_", "ipcount_epoch_", "ipcount_maintenance"))]
 
 
 def test_epochs_endpoint_matches_the_ledger(server, pipeline):
@@ -221,6 +248,58 @@ def test_lag_endpoint_matches_broker_and_ledger(server, pipeline):
     for r in ledger(server.cfg):
         if r["status"] == "committed":
             assert history[r["epoch"]][str(r["partition"])] == r["lag_after"]
+
+
+def test_metrics_endpoint_matches_the_ledger_and_the_broker(server, pipeline):
+    counted, planned, waiting = pipeline
+    rows = ledger(server.cfg)
+    committed = [r for r in rows if r["status"] == "committed"]
+    expected = expected_tables(counted, committed_ranges(server.cfg))
+    _, latest = broker_io.partition_offsets(server.cfg)
+    chain = {}
+    for r in committed:
+        chain[r["partition"]] = max(chain.get(r["partition"], 0), r["until_offset"])
+
+    m = server.metrics()
+
+    def one(name: str, **labels) -> float:
+        return m[(name, frozenset((k, str(v)) for k, v in labels.items()))]
+    assert one("ipcount_broker_up") == 1
+    for p in latest:
+        assert (one("ipcount_log_end_offset", partition=p), one("ipcount_chain_position", partition=p),
+                one("ipcount_lag_records", partition=p)) == (latest[p], chain[p], latest[p] - chain[p])
+    assert sum(one("ipcount_lag_records", partition=p) for p in latest) == len(planned) + len(waiting)
+    last = max(r["epoch"] for r in committed)
+    mine = [r for r in committed if r["epoch"] == last]
+    assert one("ipcount_last_committed_epoch") == last == 3
+    assert one("ipcount_last_commit_timestamp_seconds") == pytest.approx(mine[0]["committed_at"].timestamp())
+    assert 0 < one("ipcount_last_commit_age_seconds") < 3600
+    assert one("ipcount_epoch_duration_seconds") == pytest.approx(mine[0]["duration_seconds"])
+    stages = dict(mine[0]["stage_seconds"])
+    assert {stage for (name, labels) in m if name == "ipcount_epoch_stage_seconds" for _, stage in labels} == \
+        set(stages) >= {"plan", "read", "merge"}
+    assert all(one("ipcount_epoch_stage_seconds", stage=k) == pytest.approx(v) for k, v in stages.items())
+    assert one("ipcount_unfinished_epochs") == 1                        # the crashed run's epoch 4
+    assert [s for s in ("ok", "late", "idle", "failing") if one("ipcount_health", state=s) == 1] == ["failing"]
+    (maintained,) = {r["finished_at"] for r in last_maintenance(server.cfg)}
+    assert one("ipcount_maintenance_last_run_timestamp_seconds") == pytest.approx(maintained.timestamp())
+    # counters: the committed epochs' records, against the ground truth
+    assert one("ipcount_epochs_total", kind="scheduled") == 3
+    assert one("ipcount_records_read_total", kind="scheduled") == len(counted)
+    assert one("ipcount_records_counted_total", kind="scheduled") == sum(expected.counts.values())
+    assert one("ipcount_records_malformed_total", kind="scheduled") == len(expected.dead)
+    assert one("ipcount_records_late_total", kind="scheduled") == len(expected.late)
+    assert one("ipcount_records_read_total", kind="backfill") == 0
+
+    # Who may scrape: the token's holder, or an Airflow login that may read the epoch DAG.
+    assert server.get("/metrics", token=None)[0] == 401
+    assert server.get("/metrics", token="x" * 43)[0] == 403           # neither the token nor a JWT
+    by_login, by_token = server.metrics(token=server.token), server.metrics()     # the admin's JWT
+    assert by_login.keys() == by_token.keys()
+    assert {k: v for k, v in by_login.items() if "age" not in k[0]} == \
+        {k: v for k, v in by_token.items() if "age" not in k[0]}
+    status, body = server.get("/metrics", token=None, cookie=server.token)     # the UI's session
+    assert status == 200 and "ipcount_lag_records" in body
 
 
 def test_counts_endpoint_matches_a_plain_python_recount(server, pipeline):
@@ -402,6 +481,12 @@ def test_a_user_who_may_read_only_the_epoch_dag_sees_nothing_of_backfills(server
     assert status == 200 and "audit" not in html and 'class="epoch"' in html
     status, html = server.get("/epochs", token="default")  # the admin is offered the replay target
     assert status == 200 and "audit" in html
+    # The metrics: the backfill's epochs for the scrape token, none of them for that user
+    totals = server.metrics()
+    assert totals[("ipcount_epochs_total", frozenset({("kind", "backfill")}))] == len(backfilled)
+    assert totals[("ipcount_records_read_total", frozenset({("kind", "backfill")}))] == sum(
+        r["records_read"] for r in ledger(cfg) if r.get("kind") == "backfill" and r["status"] == "committed")
+    assert not [k for k in server.metrics(token=token) if ("kind", "backfill") in k[1]]
 
 
 def test_a_run_note_tells_the_run_s_epochs_from_those_it_finished_for_others(cfg, spark, monkeypatch):

@@ -17,6 +17,7 @@ import pytest
 from ipcount.orchestration.monitor import model
 from ipcount.orchestration.monitor.charts import bar_chart, line_chart
 from ipcount.orchestration.monitor.notes import NOTE_LIMIT, run_note
+from ipcount.rules.errors import ConfigError
 
 T0 = datetime(2026, 11, 21, 12, 0, tzinfo=timezone.utc)
 
@@ -463,3 +464,25 @@ def test_the_monitor_reads_an_old_ledger_by_its_summary_and_its_newest_ids(tmp_p
     assert unbounded == [], unbounded
     monkeypatch.setattr(data, "DEEP_PAGE", 100)   # a page that far back reads every row: the same epochs
     assert [r.epoch for r in tables.epoch_page(("scheduled", BACKFILL), None, 2990, 50)] == every[2990:3040]
+
+
+def test_the_scrape_token_is_private_long_enough_and_read_again_when_it_changes(tmp_path):
+    import os
+
+    from ipcount.orchestration.monitor.app import read_scrape_token
+    from ipcount.rules.private_files import write_private_file
+
+    path = write_private_file(tmp_path / "token", "a" * 32 + "\n")
+    assert read_scrape_token(str(path)) == "a" * 32
+    write_private_file(path, "b" * 40)
+    os.utime(path, ns=(1, 1))   # a new mtime, whatever the file system's clock resolution
+    assert read_scrape_token(str(path)) == "b" * 40
+    write_private_file(path, "short")
+    os.utime(path, ns=(2, 2))
+    with pytest.raises(ConfigError, match="has 5 characters; use at least 32"):
+        read_scrape_token(str(path))
+    write_private_file(path, "c" * 32)
+    os.chmod(path, 0o644)
+    os.utime(path, ns=(3, 3))
+    with pytest.raises(ConfigError, match="open to others"):
+        read_scrape_token(str(path))

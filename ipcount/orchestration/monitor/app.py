@@ -7,15 +7,18 @@ ledger, their DAG runs, the replay targets they make - are shown only to a user 
 manager also lets read the backfill DAG (:class:`model.Access`)."""
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
+from starlette.concurrency import run_in_threadpool
 
 from ipcount.orchestration.dags import BACKFILL_DAG_ID, EPOCH_DAG_ID, maintenance_schedule
 from ipcount.orchestration.monitor import model
@@ -174,14 +177,78 @@ class Monitor:
 def create_app(cfg: PipelineConfig | None = None) -> FastAPI:
     monitor = Monitor(cfg)
     # FastAPI's own docs routes skip app dependencies: these are served below, behind the login.
-    app = FastAPI(title="ipcount monitor", description=__doc__, dependencies=[_authorized()],
-                  docs_url=None, openapi_url=None, redoc_url=None)
+    app = FastAPI(title="ipcount monitor", description=__doc__, docs_url=None, openapi_url=None, redoc_url=None)
     _add_error_handlers(app)
     access = _access()
-    _add_api_routes(app, monitor, access)
-    _add_page_routes(app, monitor, access)
+    pages = APIRouter(dependencies=[_authorized()])   # every route but the metrics, which check their own
+    _add_api_routes(app, pages, monitor, access)
+    _add_page_routes(pages, monitor, access)
+    app.include_router(pages)
+    _add_metrics_route(app, monitor)
     app.state.monitor = monitor
     return app
+
+
+def _add_metrics_route(app: FastAPI, monitor: Monitor) -> None:
+    from airflow.api_fastapi.core_api.security import bearer_scheme
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics(request: Request, bearer: Any = Depends(bearer_scheme)) -> Response:
+        """The pipeline's metrics in Prometheus's text format, for a scraper with the token of
+        ``metrics_token_file`` or any Airflow login that may read the epoch DAG."""
+        from ipcount.orchestration.monitor.metrics import exposition
+
+        who = await _scraper(request, bearer, monitor)
+        body, content_type = await run_in_threadpool(exposition, monitor, who, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+
+async def _scraper(request: Request, bearer: Any, monitor: Monitor) -> model.Access:
+    """Who scrapes: the holder of the scrape token sees every kind of epoch; anyone else
+    needs an Airflow login allowed to read the epoch DAG, as the pages do (401 without one,
+    403 for a forged or refused one)."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+    from airflow.api_fastapi.core_api.security import get_user
+    from airflow.models.dag import DagModel
+
+    presented = bearer.credentials if bearer is not None and bearer.scheme.lower() == "bearer" else None
+    if presented and monitor.cfg.metrics_token_file:
+        token = read_scrape_token(monitor.cfg.metrics_token_file)
+        if hmac.compare_digest(presented.encode(), token.encode()):
+            return model.Access(backfills=True, backfill_dag_id=BACKFILL_DAG_ID)
+    user = await get_user(request, None, bearer)
+
+    def may_read(dag_id: str) -> bool:   # (a look at the metadata database: off the event loop)
+        details = DagDetails(id=dag_id, team_name=DagModel.get_team_name(dag_id))
+        return bool(get_auth_manager().is_authorized_dag(method="GET", details=details, user=user))
+    if not await run_in_threadpool(may_read, EPOCH_DAG_ID):
+        raise HTTPException(403, f"reading the metrics needs read access to the DAG {EPOCH_DAG_ID}")
+    return model.Access(backfills=await run_in_threadpool(may_read, BACKFILL_DAG_ID), backfill_dag_id=BACKFILL_DAG_ID)
+
+
+_TOKENS: dict[str, tuple[float, str]] = {}   # file -> (its mtime, its token)
+
+
+def read_scrape_token(path: str) -> str:
+    """The scrape token of ``metrics_token_file``, read again when the file changes."""
+    from ipcount.rules.private_files import read_private_file
+
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        mtime = -1.0
+    held = _TOKENS.get(path)
+    if held is None or held[0] != mtime:
+        token = read_private_file(path, "metrics_token_file")
+        if len(token) < MIN_SCRAPE_TOKEN:
+            raise ConfigError(f"metrics_token_file: the token in {path} has {len(token)} characters; use at least "
+                              f"{MIN_SCRAPE_TOKEN} (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        held = _TOKENS[path] = (mtime, token)
+    return held[1]
+
+
+MIN_SCRAPE_TOKEN = 32
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -208,24 +275,24 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(request, e.status_code, str(e.detail), getattr(e, "headers", None))
 
 
-def _add_api_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
+def _add_api_routes(app: FastAPI, router: APIRouter, monitor: Monitor, access: Any) -> None:
     """The same data as the pages, as JSON under ``/api/``, and its OpenAPI docs."""
-    @app.get("/api/openapi.json", include_in_schema=False)
+    @router.get("/api/openapi.json", include_in_schema=False)
     def openapi() -> dict[str, Any]:
         return app.openapi()
 
-    @app.get("/api/docs", include_in_schema=False)
+    @router.get("/api/docs", include_in_schema=False)
     def docs(request: Request) -> HTMLResponse:
         from fastapi.openapi.docs import get_swagger_ui_html
 
         return get_swagger_ui_html(openapi_url=request.scope.get("root_path", "") + "/api/openapi.json",
                                    title="ipcount monitor API")
 
-    @app.get("/api/health")
+    @router.get("/api/health")
     def api_health(target: str = "main", who: model.Access = access) -> dict[str, Any]:
         return monitor.health(target, who).to_dict()
 
-    @app.get("/api/epochs")
+    @router.get("/api/epochs")
     def api_epochs(target: str = "main", status: str | None = None, kind: str | None = None,
                    run_id: str | None = None, page: int = 1, page_size: int = Query(50),
                    who: model.Access = access) -> dict[str, Any]:
@@ -235,23 +302,23 @@ def _add_api_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
         data["epochs"] = [e.to_dict() for e in data["epochs"]]
         return data
 
-    @app.get("/api/lag")
+    @router.get("/api/lag")
     def api_lag(target: str = "main", epochs: int = 50, who: model.Access = access) -> dict[str, Any]:
         return monitor.lag(target, epochs, who)
 
-    @app.get("/api/publish")
+    @router.get("/api/publish")
     def api_publish(group: str | None = None, who: model.Access = access) -> dict[str, Any]:
         """Publishing to the sink topic: the publisher's cursor against the counts versions,
         and the lag on the sink topic of one of the pipeline's own consumer groups (``group``)."""
         return monitor.publish(group)
 
-    @app.get("/api/counts")
+    @router.get("/api/counts")
     def api_counts(target: str = "main", start: str | None = Query(None, alias="from"),
                    until: str | None = None, top: int = 20, who: model.Access = access) -> dict[str, Any]:
         return monitor.counts(target, start, until, top, who)
 
 
-def _add_page_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
+def _add_page_routes(router: APIRouter, monitor: Monitor, access: Any) -> None:
     """The HTML pages: epochs (also per DAG run), lag, counts."""
     def render(request: Request, template: str, who: model.Access, **context: Any) -> HTMLResponse:
         target = context.get("target", "main")
@@ -265,18 +332,18 @@ def _add_page_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
             "base": base, "health": health, "targets": targets, "cfg": monitor.cfg, "target": target,
             "statuses": model.STATUSES, "kinds": model.KINDS, "committed": model.COMMITTED, **context})
 
-    @app.get("/", include_in_schema=False)
+    @router.get("/", include_in_schema=False)
     def root(request: Request):
         return RedirectResponse(request.scope.get("root_path", "") + "/epochs")
 
-    @app.get("/epochs", response_class=HTMLResponse, name="epochs_page")
+    @router.get("/epochs", response_class=HTMLResponse, name="epochs_page")
     def epochs_page(request: Request, target: str = "main", status: str | None = None, kind: str | None = None,
                     run_id: str | None = None, page: int = 1, page_size: int = 50, who: model.Access = access):
         data = monitor.epochs(target, status, kind, run_id, page, page_size, who)
         return render(request, "epochs.html", who, status=status or "", kind=kind or "", run_id=run_id or "",
                       chart=_epochs_chart(data["epochs"]), **data)
 
-    @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
+    @router.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
     def run_page(request: Request, dag_id: str, run_id: str, who: model.Access = access):
         who.check_dag(dag_id)
         target = run_target(dag_id, run_id)
@@ -286,7 +353,7 @@ def _add_page_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
         return render(request, "epochs.html", who, status="", kind="", run_id=run_id, run_dag_id=dag_id,
                       chart=_epochs_chart(data["epochs"]), **data)
 
-    @app.get("/lag", response_class=HTMLResponse)
+    @router.get("/lag", response_class=HTMLResponse)
     def lag_page(request: Request, target: str = "main", epochs: int = 50, who: model.Access = access):
         data = monitor.lag(target, epochs, who)
         xs = [h["epoch"] for h in data["history"]]
@@ -295,7 +362,7 @@ def _add_page_routes(app: FastAPI, monitor: Monitor, access: Any) -> None:
                            {f"p{p}": [h["lag"].get(p) for h in data["history"]] for p in parts})
         return render(request, "lag.html", who, chart=chart, epochs=epochs, **data)
 
-    @app.get("/counts", response_class=HTMLResponse)
+    @router.get("/counts", response_class=HTMLResponse)
     def counts_page(request: Request, target: str = "main", start: str | None = Query(None, alias="from"),
                     until: str | None = None, top: int = 20, who: model.Access = access):
         data = monitor.counts(target, start, until, top, who)
@@ -323,4 +390,4 @@ def _error(request: Request, status: int, message: str, headers: dict | None = N
 
 def _is_api(request: Request) -> bool:
     root, path = request.scope.get("root_path", ""), request.url.path
-    return (path[len(root):] if root and path.startswith(root) else path).startswith("/api/")
+    return (path[len(root):] if root and path.startswith(root) else path).startswith(("/api/", "/metrics"))

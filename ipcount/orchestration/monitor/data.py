@@ -40,8 +40,9 @@ CHAIN_COMMITTED_SQL = f"status = {sql_literal(COMMITTED)} AND {KIND_SQL} = {sql_
 # The epochs page reads the newest NEWEST_WINDOW ids (or twice a page) and widens from there;
 # a page past the newest DEEP_PAGE epochs reads every row.
 NEWEST_WINDOW, DEEP_PAGE = 256, 5_000
-# Epochs counted among those a ledger summary holds, by (ledger, table id, summary version, filter).
-_FOLDED_COUNTS: dict[tuple, int] = {}
+# Epochs counted (or their record totals) among those a ledger summary holds, by (ledger,
+# table id, summary version, filter).
+_FOLDED_COUNTS: dict[tuple, Any] = {}
 _FOLDED_LOCK = threading.Lock()
 
 
@@ -113,19 +114,31 @@ class PipelineTables:
             return int(rows[0]["n"]) if rows else 0
         if view.summary is None:
             return self._count(where)
-        open_epochs = ", ".join(str(int(e)) for e in view.summary.open)
-        in_tail = f"(epoch > {int(view.summary.through)}" + (f" OR epoch IN ({open_epochs})" if open_epochs else "")
-        in_tail += ")"
-        key = (*summary_key, where)
-        with _FOLDED_LOCK:
-            folded = _FOLDED_COUNTS.get(key)
-        if folded is None:
-            folded = self._count(f"{where} AND NOT {in_tail}")
-            with _FOLDED_LOCK:
-                _FOLDED_COUNTS[key] = folded
-                while len(_FOLDED_COUNTS) > 256:
-                    _FOLDED_COUNTS.pop(next(iter(_FOLDED_COUNTS)))
+        in_tail = _tail_sql(view)
+        folded = _folded(summary_key, where, lambda: self._count(f"{where} AND NOT {in_tail}"))
         return folded + self._count(f"{where} AND {in_tail}")
+
+    def record_totals(self) -> dict[str, dict[str, int]]:
+        """kind -> committed epochs and their records read, counted, late and malformed: the
+        epochs a ledger summary holds summed once per summary, the others per version."""
+        view, summary_key = self._view()
+        if view.summary is None:
+            return self._totals("")
+        in_tail = _tail_sql(view)
+        folded = _folded(summary_key, "record totals", lambda: self._totals(f" AND NOT {in_tail}"))
+        totals = {kind: dict(values) for kind, values in folded.items()}
+        for kind, values in self._totals(f" AND {in_tail}").items():
+            mine = totals.setdefault(kind, dict.fromkeys(values, 0))
+            for name, n in values.items():
+                mine[name] += n
+        return totals
+
+    def _totals(self, where: str) -> dict[str, dict[str, int]]:
+        sums = ", ".join(f"sum({m}) AS {m}" for m in TOTALS[1:])
+        rows = self.reader.query(self.cfg.ledger_path, (
+            f"SELECT {KIND_SQL} AS kind, count(DISTINCT epoch) AS epochs, {sums} FROM t "
+            f"WHERE topic = {sql_literal(self.cfg.topic)} AND status = {sql_literal(COMMITTED)}{where} GROUP BY 1"))
+        return {r["kind"]: {m: int(r[m] or 0) for m in TOTALS} for r in rows}
 
     def _count(self, where: str) -> int:
         rows = self.reader.query(self.cfg.ledger_path, (
@@ -223,6 +236,31 @@ class PipelineTables:
             f"bool_and(coalesce(is_final, false)) AS final FROM t WHERE {_window_filter(*time_blocks(start, until))} "
             "GROUP BY window_start, window_end ORDER BY window_start"))
         return [r for r in rows if r["window_start"] >= start and r["window_end"] <= until]
+
+
+# What record_totals sums per kind of epoch.
+TOTALS = ("epochs", "records_read", "records_counted", "records_late", "records_malformed")
+
+
+def _tail_sql(view: LedgerView) -> str:
+    """SQL: the rows a ledger summary does not hold (newer epochs, and those it left open)."""
+    open_epochs = ", ".join(str(int(e)) for e in view.summary.open)
+    return f"(epoch > {int(view.summary.through)}" + (f" OR epoch IN ({open_epochs})" if open_epochs else "") + ")"
+
+
+def _folded(summary_key: tuple, what: str, compute: Callable[[], Any]) -> Any:
+    """``compute()`` over the epochs a summary holds, kept by the summary's key: those never
+    change."""
+    key = (*summary_key, what)
+    with _FOLDED_LOCK:
+        folded = _FOLDED_COUNTS.get(key)
+    if folded is None:
+        folded = compute()
+        with _FOLDED_LOCK:
+            _FOLDED_COUNTS[key] = folded
+            while len(_FOLDED_COUNTS) > 256:
+                _FOLDED_COUNTS.pop(next(iter(_FOLDED_COUNTS)))
+    return folded
 
 
 def _window_filter(start: datetime, until: datetime) -> str:
