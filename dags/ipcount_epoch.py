@@ -21,6 +21,8 @@ Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
    `publish_topic`, one Kafka transaction per counts version with the publisher's cursor
    (exactly once; read it with `isolation.level=read_committed`).
 5. `publish_summary` - log the epoch, return it to XCom and put it in the counts Asset event.
+6. `check_freshness` (with `alert_lag_records` or `alert_stale_seconds` set) - fail, so that
+   Airflow's failure alerts fire, when the chain lags or is stale past them.
 
 Configuration: `IPCOUNT_*` environment variables or the file named by `IPCOUNT_CONFIG`
 (see docs/configuration.md). `max_active_runs=1`: scheduled epochs never overlap (and backfills that
@@ -32,11 +34,12 @@ import logging
 
 import pendulum
 from airflow.sdk import DAG, task
-from airflow.sdk.exceptions import AirflowSkipException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from ipcount.cli import run_in_session
 from ipcount.jobs import idle
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
+from ipcount.orchestration.alerts import alerts_on, run_deadline
 from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, dag_params, dagrun_timeout,
                                         epoch_summary, epoch_timetable, run_config, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
@@ -60,6 +63,7 @@ with DAG(
     max_active_runs=1,
     default_args=task_defaults(CFG, retries=2),  # every task has a time limit
     dagrun_timeout=dagrun_timeout(CFG),
+    deadline=run_deadline(CFG),  # alert_run_seconds: a run not done in time calls alerts.run_overdue
     tags=["ipcount", "exactly-once", "kafka", "delta"],
     params=dag_params(CFG),  # per-run overrides (trigger form / --conf), validated by JSON schema
 ):
@@ -105,4 +109,21 @@ with DAG(
         outlet_events[COUNTS].extra = summary
         return summary
 
-    choose_path() >> [run_epoch, backfill_interval] >> commit_offsets() >> publish_counts() >> publish_summary()
+    committed = commit_offsets()
+    choose_path() >> [run_epoch, backfill_interval] >> committed >> publish_counts() >> publish_summary()
+
+    if alerts_on(CFG):
+        @task(trigger_rule="all_done", retries=0)
+        def check_freshness(params: dict | None = None) -> None:
+            """Fails (so Airflow's failure alerts fire) when the chain lags or is stale past
+            alert_lag_records / alert_stale_seconds; runs after a failed epoch too."""
+            from ipcount.jobs import freshness  # (Kafka and Delta clients: not at parse time)
+
+            with resolved(run_config(CFG, params)) as cfg:
+                found = freshness.check(cfg)
+            if found:
+                raise AirflowFailException("the pipeline is falling behind: " + "; ".join(found))
+            log.info("the chain keeps up (alert_lag_records %s, alert_stale_seconds %s)", CFG.alert_lag_records,
+                     CFG.alert_stale_seconds)
+
+        committed >> check_freshness()

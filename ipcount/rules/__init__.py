@@ -16,5 +16,6 @@ offset range, a plan, a ledger row, a record and a setting mean. Unit-tested on 
 - :mod:`.kafka_security`  the Kafka security settings as each client's options
 - :mod:`.private_files`   files that hold secrets: private from their first byte
 - :mod:`.lineage`   the datasets' names: Airflow Asset URIs and OpenLineage namespaces
+- :mod:`.alerts`    when the chain lags or is stale enough to alert
 - :mod:`.file_stats`  a data file's statistics as a Delta add action records them
 """

@@ -199,6 +199,21 @@ class PipelineConfig:
         "intervals), or none: new data alone starts runs")
     on_data_poll_seconds: int = setting(
         2, "with schedule on-data, how often the watcher compares the log ends with the ledger", minimum=1)
+    alert_lag_records: int = setting(
+        0,
+        "after each epoch DAG run, its check_freshness task fails (so the failure alerts configured in Airflow "
+        "fire) when more than this many offsets wait past the chain; 0: off",
+        minimum=0)
+    alert_stale_seconds: int = setting(
+        0,
+        "after each epoch DAG run, check_freshness fails when records wait and the chain's last commit is older "
+        "than this; 0: off",
+        minimum=0)
+    alert_run_seconds: int = setting(
+        0,
+        "a Deadline Alert on each epoch DAG run: when the run is not done this long after it was queued, its "
+        "callback (ipcount.orchestration.alerts.run_overdue) logs an error; 0: off",
+        minimum=0)
     metrics_token_file: str = setting(
         "",
         "file (mode 0600) holding a token of at least 32 characters that a scraper sends as Authorization: "

@@ -376,3 +376,25 @@ def test_the_postgres_command_serves_airflow_commands(tmp_path_factory):
         cli("postgres", "stop", *where)
         shutil.rmtree(state, ignore_errors=True)
     assert cli("postgres", "status", *where).returncode != 0
+
+
+def test_check_freshness_fails_the_run_when_the_chain_lags(airflow_environ, cfg, connect):
+    # Each epoch counts at most 100 offsets: of 300 records, a run leaves 200 waiting.
+    cfg = cfg.replace(spark_connect_connection="ipcount_connect", max_records_per_epoch=100,
+                      alert_lag_records=150, alert_stale_seconds=3600)
+    gen = TrafficGenerator(seed=38, events_per_second=50)
+    produce(cfg.bootstrap_servers, cfg.topic, gen.records(300, 1_795_255_200_000), partition_of=lambda i, r: i % 3)
+    env = {**airflow_environ, **NO_SPARK_MASTER, **connect_connection(connect)}
+    proc = _airflow(env, "dags", "test", "ipcount_epoch", cfg=cfg)
+    out = proc.stdout + proc.stderr
+    (counted,) = epoch_ranges(cfg)
+    waiting = sum(end - counted.get(p, (0, 0))[1] for p, end in broker_io.partition_offsets(cfg)[1].items())
+    assert waiting == 200, (counted, waiting)
+    assert "the pipeline is falling behind: 200 records wait past the chain, over alert_lag_records 150" in out, \
+        out[-5000:]
+    assert "check_freshness" in out and proc.returncode != 0, (proc.returncode, out[-3000:])
+    # Under the threshold the check passes, and the run with it.
+    proc = _airflow(env, "dags", "test", "ipcount_epoch", cfg=cfg.replace(alert_lag_records=1000))
+    assert proc.returncode == 0 and "the chain keeps up" in proc.stdout + proc.stderr, \
+        (proc.stdout + proc.stderr)[-3000:]
+    assert len(epoch_ranges(cfg)) == 2

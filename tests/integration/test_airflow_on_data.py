@@ -51,8 +51,9 @@ def _counted(cfg, env, timeout):
 
 def test_on_data_runs_when_records_arrive_and_never_while_idle(cfg, connect, tmp_path):
     # The fallback clock's first interval ends next year: every run here is the watcher's.
+    # The alerts ride along: a freshness check that passes, and a Deadline Alert every run misses.
     cfg = cfg.replace(schedule="on-data", on_data_fallback="@yearly", on_data_poll_seconds=1,
-                      spark_connect_connection="ipcount_connect")
+                      spark_connect_connection="ipcount_connect", alert_stale_seconds=3600, alert_run_seconds=1)
     home = tmp_path / "airflow"
     home.mkdir()
     env = {**service_env(home, cfg, free_port()), **connect_connection(connect)}
@@ -101,9 +102,21 @@ def test_on_data_runs_when_records_arrive_and_never_while_idle(cfg, connect, tmp
         produced += batch(40)
         assert dict((run_id, state) for run_id, _, state in _runs(env))[active] == "running"
         late_batch = _counted(cfg, env, timeout=150)
+        # Every run missed its one-second deadline: the callback ran on the executor and said so.
+        deadlines = _wait("the deadline callbacks done", lambda: (rows := metadata_rows(
+            env, "SELECT d.missed, c.state, r.run_id FROM deadline d JOIN callback c ON c.id = d.callback_id "
+                 "JOIN dag_run r ON r.id = d.dagrun_id"))
+            and all(state in ("success", "failed") for _, state, _ in rows) and rows, 90, env)
         assert [kind for _, kind, _ in _runs(env)[settled:]] == ["asset_triggered"] * 2, _runs(env)[settled:]
     runs = _runs(env)
     assert {state for _, _, state in runs} == {"success"}, runs
+    assert deadlines and all(missed and state == "success" for missed, state, _ in deadlines), deadlines
+    for _, _, run_id in deadlines:      # each callback's log names its run
+        logs = home / "logs" / "executor_callbacks" / "ipcount_epoch" / run_id
+        said = "".join(p.read_text() for p in logs.rglob("*") if p.is_file())
+        assert f"DAG run {run_id} is not done 1 s after it was queued" in said, (run_id, said[-2000:])
+    checks = metadata_rows(env, "SELECT state FROM task_instance WHERE task_id = 'check_freshness'")
+    assert sorted(checks) == [("success",)] * len(runs), checks
     print(f"on-data: run queued {queued_after:.1f} s after new records; records produced during a run "
           f"counted {late_batch:.1f} s later; {len(runs)} runs")
 

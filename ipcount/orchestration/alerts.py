@@ -1,0 +1,40 @@
+"""Alerts through Airflow's own mechanisms: the epoch DAG's ``check_freshness`` task (a
+failed task fires whatever failure alerting the deployment configured: e-mail, a notifier in
+a cluster policy, a listener) and a Deadline Alert on each run (``alert_run_seconds``)."""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from ipcount.rules.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+def alerts_on(cfg: PipelineConfig) -> bool:
+    """Whether the epoch DAG has a check_freshness task."""
+    return bool(cfg.alert_lag_records or cfg.alert_stale_seconds)
+
+
+def run_deadline(cfg: PipelineConfig):
+    """The epoch DAG's Deadline Alert: each run done within ``alert_run_seconds`` of being
+    queued, or :func:`run_overdue` is called (on the executor); None when off."""
+    if not cfg.alert_run_seconds:
+        return None
+    from airflow.sdk import DeadlineAlert, DeadlineReference, SyncCallback
+
+    return DeadlineAlert(reference=DeadlineReference.DAGRUN_QUEUED_AT,
+                         interval=timedelta(seconds=cfg.alert_run_seconds),
+                         callback=SyncCallback(run_overdue, kwargs={"pipeline_id": cfg.pipeline_id,
+                                                                    "seconds": cfg.alert_run_seconds}))
+
+
+def run_overdue(context: Any = None, pipeline_id: str = "", seconds: int = 0) -> str:
+    """The Deadline Alert's callback: says which run is overdue, as an error in its log."""
+    run = (context or {}).get("dag_run") or {}   # (the executor hands the run over as a dict)
+    run_id = run.get("dag_run_id") or run.get("run_id") if isinstance(run, dict) else getattr(run, "run_id", None)
+    message = (f"pipeline {pipeline_id}: DAG run {run_id or '?'} is not done {seconds} s after it was queued "
+               "(alert_run_seconds): epochs are falling behind")
+    log.error("%s", message)
+    return message
