@@ -427,6 +427,9 @@ def test_pages_in_headless_chromium_after_logging_in(server, pipeline):
             assert rows.count() == 4
             assert frame.locator("tr.epoch[data-status=failed]").count() == 1
             assert frame.locator("#epochs-chart rect.bar").count() == 4
+            # the three committed epochs by commit time: read, counted, late, malformed
+            assert frame.locator("#records-time-chart polyline.series").count() == 4
+            assert frame.locator("#records-time-chart circle").count() == 3 * 4
             assert "FAILING" in frame.locator("#health").inner_text()
             assert "maintenance: " in frame.locator("#health").inner_text()
             page.screenshot(path=str(ARTIFACTS / "monitor-epochs.png"), full_page=True)
@@ -434,6 +437,7 @@ def test_pages_in_headless_chromium_after_logging_in(server, pipeline):
             frame.locator("nav a", has_text="Lag").click()
             frame.locator("#lag-chart polyline.series").first.wait_for(timeout=30_000)
             assert frame.locator("#lag-chart polyline.series").count() == 3
+            assert frame.locator("#lag-time-chart polyline.series").count() == 3
             assert frame.locator("tr.partition").count() == 3
             page.screenshot(path=str(ARTIFACTS / "monitor-lag.png"), full_page=True)
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from ipcount.orchestration.monitor import model
-from ipcount.orchestration.monitor.charts import bar_chart, line_chart
+from ipcount.orchestration.monitor.charts import bar_chart, line_chart, time_chart
 from ipcount.orchestration.monitor.notes import NOTE_LIMIT, run_note
 from ipcount.rules.errors import ConfigError
 
@@ -168,6 +168,23 @@ def test_charts_are_valid_svg_with_one_mark_per_value():
     assert len([b for b in bars if b.get("class") == "bar"]) == 2
     assert "no data yet" in line_chart("lag", "Lag", [], {}) and "no data yet" in bar_chart("w", "W", [], [])
     assert "&lt;x&gt;" in line_chart("lag", "<x>", [1], {"<x>": [1]})  # labels are escaped
+
+
+def test_a_time_chart_places_points_by_time_so_pauses_show():
+    ns = "{http://www.w3.org/2000/svg}"
+    times = [T0, T0 + timedelta(seconds=10), T0 + timedelta(seconds=90), None]
+    svg = ET.fromstring(time_chart("t", "Lag over time", times, {"p0": [5, 3, 9, 7], "p1": [1, None, 2, 4]}))
+    lines = svg.findall(f"{ns}polyline")
+    assert [p.get("data-series") for p in lines] == ["p0", "p1"]
+    xs = [float(point.split(",")[0]) for point in lines[0].get("points").split()]
+    assert len(xs) == 3 and xs[0] < xs[1] < xs[2]           # the point with no time is left out
+    # spacing proportional to time: 10 s, then 80 s (not evenly, as the epoch-indexed chart)
+    assert (xs[2] - xs[1]) / (xs[1] - xs[0]) == pytest.approx(8, rel=1e-3)
+    labels = [t.text for t in svg.findall(f"{ns}text")]
+    assert "2026-11-21 12:00:00" in labels and "12:01:30 UTC" in labels
+    assert "no data yet" in time_chart("t", "T", [None], {"a": [1]})
+    one = ET.fromstring(time_chart("t", "T", [T0], {"a": [1]})).findall(f"{ns}circle")
+    assert len(one) == 1
 
 
 def test_run_note():
@@ -455,7 +472,8 @@ def test_the_monitor_reads_an_old_ledger_by_its_summary_and_its_newest_ids(tmp_p
                                         for p in range(2)} == {0: 3004, 1: 3004}
     epoch, committed_at, watermark = tables.last_committed()
     assert (epoch, watermark) == (3004, end_ms + 3004) and committed_at is not None
-    assert [e for e, _ in tables.lag_history(3)] == [3001, 3003, 3004]
+    history = tables.lag_history(3)
+    assert [e for e, _, _ in history] == [3001, 3003, 3004] and all(at is not None for _, at, _ in history)
 
     # Every read so far was bounded by epoch ids (the view's own, and one count of the epochs
     # the summary holds, aside): none read every row.

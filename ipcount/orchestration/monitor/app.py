@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ipcount.orchestration.dags import BACKFILL_DAG_ID, EPOCH_DAG_ID, maintenance_schedule
 from ipcount.orchestration.monitor import model
-from ipcount.orchestration.monitor.charts import bar_chart, line_chart
+from ipcount.orchestration.monitor.charts import bar_chart, line_chart, time_chart
 from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, publish_groups, replay_targets
 from ipcount.orchestration.monitor.runs import failed_since_success, run_states, run_target
 from ipcount.rules.config import PipelineConfig
@@ -150,7 +150,8 @@ class Monitor:
         history = tables.lag_history(last)
         return {"target": target, "partitions": partitions, "broker_error": positions.error,
                 "group_id": cfg.group_id, "topic": cfg.topic,
-                "history": [{"epoch": e, "lag": {str(p): n for p, n in sorted(lags.items())}} for e, lags in history]}
+                "history": [{"epoch": e, "committed_at": at.isoformat() if at else None,
+                             "lag": {str(p): n for p, n in sorted(lags.items())}} for e, at, lags in history]}
 
     def counts(self, target: str, start: str | None, until: str | None, top: int,
                access: model.Access) -> dict[str, Any]:
@@ -341,7 +342,7 @@ def _add_page_routes(router: APIRouter, monitor: Monitor, access: Any) -> None:
                     run_id: str | None = None, page: int = 1, page_size: int = 50, who: model.Access = access):
         data = monitor.epochs(target, status, kind, run_id, page, page_size, who)
         return render(request, "epochs.html", who, status=status or "", kind=kind or "", run_id=run_id or "",
-                      chart=_epochs_chart(data["epochs"]), **data)
+                      chart=_epochs_chart(data["epochs"]), time_chart=_records_time_chart(data["epochs"]), **data)
 
     @router.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
     def run_page(request: Request, dag_id: str, run_id: str, who: model.Access = access):
@@ -351,16 +352,19 @@ def _add_page_routes(router: APIRouter, monitor: Monitor, access: Any) -> None:
             raise HTTPException(404, f"no run {run_id!r} of DAG {dag_id!r}")
         data = monitor.epochs(target, None, None, run_id, 1, 500, who)
         return render(request, "epochs.html", who, status="", kind="", run_id=run_id, run_dag_id=dag_id,
-                      chart=_epochs_chart(data["epochs"]), **data)
+                      chart=_epochs_chart(data["epochs"]), time_chart=_records_time_chart(data["epochs"]), **data)
 
     @router.get("/lag", response_class=HTMLResponse)
     def lag_page(request: Request, target: str = "main", epochs: int = 50, who: model.Access = access):
         data = monitor.lag(target, epochs, who)
         xs = [h["epoch"] for h in data["history"]]
         parts = sorted({p for h in data["history"] for p in h["lag"]}, key=int)
-        chart = line_chart("lag-chart", "Lag after each epoch, per partition", xs,
-                           {f"p{p}": [h["lag"].get(p) for h in data["history"]] for p in parts})
-        return render(request, "lag.html", who, chart=chart, epochs=epochs, **data)
+        per_partition = {f"p{p}": [h["lag"].get(p) for h in data["history"]] for p in parts}
+        chart = line_chart("lag-chart", "Lag after each epoch, per partition", xs, per_partition)
+        over_time = time_chart("lag-time-chart", "Lag after each epoch over time, per partition",
+                               [datetime.fromisoformat(h["committed_at"]) if h["committed_at"] else None
+                                for h in data["history"]], per_partition)
+        return render(request, "lag.html", who, chart=chart, time_chart=over_time, epochs=epochs, **data)
 
     @router.get("/counts", response_class=HTMLResponse)
     def counts_page(request: Request, target: str = "main", start: str | None = Query(None, alias="from"),
@@ -378,6 +382,15 @@ def _epochs_chart(epochs: list[model.EpochRow]) -> str:
     return bar_chart("epochs-chart", "Records counted per epoch (lighter: not committed)",
                      [f"epoch {e.epoch}" for e in shown], [e.records_counted for e in shown],
                      [e.status != model.COMMITTED for e in shown])
+
+
+def _records_time_chart(epochs: list[model.EpochRow]) -> str:
+    """The page's committed epochs' records by commit time: idle stretches show as gaps."""
+    shown = sorted((e for e in epochs if e.committed_at is not None), key=lambda e: e.committed_at)
+    return time_chart("records-time-chart", "Records per epoch over time (committed epochs of this page)",
+                      [e.committed_at for e in shown],
+                      {name: [getattr(e, f"records_{name}") for e in shown]
+                       for name in ("read", "counted", "late", "malformed")})
 
 
 def _error(request: Request, status: int, message: str, headers: dict | None = None):

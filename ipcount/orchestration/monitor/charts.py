@@ -2,6 +2,7 @@
 the Airflow UI's sandboxed iframes and in any browser. Pure functions of their data."""
 from __future__ import annotations
 
+from datetime import datetime
 from html import escape
 from typing import Mapping, Sequence
 
@@ -46,6 +47,34 @@ def line_chart(chart_id: str, title: str, xs: Sequence[int], series: Mapping[str
         body.append(f'<rect x="{WIDTH - RIGHT + 12}" y="{TOP + 16 * i}" width="10" height="10" fill="{color}"/>'
                     f'<text x="{WIDTH - RIGHT + 26}" y="{TOP + 9 + 16 * i}" font-size="11">{escape(name)}</text>')
     return _frame(chart_id, title, top, (str(xs[0]), str(xs[-1])), body)
+
+
+def time_chart(chart_id: str, title: str, times: Sequence[datetime | None],
+               series: Mapping[str, Sequence[float | None]]) -> str:
+    """One polyline per series, each point placed by its time (None: no point), so a pause
+    between epochs shows as a long segment."""
+    known = [t for t in times if t is not None]
+    if not known:
+        return empty_chart(chart_id, title)
+    first, last = min(known), max(known)
+    span = (last - first).total_seconds()
+    plot_w = WIDTH - LEFT - RIGHT
+
+    def x(t: datetime) -> float:
+        return LEFT + (plot_w * (t - first).total_seconds() / span if span else plot_w / 2)
+    top = max((v for values in series.values() for v in values if v is not None), default=0) or 1
+    body = []
+    for i, (name, values) in enumerate(series.items()):
+        color = PALETTE[i % len(PALETTE)]
+        points = [(x(t), _y(v, top), t, v) for t, v in zip(times, values) if t is not None and v is not None]
+        path = " ".join(f"{px:.1f},{py:.1f}" for px, py, _, _ in points)
+        body.append(f'<polyline class="series" data-series="{escape(name)}" fill="none" stroke="{color}" '
+                    f'stroke-width="2" points="{path}"/>')
+        body.extend(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="2.5" fill="{color}"><title>{escape(name)} at '
+                     f'{t:%H:%M:%S}: {v:g}</title></circle>' for px, py, t, v in points)
+        body.append(f'<rect x="{WIDTH - RIGHT + 12}" y="{TOP + 16 * i}" width="10" height="10" fill="{color}"/>'
+                    f'<text x="{WIDTH - RIGHT + 26}" y="{TOP + 9 + 16 * i}" font-size="11">{escape(name)}</text>')
+    return _frame(chart_id, title, top, (f"{first:%Y-%m-%d %H:%M:%S}", f"{last:%H:%M:%S} UTC"), body)
 
 
 def bar_chart(chart_id: str, title: str, labels: Sequence[str], values: Sequence[float],

@@ -195,15 +195,17 @@ class PipelineTables:
             return []
         return self.reader.query(path, f"SELECT * FROM t WHERE run_id = {sql_literal(newest[0]['run_id'])}")
 
-    def lag_history(self, last: int) -> list[tuple[int, dict[int, int]]]:
-        """(epoch, partition -> lag after it) of the chain's last ``last`` committed epochs,
-        oldest first."""
+    def lag_history(self, last: int) -> list[tuple[int, datetime | None, dict[int, int]]]:
+        """(epoch, committed at, partition -> lag after it) of the chain's last ``last``
+        committed epochs, oldest first."""
         chain = [e.epoch for e in self.newest_epochs(last, lambda e: e.kind == SCHEDULED and not e.planned)]
         by_epoch: dict[int, dict[int, int]] = {}
+        committed: dict[int, datetime] = {}
         for r in self.epoch_rows(chain):
             if r["status"] == COMMITTED and r.get("lag_after") is not None:
                 by_epoch.setdefault(r["epoch"], {})[r["partition"]] = r["lag_after"]
-        return sorted(by_epoch.items())
+                committed[r["epoch"]] = max(committed.get(r["epoch"], r["committed_at"]), r["committed_at"])
+        return [(e, committed.get(e), lags) for e, lags in sorted(by_epoch.items())]
 
     def latest_window_end(self) -> datetime | None:
         """The newest window's end: read from the newest partition when every file has its
