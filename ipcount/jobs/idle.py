@@ -68,7 +68,8 @@ class Watch:
     """:func:`check` for a watcher that looks every few seconds (the on-data schedule's
     trigger): the ledger kept open and read again only when its version moves, one admin
     client kept (both opened again after a failure). Like :func:`check`, it asks the broker for
-    log ends only: no consumer, no group, nothing consumed or committed."""
+    log ends only: no consumer, no group, nothing consumed or committed. Until the chain has
+    an epoch, records in the topic are work (the first epoch starts from start_position)."""
 
     # A table object follows its own log: one made anew now and then sees a table that was
     # deleted and created again at the same place.
@@ -81,22 +82,26 @@ class Watch:
         self._view: tuple[int, LedgerView] | None = None   # (ledger version, its view)
         self._client: contextlib.ExitStack | None = None
         self._admin: Any = None
+        self._closed = False
 
     def look(self) -> tuple[Verdict, Hashable]:
         """The verdict, and which work is pending: the chain's positions. New records past
         the same positions are the same work for the next run, and so is an epoch planned
-        from them (the run that planned it is on it, or a retry finishes it)."""
+        from them (the run that planned it is on it, or a retry finishes it). Raises when the
+        ledger or the broker cannot be read: a failed look is no reason for a run."""
         try:
             view = self._ledger()
             _, positions, unfinished = committed_chain(view.summary, self.cfg.topic, view.tail)
             key = tuple(sorted(positions.items()))
-            if unfinished or not positions:
+            if unfinished:
                 return verdict(positions, unfinished, {}, {}), key
             earliest, latest = self._offsets()
-        except Exception as e:  # noqa: BLE001 - the epoch, if one runs, gives the authoritative error
+        except Exception:
             self._table = None
-            self.close()
-            return Verdict(True, f"could not look ({type(e).__name__}: {e})"), ("failed", type(e).__name__)
+            self._drop_client()
+            raise
+        if not positions and all(latest[p] <= earliest[p] for p in latest):
+            return Verdict(False, "no epoch yet, and no record in the topic"), key
         return verdict(positions, unfinished, earliest, latest), key
 
     def _ledger(self) -> LedgerView:
@@ -116,16 +121,22 @@ class Watch:
     def _offsets(self) -> tuple[dict[int, int], dict[int, int]]:
         from ipcount.storage import broker
 
+        if self._closed:
+            raise RuntimeError("the watch is closed")
         if self._client is None:
             stack = contextlib.ExitStack()
             self._admin = stack.enter_context(broker.admin_client(self.cfg))
             self._client = stack
         return broker.offsets_with(self._admin, self.cfg.topic)
 
-    def close(self) -> None:
+    def _drop_client(self) -> None:
         if self._client is not None:
             client, self._client, self._admin = self._client, None, None
             client.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop_client()
 
 
 @dataclass

@@ -5,10 +5,11 @@ It runs in Airflow's triggerer as the source Asset's watcher (``AssetWatcher``).
 ``on_data_poll_seconds`` it compares the topic's log ends (read_committed, asked of the broker
 as an admin: no consumer group, nothing consumed or committed, so the group's lag stays the
 pipeline's) with the ledger's positions, as the epoch DAG's idle check does, and fires an
-asset event for each new piece of pending work (:class:`ipcount.jobs.idle.Firing`). Events
-that arrive while a run is active start the next one (Airflow merges them); the same work
-still pending a minute later fires again, so an event Airflow merged away or a failed run
-cannot leave records waiting for the fallback clock.
+asset event for each new piece of pending work (:class:`ipcount.jobs.idle.Firing`). An event
+that arrives while a run is active waits in Airflow's queue for the next run; work still
+pending a minute after its event fires again (a failed run, a queued event Airflow did not
+turn into a run), so records do not wait for the fallback clock. A look that fails fires
+nothing: the watch is opened anew (its Kafka connection read again) a few seconds later.
 """
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ class NewRecordsTrigger(BaseEventTrigger):
     def __init__(self, settings: dict[str, Any], poll_seconds: float = 2.0,
                  refire_seconds: float = REFIRE_SECONDS) -> None:
         super().__init__()
-        self.settings, self.poll_seconds, self.refire_seconds = dict(settings), poll_seconds, refire_seconds
+        # (floats: Airflow identifies the trigger by a hash of these, and 2 hashes unlike 2.0)
+        self.settings = dict(settings)
+        self.poll_seconds, self.refire_seconds = float(poll_seconds), float(refire_seconds)
+        self.retry_seconds = max(10.0, float(poll_seconds))
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
@@ -55,24 +59,39 @@ class NewRecordsTrigger(BaseEventTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from ipcount.jobs.idle import Firing
+
+        firing = Firing(self.refire_seconds)
+        while True:   # a watch that failed is opened anew: the connection may have changed
+            held = contextlib.ExitStack()   # a connection's secret files, for the watch's life
+            watch, pending = None, None
+            try:
+                pending = asyncio.ensure_future(asyncio.to_thread(self._open, held))
+                watch = await asyncio.shield(pending)
+                while True:
+                    pending = asyncio.ensure_future(asyncio.to_thread(watch.look))
+                    verdict, key = await asyncio.shield(pending)
+                    if firing(verdict.run, key, time.monotonic()):
+                        self.log.info("new work: %s", verdict.why)
+                        yield TriggerEvent({"topic": self.settings["topic"], "why": verdict.why})
+                    await asyncio.sleep(self.poll_seconds)
+            except Exception as e:  # noqa: BLE001 - a store or broker that fails now may answer later
+                self.log.warning("could not look at the ledger and the log ends (%s: %s); trying again in %s s",
+                                 type(e).__name__, e, self.retry_seconds)
+            finally:
+                # A thread's call runs on after a cancel: let it end before closing what it uses.
+                if pending is not None and not pending.done():
+                    with contextlib.suppress(BaseException):
+                        await pending
+                if watch is not None:
+                    await asyncio.to_thread(watch.close)
+                await asyncio.to_thread(held.close)
+            await asyncio.sleep(self.retry_seconds)
+
+    def _open(self, held: contextlib.ExitStack):
+        """The watch on the pipeline's settings, its Kafka connection (if any) read now."""
         from ipcount.orchestration.kafka_connection import resolved
 
-        cfg = PipelineConfig.from_mapping(self.settings)
-        held = contextlib.ExitStack()   # a connection's secret files, for the trigger's life
-        watch = None
-        try:
-            cfg = await asyncio.to_thread(held.enter_context, resolved(cfg))
-            watch = self.watch(cfg)
-            firing = Firing(self.refire_seconds)
-            self.log.info("watching %s for records past the ledger %s, every %s s", cfg.topic, cfg.ledger_path,
-                          self.poll_seconds)
-            while True:
-                verdict, key = await asyncio.to_thread(watch.look)
-                if firing(verdict.run, key, time.monotonic()):
-                    self.log.info("new work: %s", verdict.why)
-                    yield TriggerEvent({"topic": cfg.topic, "why": verdict.why})
-                await asyncio.sleep(self.poll_seconds)
-        finally:
-            if watch is not None:
-                await asyncio.to_thread(watch.close)
-            await asyncio.to_thread(held.close)
+        cfg = held.enter_context(resolved(PipelineConfig.from_mapping(self.settings)))
+        self.log.info("watching %s for records past the ledger %s, every %s s", cfg.topic, cfg.ledger_path,
+                      self.poll_seconds)
+        return self.watch(cfg)

@@ -302,9 +302,11 @@ def test_the_on_data_watch_follows_the_ledger_and_log_ends_without_a_consumer_gr
 
     watch = Watch(cfg)
     try:
+        empty, key = watch.look()
+        assert not empty.run and empty.why == "no epoch yet, and no record in the topic" and key == ()
+        produce_dataset(cfg, n=300)
         first, key = watch.look()
         assert first.run and "no committed scheduled epoch" in first.why and key == ()
-        produce_dataset(cfg, n=300)
         run_until_idle(cfg, spark)
         with broker_io.admin_client(cfg) as admin:
             groups = sorted(map(str, admin.list_groups()))
