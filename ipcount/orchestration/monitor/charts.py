@@ -37,16 +37,22 @@ def line_chart(chart_id: str, title: str, xs: Sequence[int], series: Mapping[str
     step = plot_w / max(1, len(xs) - 1)
     body = []
     for i, (name, values) in enumerate(series.items()):
-        color = PALETTE[i % len(PALETTE)]
-        points = [(LEFT + j * step, _y(v, top), xs[j], v) for j, v in enumerate(values) if v is not None]
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _, _ in points)
-        body.append(f'<polyline class="series" data-series="{escape(name)}" fill="none" stroke="{color}" '
-                    f'stroke-width="2" points="{path}"/>')
-        body.extend(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"><title>{escape(name)} '
-                     f'at {x_value}: {v:g}</title></circle>' for x, y, x_value, v in points)
-        body.append(f'<rect x="{WIDTH - RIGHT + 12}" y="{TOP + 16 * i}" width="10" height="10" fill="{color}"/>'
-                    f'<text x="{WIDTH - RIGHT + 26}" y="{TOP + 9 + 16 * i}" font-size="11">{escape(name)}</text>')
+        body += _series(i, name, [(LEFT + j * step, _y(v, top), str(xs[j]), v)
+                                  for j, v in enumerate(values) if v is not None])
     return _frame(chart_id, title, top, (str(xs[0]), str(xs[-1])), body)
+
+
+def _series(i: int, name: str, points: list[tuple[float, float, str, float]]) -> list[str]:
+    """The ``i``-th series' polyline, its points (x, y, label, value; the label and value in
+    each point's tooltip) and its legend entry."""
+    color = PALETTE[i % len(PALETTE)]
+    path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _, _ in points)
+    return [f'<polyline class="series" data-series="{escape(name)}" fill="none" stroke="{color}" '
+            f'stroke-width="2" points="{path}"/>',
+            *(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"><title>{escape(name)} '
+              f'at {label}: {v:g}</title></circle>' for x, y, label, v in points),
+            f'<rect x="{WIDTH - RIGHT + 12}" y="{TOP + 16 * i}" width="10" height="10" fill="{color}"/>'
+            f'<text x="{WIDTH - RIGHT + 26}" y="{TOP + 9 + 16 * i}" font-size="11">{escape(name)}</text>']
 
 
 def time_chart(chart_id: str, title: str, times: Sequence[datetime | None],
@@ -65,15 +71,8 @@ def time_chart(chart_id: str, title: str, times: Sequence[datetime | None],
     top = max((v for values in series.values() for v in values if v is not None), default=0) or 1
     body = []
     for i, (name, values) in enumerate(series.items()):
-        color = PALETTE[i % len(PALETTE)]
-        points = [(x(t), _y(v, top), t, v) for t, v in zip(times, values) if t is not None and v is not None]
-        path = " ".join(f"{px:.1f},{py:.1f}" for px, py, _, _ in points)
-        body.append(f'<polyline class="series" data-series="{escape(name)}" fill="none" stroke="{color}" '
-                    f'stroke-width="2" points="{path}"/>')
-        body.extend(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="2.5" fill="{color}"><title>{escape(name)} at '
-                     f'{t:%H:%M:%S}: {v:g}</title></circle>' for px, py, t, v in points)
-        body.append(f'<rect x="{WIDTH - RIGHT + 12}" y="{TOP + 16 * i}" width="10" height="10" fill="{color}"/>'
-                    f'<text x="{WIDTH - RIGHT + 26}" y="{TOP + 9 + 16 * i}" font-size="11">{escape(name)}</text>')
+        body += _series(i, name, [(x(t), _y(v, top), f"{t:%H:%M:%S}", v)
+                                  for t, v in zip(times, values) if t is not None and v is not None])
     return _frame(chart_id, title, top, (f"{first:%Y-%m-%d %H:%M:%S}", f"{last:%H:%M:%S} UTC"), body)
 
 
