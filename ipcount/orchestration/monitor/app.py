@@ -41,20 +41,25 @@ def _authorized():
     return Depends(requires_access_dag(method="GET", param_dag_id=EPOCH_DAG_ID))
 
 
-def _access():
-    """The caller's :class:`model.Access`, from Airflow's auth manager (per DAG: e.g. FAB's
-    or Keycloak's DAG permissions)."""
+def _may_read(user: Any, dag_id: str) -> bool:
+    """Whether Airflow's auth manager lets ``user`` read the DAG (per DAG: e.g. FAB's or
+    Keycloak's DAG permissions); a look at the metadata database."""
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
-    from airflow.api_fastapi.core_api.security import get_user
     from airflow.models.dag import DagModel
+
+    details = DagDetails(id=dag_id, team_name=DagModel.get_team_name(dag_id))
+    return bool(get_auth_manager().is_authorized_dag(method="GET", details=details, user=user))
+
+
+def _access():
+    """The caller's :class:`model.Access`, from Airflow's auth manager."""
+    from airflow.api_fastapi.core_api.security import get_user
 
     # (Depends as the default, not in an annotation: this module's annotations are strings,
     # which FastAPI resolves in the module, where get_user is not.)
     def access(user: Any = Depends(get_user)) -> model.Access:
-        details = DagDetails(id=BACKFILL_DAG_ID, team_name=DagModel.get_team_name(BACKFILL_DAG_ID))
-        allowed = get_auth_manager().is_authorized_dag(method="GET", details=details, user=user)
-        return model.Access(backfills=bool(allowed), backfill_dag_id=BACKFILL_DAG_ID)
+        return model.Access(backfills=_may_read(user, BACKFILL_DAG_ID), backfill_dag_id=BACKFILL_DAG_ID)
     return Depends(access)
 
 
@@ -208,10 +213,7 @@ async def _scraper(request: Request, bearer: Any, monitor: Monitor) -> model.Acc
     """Who scrapes: the holder of the scrape token sees every kind of epoch; anyone else
     needs an Airflow login allowed to read the epoch DAG, as the pages do (401 without one,
     403 for a forged or refused one)."""
-    from airflow.api_fastapi.app import get_auth_manager
-    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
     from airflow.api_fastapi.core_api.security import get_user
-    from airflow.models.dag import DagModel
 
     presented = bearer.credentials if bearer is not None and bearer.scheme.lower() == "bearer" else None
     if presented and monitor.cfg.metrics_token_file:
@@ -219,13 +221,11 @@ async def _scraper(request: Request, bearer: Any, monitor: Monitor) -> model.Acc
         if hmac.compare_digest(presented.encode(), token.encode()):
             return model.Access(backfills=True, backfill_dag_id=BACKFILL_DAG_ID)
     user = await get_user(request, None, bearer)
-
-    def may_read(dag_id: str) -> bool:   # (a look at the metadata database: off the event loop)
-        details = DagDetails(id=dag_id, team_name=DagModel.get_team_name(dag_id))
-        return bool(get_auth_manager().is_authorized_dag(method="GET", details=details, user=user))
-    if not await run_in_threadpool(may_read, EPOCH_DAG_ID):
+    # (the auth manager looks at the metadata database: off the event loop)
+    if not await run_in_threadpool(_may_read, user, EPOCH_DAG_ID):
         raise HTTPException(403, f"reading the metrics needs read access to the DAG {EPOCH_DAG_ID}")
-    return model.Access(backfills=await run_in_threadpool(may_read, BACKFILL_DAG_ID), backfill_dag_id=BACKFILL_DAG_ID)
+    return model.Access(backfills=await run_in_threadpool(_may_read, user, BACKFILL_DAG_ID),
+                        backfill_dag_id=BACKFILL_DAG_ID)
 
 
 _TOKENS: dict[str, tuple[float, str]] = {}   # file -> (its mtime, its token)
