@@ -39,7 +39,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from ipcount.cli import run_in_session
 from ipcount.jobs import idle
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
-from ipcount.orchestration.alerts import alerts_on, run_deadline
+from ipcount.orchestration.alerts import alerts_on, freshness_breaches, run_deadline
 from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, dag_params, dagrun_timeout,
                                         epoch_summary, epoch_timetable, run_config, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
@@ -117,10 +117,8 @@ with DAG(
         def check_freshness(params: dict | None = None) -> None:
             """Fails (so Airflow's failure alerts fire) when the chain lags or is stale past
             alert_lag_records / alert_stale_seconds; runs after a failed epoch too."""
-            from ipcount.jobs import freshness  # (Kafka and Delta clients: not at parse time)
-
             with resolved(run_config(CFG, params)) as cfg:
-                found = freshness.check(cfg)
+                found = freshness_breaches(cfg)
             if found:
                 raise AirflowFailException("the pipeline is falling behind: " + "; ".join(found))
             log.info("the chain keeps up (alert_lag_records %s, alert_stale_seconds %s)", CFG.alert_lag_records,

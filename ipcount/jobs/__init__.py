@@ -6,7 +6,6 @@
 - :mod:`.rebuild`       replay a ledger's committed epochs into a fresh replay table set
 - :mod:`.verify`        recount from Kafka in plain Python and compare
 - :mod:`.idle`          does the scheduled chain have anything to do? (no JVM; the on-data watch too)
-- :mod:`.freshness`     is the chain keeping up? the alert thresholds' check (no JVM)
 - :mod:`.transform`     the Spark parse, classify and tally steps
 - :mod:`.tally`         an epoch's tally split (Arrow) into metrics, counts, dead letters, late rows
 - :mod:`.publish`       committed counts to the sink topic, exactly once (no JVM)

@@ -4,9 +4,10 @@ a cluster policy, a listener) and a Deadline Alert on each run (``alert_run_seco
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from ipcount.rules.alerts import breaches
 from ipcount.rules.config import PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,24 @@ log = logging.getLogger(__name__)
 def alerts_on(cfg: PipelineConfig) -> bool:
     """Whether the epoch DAG has a check_freshness task."""
     return bool(cfg.alert_lag_records or cfg.alert_stale_seconds)
+
+
+def freshness_breaches(cfg: PipelineConfig) -> list[str]:
+    """The ``check_freshness`` task's look: what is over the alert thresholds now ([] when
+    all is well), from the ledger and the broker's read_committed log ends as the monitor
+    reads them (delta-rs and kafka-python: no JVM)."""
+    from ipcount.orchestration.monitor.data import PipelineTables
+    from ipcount.orchestration.monitor.model import partition_lag
+    from ipcount.storage import broker
+    from ipcount.storage.delta import DeltaReader
+
+    tables = PipelineTables(cfg, DeltaReader())
+    chain = tables.chain_positions()
+    earliest, latest = broker.partition_offsets(cfg)
+    lag = {p: partition_lag(end, chain.get(p), earliest[p]) for p, end in latest.items()}
+    last = tables.last_committed()
+    age = None if last is None else (datetime.now(timezone.utc) - last[1]).total_seconds()
+    return breaches(lag, age, cfg.alert_lag_records, cfg.alert_stale_seconds)
 
 
 def run_deadline(cfg: PipelineConfig):
