@@ -21,8 +21,12 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/ipcount
-COPY requirements.txt constraints.txt ./
-RUN pip install --no-cache-dir -r requirements.txt -c constraints.txt
+COPY requirements.txt requirements-lineage.txt constraints.txt ./
+# --build-arg WITH_OPENLINEAGE=true adds the optional OpenLineage provider (bin/setup --lineage).
+ARG WITH_OPENLINEAGE=false
+RUN pip install --no-cache-dir -r requirements.txt -c constraints.txt \
+ && if [ "$WITH_OPENLINEAGE" = true ]; then \
+      pip install --no-cache-dir -r requirements-lineage.txt -c constraints.txt; fi
 COPY jars ./jars
 # The Spark jars (Kafka source, Delta) and Kafka's, for bin/kafka-consumer-groups.
 RUN for pom in kafka-broker:kafka spark-extras:spark; do \

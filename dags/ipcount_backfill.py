@@ -34,7 +34,7 @@ from ipcount.orchestration.dags import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, 
                                         dagrun_timeout, epoch_summary, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import counts_asset, sink_assets, source_asset, table_assets
-from ipcount.orchestration.operators import epoch_operator
+from ipcount.orchestration.operators import epoch_operator, lineage_task
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -63,7 +63,7 @@ with DAG(
     run_backfill = epoch_operator(CFG, "run_backfill", "backfill", REQUEST_BACKFILL_ARGS, run_params=False,
                                   run_in_session=run_in_session, inlets=[SOURCE])
 
-    @task(inlets=[COUNTS], outlets=SINK)
+    @lineage_task(inlets=[COUNTS], outlets=SINK)
     def publish_counts() -> dict:
         """The main counts' versions not published yet (this backfill's, as kind backfill) ->
         the sink topic, exactly once (when publish is on). Replay targets are never published."""
@@ -72,7 +72,7 @@ with DAG(
         with resolved(CFG) as cfg:
             return publish_step(cfg)
 
-    @task(outlets=[COUNTS, *TABLES])
+    @lineage_task(outlets=[COUNTS, *TABLES])
     def publish_summary(run_id: str | None = None, params: dict | None = None, outlet_events=None) -> dict:
         """The epochs this run committed, to the log, XCom and (main target) the counts Asset."""
         summary = epoch_summary(CFG, run_id, params["target"])

@@ -44,7 +44,7 @@ from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, da
                                         epoch_summary, epoch_timetable, run_config, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import counts_asset, sink_assets, source_asset, table_assets
-from ipcount.orchestration.operators import epoch_operator
+from ipcount.orchestration.operators import epoch_operator, lineage_task
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -91,7 +91,7 @@ with DAG(
         with resolved(run_config(CFG, params)) as cfg:
             return commit_group_offsets_from_ledger(cfg)
 
-    @task(inlets=[COUNTS], outlets=SINK)
+    @lineage_task(inlets=[COUNTS], outlets=SINK)
     def publish_counts(params: dict | None = None) -> dict:
         """Counts versions not published yet -> the sink topic, one Kafka transaction each with
         the publisher's cursor (when publish is on; fails, and is retried, when Kafka refuses)."""
@@ -100,7 +100,7 @@ with DAG(
         with resolved(run_config(CFG, params)) as cfg:
             return publish_step(cfg)
 
-    @task(outlets=[COUNTS])
+    @lineage_task(outlets=[COUNTS])
     def publish_summary(run_id: str | None = None, outlet_events=None) -> dict:
         """The committed epoch to the log, XCom and the counts Asset event."""
         summary = epoch_summary(CFG, run_id)

@@ -20,11 +20,12 @@ Scheduled by `maintenance_schedule` (default `@hourly`; `none`: only when trigge
 from __future__ import annotations
 
 import pendulum
-from airflow.sdk import DAG, task
+from airflow.sdk import DAG
 
 from ipcount.orchestration.dags import MAINTENANCE_DAG_ID, maintenance_schedule, task_defaults
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import maintenance_asset
+from ipcount.orchestration.operators import lineage_task
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -40,7 +41,7 @@ with DAG(
     default_args=task_defaults(CFG, retries=1),
     tags=["ipcount", "maintenance"],
 ):
-    @task(outlets=[maintenance_asset(CFG)])
+    @lineage_task(outlets=[maintenance_asset(CFG)])
     def maintain(run_id: str | None = None) -> dict:
         """Every table compacted, checkpointed and vacuumed once; what was done, to the log and XCom."""
         from ipcount.jobs.maintenance import run_maintenance  # (Delta and Kafka clients: not at parse time)

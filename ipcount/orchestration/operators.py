@@ -1,4 +1,5 @@
-"""The Airflow operator of the tasks that run the pipeline's Spark commands."""
+"""The Airflow operators of the pipeline's tasks: those that run its Spark commands, and
+``@lineage_task``, Airflow's ``@task`` naming its Assets to OpenLineage."""
 from __future__ import annotations
 
 import threading
@@ -7,17 +8,19 @@ from typing import Callable
 
 from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.providers.standard.decorators.python import _PythonDecoratedOperator
 from airflow.providers.standard.operators.python import PythonOperator
 
 from ipcount.orchestration.dags import command_args, spark_submit_kwargs
 from ipcount.orchestration.kafka_connection import kafka_args, resolved
+from ipcount.orchestration.lineage import LineageMixin
 from ipcount.orchestration.monitor.links import EpochPageLink
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 from ipcount.storage.spark import connect_session
 
 
-class EpochSubmitOperator(SparkSubmitOperator):
+class EpochSubmitOperator(LineageMixin, SparkSubmitOperator):
     """``spark-submit spark_jobs/epoch_job.py <command>``: the task fails when the command
     does, and carries the link to its epochs' monitoring page."""
 
@@ -45,7 +48,7 @@ class EpochSubmitOperator(SparkSubmitOperator):
                 self.application_args = own
 
 
-class EpochConnectOperator(PythonOperator):
+class EpochConnectOperator(LineageMixin, PythonOperator):
     """``ipcount <command>`` in this task's own process, on the pipeline's session
     (:func:`ipcount.storage.spark.connect_session`) of the Spark Connect server of the
     ``spark_connect`` connection ``conn_id`` (its URL from the Spark provider's hook):
@@ -127,6 +130,19 @@ class EpochConnectOperator(PythonOperator):
                           kafka.bootstrap_servers, kafka.kafka_security_protocol)
             self.op_args = [[*self.command_args, *kafka_args(kafka)]]
             return super().execute(context)
+
+
+class LineageTaskOperator(LineageMixin, _PythonDecoratedOperator):
+    """The operator ``@task`` builds (the standard provider's, whose class name is private),
+    naming its inlets and outlets to OpenLineage."""
+
+
+def lineage_task(python_callable: Callable | None = None, **kwargs):
+    """``@task`` (or ``@task(...)``) whose inlet and outlet Assets reach OpenLineage's events."""
+    from airflow.sdk.bases.decorator import task_decorator_factory
+
+    return task_decorator_factory(python_callable=python_callable, decorated_operator_class=LineageTaskOperator,
+                                  **kwargs)
 
 
 def epoch_operator(cfg: PipelineConfig, task_id: str, command: str, task_args: tuple[str, ...] = (),

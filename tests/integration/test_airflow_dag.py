@@ -323,6 +323,33 @@ def test_dag_test_runs_the_epoch_in_its_task_on_a_spark_connect_server(airflow_e
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
 
 
+def test_openlineage_events_name_the_datasets_of_the_assets(airflow_environ, cfg, connect, tmp_path):
+    pytest.importorskip("airflow.providers.openlineage", reason="the optional provider: bin/setup --lineage")
+    cfg = cfg.replace(spark_connect_connection="ipcount_connect", publish=True, publish_topic=f"sink_{cfg.topic}")
+    gen = TrafficGenerator(seed=39, events_per_second=50)
+    produce(cfg.bootstrap_servers, cfg.topic, gen.records(120, 1_795_255_200_000), partition_of=lambda i, r: i % 3)
+    events = tmp_path / "openlineage.jsonl"
+    transport = {"type": "file", "log_file_path": str(events), "append": True}
+    env = {**airflow_environ, **NO_SPARK_MASTER, **connect_connection(connect),
+           "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(transport), "AIRFLOW__OPENLINEAGE__NAMESPACE": "ipcount"}
+    proc = _airflow(env, "dags", "test", "ipcount_epoch", cfg=cfg)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert len(committed_epochs(cfg.ledger_path)) == 1
+    done = {}
+    for line in events.read_text().splitlines():
+        event = json.loads(line)
+        if event["eventType"] == "COMPLETE" and event["job"]["name"].startswith("ipcount_epoch."):
+            done[event["job"]["name"].split(".", 1)[1]] = [
+                sorted([d["namespace"], d["name"]] for d in event.get(side) or []) for side in ("inputs", "outputs")]
+    # The datasets as OpenLineage names them (Kafka: the first bootstrap server; files: the path)
+    server = cfg.bootstrap_servers.split(",")[0]
+    source, sink = [f"kafka://{server}", cfg.topic], [f"kafka://{server}", f"sink_{cfg.topic}"]
+    counts_table = ["file", str(Path(cfg.warehouse) / "counts")]
+    written = sorted(["file", str(Path(cfg.warehouse) / name)] for name in ("ledger", "dead_letters", "late_records"))
+    assert done == {"choose_path": [[], []], "run_epoch": [[source], written], "commit_offsets": [[], []],
+                    "publish_counts": [[counts_table], [sink]], "publish_summary": [[], [counts_table]]}, done
+
+
 def test_backfill_form_checks_say_what_to_fix(cfg):
     """check_request's logic in-process (the DAG test above runs it for real once)."""
     from ipcount.orchestration.dags import check_backfill_request

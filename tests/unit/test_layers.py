@@ -77,3 +77,24 @@ def test_a_cycle_hidden_in_a_function_is_found(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert import_cycles("toy_cycle") == [["toy_cycle.sub.a:1 -> toy_cycle.sub.b",
                                            "toy_cycle.sub.b:2 -> toy_cycle.sub.a"]]
+
+
+def test_openlineage_stays_optional():
+    """The OpenLineage provider is optional (bin/setup --lineage): the product and the DAGs
+    import it only inside the functions that run where it is installed, never when a module
+    loads."""
+    import ast
+
+    loaded, lazy = [], []
+    for path in sorted([*(REPO_ROOT / "ipcount").rglob("*.py"), *(REPO_ROOT / "dags").glob("*.py"),
+                        *(REPO_ROOT / "plugins").glob("*.py")]):
+        tree = ast.parse(path.read_text(), str(path))
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        inside = {id(n) for f in functions for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any("openlineage" in name for name in names):
+                (lazy if id(node) in inside else loaded).append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+    assert not loaded, f"OpenLineage imported when a module loads: {loaded}"
+    assert lazy and all(at.startswith("ipcount/orchestration/lineage.py:") for at in lazy), lazy
