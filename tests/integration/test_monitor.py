@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
-from ipcount.rules.config import STATE_DIR, PipelineConfig
+from ipcount.rules.config import PipelineConfig
 from ipcount.rules.private_files import write_private_file
 from ipcount.storage import broker as broker_io
 from ipcount.storage.maintenance import maintain
@@ -31,15 +31,14 @@ from ipcount_lab.embedded_airflow import admin_password, passwords_file
 from ipcount_lab.generator import TrafficGenerator, produce
 from tests.airflow_auth import PATH as AUTH_MANAGER
 from tests.airflow_services import access_token, airflow, airflow_services, service_env
+from tests.browser import ARTIFACTS, browser_page, log_in
 from tests.conftest import BROKER_PASSWORD, free_port, run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import last_maintenance, ledger
 
 pytestmark = pytest.mark.airflow
 BASE_MS = 1_795_255_200_000
-CHROMIUM = "/usr/bin/chromium"
 RESTRICTED = "epochs_only"  # may read ipcount_epoch, not ipcount_backfill
-ARTIFACTS = Path(os.environ.get("IPCOUNT_TEST_ARTIFACTS", STATE_DIR / "test-artifacts"))
 
 
 def committed_ranges(cfg: PipelineConfig) -> list[dict[int, tuple[int, int]]]:
@@ -400,53 +399,37 @@ def test_publish_endpoint_shows_only_the_pipeline_s_own_consumer_groups(server):
 
 
 def test_pages_in_headless_chromium_after_logging_in(server, pipeline):
-    from playwright.sync_api import sync_playwright
+    with browser_page() as page:
+        page.goto(f"{server.url}/ipcount/epochs")
+        assert "Log in to Airflow first" in page.content()
+        log_in(page, server.url, server.home)
 
-    assert Path(CHROMIUM).exists(), "Debian's chromium is needed (bin/setup --browser installs it)"
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1000})
-            page.goto(f"{server.url}/ipcount/epochs")
-            assert "Log in to Airflow first" in page.content()
-            # Airflow's own login form.
-            page.goto(f"{server.url}/auth/login/")
-            page.fill("input[name=username]", "admin")
-            page.fill("input[name=password]", admin_password(server.home))
-            page.click("button[type=submit]")
-            page.wait_for_url(lambda u: "/auth/login" not in u, timeout=60_000)
+        # The plugin's entry in the UI's navigation: the epochs page inside Airflow's frame.
+        page.goto(f"{server.url}/plugin/ipcount")
+        frame = page.frame_locator("iframe[title='ipcount pipeline']")
+        rows = frame.locator("tr.epoch")
+        rows.first.wait_for(timeout=60_000)
+        assert rows.count() == 4
+        assert frame.locator("tr.epoch[data-status=failed]").count() == 1
+        assert frame.locator("#epochs-chart rect.bar").count() == 4
+        # the three committed epochs by commit time: read, counted, late, malformed
+        assert frame.locator("#records-time-chart polyline.series").count() == 4
+        assert frame.locator("#records-time-chart circle").count() == 3 * 4
+        assert "FAILING" in frame.locator("#health").inner_text()
+        assert "maintenance: " in frame.locator("#health").inner_text()
+        page.screenshot(path=str(ARTIFACTS / "monitor-epochs.png"), full_page=True)
 
-            # The plugin's entry in the UI's navigation: the epochs page inside Airflow's frame.
-            page.goto(f"{server.url}/plugin/ipcount")
-            frame = page.frame_locator("iframe[title='ipcount pipeline']")
-            rows = frame.locator("tr.epoch")
-            rows.first.wait_for(timeout=60_000)
-            assert rows.count() == 4
-            assert frame.locator("tr.epoch[data-status=failed]").count() == 1
-            assert frame.locator("#epochs-chart rect.bar").count() == 4
-            # the three committed epochs by commit time: read, counted, late, malformed
-            assert frame.locator("#records-time-chart polyline.series").count() == 4
-            assert frame.locator("#records-time-chart circle").count() == 3 * 4
-            assert "FAILING" in frame.locator("#health").inner_text()
-            assert "maintenance: " in frame.locator("#health").inner_text()
-            page.screenshot(path=str(ARTIFACTS / "monitor-epochs.png"), full_page=True)
+        frame.locator("nav a", has_text="Lag").click()
+        frame.locator("#lag-chart polyline.series").first.wait_for(timeout=30_000)
+        assert frame.locator("#lag-chart polyline.series").count() == 3
+        assert frame.locator("#lag-time-chart polyline.series").count() == 3
+        assert frame.locator("tr.partition").count() == 3
+        page.screenshot(path=str(ARTIFACTS / "monitor-lag.png"), full_page=True)
 
-            frame.locator("nav a", has_text="Lag").click()
-            frame.locator("#lag-chart polyline.series").first.wait_for(timeout=30_000)
-            assert frame.locator("#lag-chart polyline.series").count() == 3
-            assert frame.locator("#lag-time-chart polyline.series").count() == 3
-            assert frame.locator("tr.partition").count() == 3
-            page.screenshot(path=str(ARTIFACTS / "monitor-lag.png"), full_page=True)
-
-            frame.locator("nav a", has_text="Counts").click()
-            frame.locator("#window-chart rect.bar").first.wait_for(timeout=30_000)
-            assert frame.locator("tr.ip").count() == 20
-            page.screenshot(path=str(ARTIFACTS / "monitor-counts.png"), full_page=True)
-        finally:
-            browser.close()
+        frame.locator("nav a", has_text="Counts").click()
+        frame.locator("#window-chart rect.bar").first.wait_for(timeout=30_000)
+        assert frame.locator("tr.ip").count() == 20
+        page.screenshot(path=str(ARTIFACTS / "monitor-counts.png"), full_page=True)
     assert (ARTIFACTS / "monitor-epochs.png").stat().st_size > 10_000
 
 
