@@ -80,10 +80,13 @@ with DAG(
         log.info("%s: %s", "running the epoch" if verdict.run else "skipping the epoch", verdict.why)
         return "run_epoch" if verdict.run else None
 
+    # (OpenLineage: the epoch also writes the counts, whose Asset event publish_summary sends)
     run_epoch = epoch_operator(CFG, "run_epoch", "epoch", ("--skip-offset-commit", "--skip-publish"),
-                               run_in_session=run_in_session, inlets=[SOURCE], outlets=TABLES)
+                               run_in_session=run_in_session, inlets=[SOURCE], outlets=TABLES,
+                               lineage_outputs=[COUNTS, *TABLES])
     backfill_interval = epoch_operator(CFG, "backfill_interval", "backfill", INTERVAL_BACKFILL_ARGS,
-                                       run_in_session=run_in_session, inlets=[SOURCE], outlets=TABLES)
+                                       run_in_session=run_in_session, inlets=[SOURCE], outlets=TABLES,
+                                       lineage_outputs=[COUNTS, *TABLES])
 
     @task(trigger_rule="none_failed_min_one_success")
     def commit_offsets(params: dict | None = None) -> bool:

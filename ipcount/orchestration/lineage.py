@@ -9,10 +9,14 @@ from ipcount.rules.lineage import dataset_of, table_uri, topic_uri
 
 class LineageMixin:
     """A task's OpenLineage datasets (with apache-airflow-providers-openlineage installed):
-    its inlet and outlet Assets, named by :func:`ipcount.rules.lineage.dataset_of`. The
-    provider itself converts only the URI schemes an installed provider registers, which
-    leaves kafka:// and s3:// Assets out. Its default extractor calls this method when a task
-    starts and, lacking the others, again when it completes or fails."""
+    its inlet Assets, and the Assets it writes, named by :func:`ipcount.rules.lineage.dataset_of`.
+    What it writes are its outlets unless ``lineage_outputs`` says otherwise: the epoch task
+    also writes the counts table, whose Asset event the summary task sends. The provider
+    itself converts only the URI schemes an installed provider registers, which leaves
+    kafka:// and s3:// Assets out; its default extractor calls this method for a task's
+    start, end and skip alike."""
+
+    lineage_outputs: list | None = None
 
     def get_openlineage_facets_on_start(self):
         from airflow.providers.common.compat.openlineage.facet import Dataset
@@ -21,7 +25,8 @@ class LineageMixin:
         def datasets(assets) -> list:
             return [Dataset(*dataset_of(uri)) for uri in (getattr(a, "uri", None) for a in assets) if uri]
 
-        return OperatorLineage(inputs=datasets(self.inlets), outputs=datasets(self.outlets))
+        outputs = self.outlets if self.lineage_outputs is None else self.lineage_outputs
+        return OperatorLineage(inputs=datasets(self.inlets), outputs=datasets(outputs))
 
 
 def source_asset(cfg: PipelineConfig):

@@ -26,10 +26,12 @@ class EpochSubmitOperator(LineageMixin, SparkSubmitOperator):
 
     operator_extra_links = (EpochPageLink(),)
 
-    def __init__(self, *, kafka_connection: str = "", bootstrap_servers: str = "", **kwargs) -> None:
+    def __init__(self, *, kafka_connection: str = "", bootstrap_servers: str = "", lineage_outputs: list | None = None,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.kafka_connection = kafka_connection
         self.bootstrap_servers = bootstrap_servers
+        self.lineage_outputs = lineage_outputs
 
     def execute(self, context):
         if not self.kafka_connection:
@@ -63,8 +65,10 @@ class EpochConnectOperator(LineageMixin, PythonOperator):
     template_fields = ("conn_id", *PythonOperator.template_fields, "command_args")
 
     def __init__(self, *, conn_id: str, pipeline_id: str, command_args: list[str], kafka_connection: str = "",
-                 bootstrap_servers: str = "", timeout_seconds: int = 30, **kwargs) -> None:
+                 bootstrap_servers: str = "", timeout_seconds: int = 30, lineage_outputs: list | None = None,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
+        self.lineage_outputs = lineage_outputs
         self.conn_id = conn_id
         self.pipeline_id = pipeline_id
         self.command_args = command_args
@@ -134,11 +138,15 @@ class EpochConnectOperator(LineageMixin, PythonOperator):
 
 class LineageTaskOperator(LineageMixin, _PythonDecoratedOperator):
     """The operator ``@task`` builds (the standard provider's, whose class name is private),
-    naming its inlets and outlets to OpenLineage."""
+    naming its datasets to OpenLineage (``lineage_outputs``: see :class:`LineageMixin`)."""
+
+    def __init__(self, *, lineage_outputs: list | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lineage_outputs = lineage_outputs
 
 
 def lineage_task(python_callable: Callable | None = None, **kwargs):
-    """``@task`` (or ``@task(...)``) whose inlet and outlet Assets reach OpenLineage's events."""
+    """``@task`` (or ``@task(...)``) whose Assets reach OpenLineage's events."""
     from airflow.sdk.bases.decorator import task_decorator_factory
 
     return task_decorator_factory(python_callable=python_callable, decorated_operator_class=LineageTaskOperator,
@@ -150,8 +158,8 @@ def epoch_operator(cfg: PipelineConfig, task_id: str, command: str, task_args: t
     """The task running ``ipcount <command>``: in the task's own process on the Spark Connect
     server of ``spark_connect_connection`` when that is set (``run_in_session`` runs it:
     :func:`ipcount.cli.run_in_session`), else spark-submit (:func:`spark_submit_kwargs`).
-    Chosen by configuration, never by probing. ``task_kwargs`` (inlets, outlets) go to the
-    operator."""
+    Chosen by configuration, never by probing. ``task_kwargs`` (inlets, outlets,
+    ``lineage_outputs``) go to the operator."""
     if not cfg.spark_connect_connection:
         return EpochSubmitOperator(task_id=task_id, **spark_submit_kwargs(cfg, command, task_args, run_params),
                                    **task_kwargs)

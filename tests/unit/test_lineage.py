@@ -33,3 +33,33 @@ def test_openlineage_datasets_of_asset_uris(uri, dataset):
 def test_a_path_is_not_a_dataset_uri():
     with pytest.raises(ValueError, match="not a dataset URI"):
         dataset_of("/data/warehouse/counts")
+
+
+def test_a_task_names_its_assets_to_openlineage():
+    pytest.importorskip("airflow.providers.openlineage", reason="the optional provider: bin/setup --lineage")
+    from airflow.sdk import DAG, Asset
+
+    from ipcount.orchestration.operators import lineage_task
+
+    topic = Asset(name="s", uri="kafka://b1:9093/web.requests")
+    counts, ledger = Asset(name="c", uri="s3://bucket/wh/counts"), Asset(name="l", uri="file:///srv/wh/ledger")
+    with DAG("lineage_unit", schedule=None):
+        @lineage_task(inlets=[topic], outlets=[ledger])
+        def declared() -> None:
+            pass
+
+        @lineage_task(inlets=[topic], outlets=[ledger], lineage_outputs=[counts, ledger])
+        def writes_more() -> None:
+            pass
+
+        declared_task, writer = declared().operator, writes_more().operator
+
+    def named(lineage) -> tuple[list, list]:
+        return ([(d.namespace, d.name) for d in lineage.inputs], [(d.namespace, d.name) for d in lineage.outputs])
+
+    source = [("kafka://b1:9093", "web.requests")]
+    assert named(declared_task.get_openlineage_facets_on_start()) == (source, [("file", "/srv/wh/ledger")])
+    assert named(writer.get_openlineage_facets_on_start()) == (source, [("s3://bucket", "wh/counts"),
+                                                                         ("file", "/srv/wh/ledger")])
+    assert writer.outlets == [ledger]     # Airflow's Asset events stay the declared outlets'
+    assert declared_task.custom_operator_name == "@task"
