@@ -1,7 +1,8 @@
 """The README's first command, as a newcomer runs it: `bin/run` brings up the embedded stack,
 whose epoch runs new records start (its default schedule, on-data), shows a healthy pipeline
 in the monitor (the docs' screenshot is this test's), and stops everything it started on
-SIGTERM. Its tables equal a plain-Python recount of the ranges its ledger names."""
+SIGTERM, mid-epoch or not. The next epoch finishes what the stop cut short; then the tables
+equal a plain-Python recount of the ranges the ledger names."""
 from __future__ import annotations
 
 import json
@@ -22,20 +23,20 @@ from ipcount_lab.generator import Produced
 from ipcount_lab.service import listening
 from tests.airflow_services import access_token
 from tests.browser import ARTIFACTS, browser_page, log_in
-from tests.conftest import free_port
+from tests.conftest import free_port, run_until_idle
 from tests.ground_truth import expected_tables
 from tests.tables import counts, dead_letters, epoch_ranges, late_records
 
 pytestmark = pytest.mark.airflow
 
 
-def _port_pair() -> int:
-    """A port P with P + 1 free too (the broker's and its controller's)."""
+def _ports() -> tuple[int, int, int]:
+    """Free ports for the broker (its controller on the next one), Airflow and Spark Connect."""
     for _ in range(50):
-        port = free_port()
-        if port < 65535 and not listening(port + 1):
-            return port
-    raise RuntimeError("no two free ports in a row")
+        kafka, api, connect = free_port(), free_port(), free_port()
+        if kafka < 65535 and not listening(kafka + 1) and len({kafka, kafka + 1, api, connect}) == 4:
+            return kafka, api, connect
+    raise RuntimeError("no free ports")
 
 
 def _get(url: str, token: str, method: str = "GET", body: dict | None = None) -> bytes:
@@ -45,17 +46,20 @@ def _get(url: str, token: str, method: str = "GET", body: dict | None = None) ->
         return response.read()
 
 
-def _pause_and_drain(url: str, token: str, timeout: float = 180) -> None:
-    """Pause the epoch DAG and wait until none of its runs is queued or running: a stop then
-    cuts no epoch short (that a killed one resumes is the chaos tests' part)."""
-    _get(f"{url}/api/v2/dags/ipcount_epoch", token, "PATCH", {"is_paused": True})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        runs = json.loads(_get(f"{url}/api/v2/dags/ipcount_epoch/dagRuns?state=queued&state=running", token))
-        if runs["total_entries"] == 0:
-            return
-        time.sleep(1)
-    raise AssertionError(f"the epoch DAG's runs did not end in {timeout} s after pausing it")
+def _processes_under(state: Path) -> list[str]:
+    """Processes whose command line or environment names ``state``: every process bin/run
+    starts inherits its exports (here the config file's path, under ``state``)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and (any(str(state) in part for part in proc.cmdline())
+                                            or any(str(state) in value for value in proc.environ().values())):
+                found.append(f"{proc.pid} {' '.join(proc.cmdline())[:200]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
 
 
 def _records(cfg: PipelineConfig) -> list[Produced]:
@@ -93,17 +97,18 @@ def _wait_healthy(url: str, token: str, run: subprocess.Popen, log: Path, epochs
                          f"{log.read_text()[-4000:]}")
 
 
-def test_bin_run_counts_new_records_as_they_come_and_shows_a_healthy_pipeline(tmp_path):
+def test_bin_run_counts_new_records_as_they_come_and_shows_a_healthy_pipeline(tmp_path, spark):
     state, log = tmp_path / "state", tmp_path / "bin-run.log"
-    kafka_port, api_port, connect_port = _port_pair(), free_port(), free_port()
-    # A broker that runs already: bin/run uses it and leaves it running, so the topic can be
-    # read back after bin/run has stopped.
+    kafka_port, api_port, connect_port = _ports()
+    # Settings from a file, both paths relative to where bin/run is typed: the file's
+    # warehouse wins over the state dir's default one; the schedule is bin/run's default.
+    (tmp_path / "pipeline.toml").write_text(f'warehouse = "{tmp_path / "tables"}"\n')
+    # The broker bin/run starts, on the same state, once bin/run has stopped it.
     kafka = EmbeddedKafka(state_dir=state / "kafka", port=kafka_port, controller_port=kafka_port + 1)
-    kafka.start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("IPCOUNT_", "AIRFLOW"))}
-    env.update({"AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+    env.update({"IPCOUNT_CONFIG": "pipeline.toml", "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
                 "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port())})
-    command = [str(REPO_ROOT / "bin" / "run"), "--state-dir", str(state), "--port", str(api_port),
+    command = [str(REPO_ROOT / "bin" / "run"), "--state-dir", "state", "--port", str(api_port),
                "--kafka-port", str(kafka_port), "--connect-port", str(connect_port), "--rate", "100"]
     url = f"http://127.0.0.1:{api_port}"
     try:
@@ -116,7 +121,8 @@ def test_bin_run_counts_new_records_as_they_come_and_shows_a_healthy_pipeline(tm
                     break
                 time.sleep(1)
             text = log.read_text()
-            assert "Kafka already running" in text and "schedule: on-data" in text, text[-4000:]
+            assert "starting Kafka" in text and "schedule: on-data" in text, text[-4000:]
+            assert f"Tables:      {tmp_path / 'tables'}" in text and f"Logs:        {state / 'logs'}/" in text
             token = access_token(url, state / "airflow")
             health = _wait_healthy(url, token, run, log, epochs=5)
             assert not health["failed_runs"] and not health["problems"], health
@@ -139,7 +145,6 @@ def test_bin_run_counts_new_records_as_they_come_and_shows_a_healthy_pipeline(tm
                        for s in f.samples}
             assert metrics[("ipcount_health", (("pipeline", "ipcount"), ("state", "ok")))] == 1
             assert metrics[("ipcount_last_committed_epoch", (("pipeline", "ipcount"),))] >= health["last_epoch"]
-            _pause_and_drain(url, token)
             # New records started runs (not only the fallback clock's run at the start)
             runs = json.loads(_get(f"{url}/api/v2/dags/ipcount_epoch/dagRuns?limit=100", token))["dag_runs"]
             assert sum(r["run_type"] == "asset_triggered" for r in runs) >= 3, [r["run_id"] for r in runs]
@@ -149,11 +154,17 @@ def test_bin_run_counts_new_records_as_they_come_and_shows_a_healthy_pipeline(tm
             returncode = run.wait(timeout=120)
         text = log.read_text()
         assert "[run] stopped" in text, text[-4000:]
-        # Everything it started is gone: Airflow's and Spark Connect's ports are free again.
-        for port in (api_port, connect_port):
+        # Everything it started is gone: the broker's, Airflow's and Spark Connect's ports are free.
+        for port in (kafka_port, api_port, connect_port):
             assert not listening(port), f"port {port} still served after bin/run stopped ({returncode})"
+        left = _processes_under(tmp_path)
+        assert not left, f"processes of bin/run's stack outlived it: {left}"
 
-        cfg = PipelineConfig(bootstrap_servers=f"127.0.0.1:{kafka_port}", warehouse=str(state / "warehouse"))
+        kafka.start()
+        cfg = PipelineConfig(bootstrap_servers=f"127.0.0.1:{kafka_port}", warehouse=str(tmp_path / "tables"),
+                             spark_master="local[2]")
+        # An epoch the stop cut short is finished with its recorded ranges, then the rest of the log.
+        run_until_idle(cfg, spark)
         ranges = epoch_ranges(cfg)
         assert len(ranges) >= 5
         expected = expected_tables(_records(cfg), ranges)
