@@ -288,7 +288,10 @@ class PipelineConfig:
         if not self.schedule.strip():
             raise ConfigError("schedule is empty; expected a cron expression such as '* * * * *', a "
                               "preset such as '@hourly', @continuous or on-data")
-        if self.on_data_fallback.strip() in ("", "@continuous", ON_DATA):
+        if self.schedule.strip() not in ("@continuous", ON_DATA) and not is_cron(self.schedule):
+            raise ConfigError(f"schedule {self.schedule!r} is not a cron expression Airflow takes (five fields "
+                              "such as '*/5 * * * *', or a preset such as '@hourly'), nor @continuous or on-data")
+        if self.on_data_fallback.strip().lower() != "none" and not is_cron(self.on_data_fallback):
             raise ConfigError(f"on_data_fallback {self.on_data_fallback!r}: expected a cron expression or preset "
                               "such as '@hourly' (the clock beside the data), or none")
         if self.spark_remote and not re.match(r"^sc://[^/\s:;]+(:\d{1,5})?/?$", self.spark_remote):
@@ -304,6 +307,10 @@ class PipelineConfig:
         if not self.maintenance_schedule.strip():
             raise ConfigError("maintenance_schedule is empty; expected a cron expression or preset such as "
                               "'@hourly', or 'none' to run maintenance only when triggered")
+        if self.maintenance_schedule.strip().lower() != "none" and not is_cron(self.maintenance_schedule):
+            raise ConfigError(f"maintenance_schedule {self.maintenance_schedule!r} is not a cron expression "
+                              "Airflow takes (five fields such as '0 * * * *', or a preset such as '@hourly'), "
+                              "nor 'none'")
         for name in ("warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table",
                      "maintenance_table"):
             scheme = location_scheme(getattr(self, name))
@@ -523,6 +530,15 @@ COMMAND_SETTINGS = {
 
 # The schedule whose runs are started by new records (an asset watcher), not a clock.
 ON_DATA = "on-data"
+
+
+def is_cron(expression: str) -> bool:
+    """Whether Airflow's cron timetables take ``expression``: a preset, or what croniter
+    parses (Airflow's own check). croniter knows every preset of Airflow's but @quarterly."""
+    from croniter import croniter
+
+    expression = expression.strip()
+    return croniter.is_valid("0 0 1 */3 *" if expression == "@quarterly" else expression)
 
 
 # Where delta-rs can keep tables besides a local directory (its credentials and endpoint

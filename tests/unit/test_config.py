@@ -52,11 +52,25 @@ def test_tables_on_object_storage_keep_their_uri():
     ({"windw_seconds": 3}, "unknown setting(s) windw_seconds"),
     ({"warehouse": "gs://bucket/w"}, "warehouse 'gs://bucket/w': tables live in a directory or under s3://, s3a://"),
     ({"counts_table": "hdfs://nn/counts"}, "counts_table 'hdfs://nn/counts'"),
+    ({"schedule": "every minute"}, "schedule 'every minute' is not a cron expression Airflow takes"),
+    ({"schedule": "61 * * * *"}, "schedule '61 * * * *' is not a cron expression"),
+    ({"schedule": "@once"}, "schedule '@once' is not a cron expression"),
+    ({"on_data_fallback": "hourly"}, "on_data_fallback 'hourly': expected a cron expression or preset"),
+    ({"on_data_fallback": "@continuous"}, "on_data_fallback '@continuous': expected a cron expression"),
+    ({"maintenance_schedule": "@fortnightly"}, "maintenance_schedule '@fortnightly' is not a cron expression"),
 ])
 def test_bad_settings_are_named_with_the_value_found(changes, message):
     with pytest.raises(ConfigError) as e:
         PipelineConfig.from_mapping(changes)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("schedule", ["* * * * *", "*/5 * * * *", "0 0 * * 1-5", "@hourly", "@daily", "@weekly",
+                                      "@monthly", "@quarterly", "@yearly", "@continuous", "on-data"])
+def test_schedules_airflow_takes_are_taken(schedule):
+    assert PipelineConfig(schedule=schedule, on_data_fallback="none", maintenance_schedule="none").schedule == schedule
+    if schedule not in ("@continuous", "on-data"):
+        assert PipelineConfig(on_data_fallback=schedule, maintenance_schedule=schedule).on_data_fallback == schedule
 
 
 def test_bad_config_file_is_reported(tmp_path):
@@ -165,3 +179,19 @@ def test_the_commands_that_hand_settings_on_take_them_all():
     for command, own in (("epoch", []), ("backfill", ["--offsets", "0:0-5"]), ("rebuild", ["--into", "r"]),
                          ("config", [])):
         assert load_config(build_parser().parse_args([command, *own, *cfg.to_args()])) == cfg, command
+
+
+@pytest.mark.parametrize("expression", ["* * * * *", "*/5 * * * *", "0 0 * * 1-5", "@hourly", "@quarterly", "@yearly",
+                                        "every minute", "61 * * * *", "@once", "@fortnightly", "* * *"])
+def test_the_cron_check_agrees_with_airflow(expression):
+    from airflow.exceptions import AirflowTimetableInvalid
+    from airflow.timetables.interval import CronDataIntervalTimetable
+
+    from ipcount.rules.config import is_cron
+
+    try:
+        CronDataIntervalTimetable(expression, timezone="UTC").validate()
+        taken = True
+    except AirflowTimetableInvalid:
+        taken = False
+    assert is_cron(expression) == taken
