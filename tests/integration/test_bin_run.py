@@ -172,3 +172,24 @@ def test_bin_run_counts_new_records_as_they_come_and_shows_a_healthy_pipeline(tm
         assert late_records(cfg) == expected.late
     finally:
         kafka.stop()
+
+
+def test_bin_run_refuses_a_port_another_service_answers_on_before_starting_anything(tmp_path):
+    import socket
+
+    kafka_port, _, connect_port = _ports()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.Popen([str(REPO_ROOT / "bin" / "run"), "--port", str(port), "--state-dir", "state",
+                                "--kafka-port", str(kafka_port), "--connect-port", str(connect_port)],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:     # it went on: SIGTERM stops what it started
+            run.terminate()
+            out, err = run.communicate(timeout=120)
+    assert run.returncode == 2, out + err
+    assert f"port {port} is taken" in err and "pick another with --port" in err
+    assert not (tmp_path / "state").exists()     # nothing was started or made
