@@ -532,13 +532,19 @@ COMMAND_SETTINGS = {
 ON_DATA = "on-data"
 
 
+def cron_expression(schedule: str) -> str:
+    """``schedule`` as croniter reads it: croniter knows every preset of Airflow's but
+    @quarterly."""
+    schedule = schedule.strip()
+    return "0 0 1 */3 *" if schedule == "@quarterly" else schedule
+
+
 def is_cron(expression: str) -> bool:
     """Whether Airflow's cron timetables take ``expression``: a preset, or what croniter
-    parses (Airflow's own check). croniter knows every preset of Airflow's but @quarterly."""
+    parses (Airflow's own check)."""
     from croniter import croniter
 
-    expression = expression.strip()
-    return croniter.is_valid("0 0 1 */3 *" if expression == "@quarterly" else expression)
+    return croniter.is_valid(cron_expression(expression))
 
 
 # Where delta-rs can keep tables besides a local directory (its credentials and endpoint

@@ -86,6 +86,8 @@ def test_schedule_interval():
     assert model.schedule_interval("* * * * *", T0) == timedelta(minutes=1)
     assert model.schedule_interval("*/5 * * * *", T0 + timedelta(seconds=7)) == timedelta(minutes=5)
     assert model.schedule_interval("@daily", T0) == timedelta(days=1)
+    # every schedule the settings take (@quarterly is Airflow's, not croniter's; spaces are kept)
+    assert model.schedule_interval(" @quarterly ", T0) in (timedelta(days=d) for d in (90, 91, 92))
     assert model.schedule_interval("not a cron", T0) is None
     assert model.schedule_interval("on-data", T0, poll_seconds=2) == timedelta(seconds=2)  # the watcher's looks
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping
 
-from ipcount.rules.config import ON_DATA
+from ipcount.rules.config import ON_DATA, cron_expression
 from ipcount.rules.ledger import BACKFILL, COMMITTED, EPOCH_KINDS, LOST, PLANNED, kind_of, metric_totals, rows_by_epoch
 from ipcount.rules.maintenance import TableMaintenance
 
@@ -195,7 +195,7 @@ def schedule_interval(cron: str, now: datetime, poll_seconds: int = 0) -> timede
     if cron.strip() == ON_DATA:
         return timedelta(seconds=poll_seconds)
     try:
-        it = croniter(cron, now)
+        it = croniter(cron_expression(cron), now)
         first = it.get_next(datetime)
         second = it.get_next(datetime)
     except (ValueError, KeyError):
