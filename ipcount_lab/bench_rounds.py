@@ -252,12 +252,21 @@ def _stage_totals(spark: SparkSession, group: str) -> tuple[int, float]:
             round(sum(s.get("jvmGcTime", 0) for s in stages) / 1000, 3))
 
 
+def _heap_pools_peak(spark: SparkSession) -> int:
+    """The driver JVM's heap pools' peak usage since it started (bytes), from JMX."""
+    jvm = spark.sparkContext._jvm  # noqa: SLF001 - py4j has no public handle on these
+    pools = jvm.java.lang.management.ManagementFactory.getMemoryPoolMXBeans()
+    return sum(pool.getPeakUsage().getUsed() for pool in pools if pool.getType().name() == "HEAP")
+
+
 def jvm_memory(spark: SparkSession) -> dict[str, float | None]:
     """The driver's peak JVM heap (MB) and its GC time (s) so far (local mode: the driver
     is all of Spark), and the peak resident memory of this Python process, the task's part
-    (:func:`python_peak_rss_mb`)."""
+    (:func:`python_peak_rss_mb`). The heap is Spark's executor metrics' peak; a run shorter
+    than their first heartbeat (10 s) has none yet, and then the heap pools' peaks from JMX
+    stand in (each pool's own peak: their sum is at least the heap's)."""
     driver = next((e for e in _rest(spark, "executors") if e.get("id") == "driver"), {})
-    heap = (driver.get("peakMemoryMetrics") or {}).get("JVMHeapMemory")
+    heap = (driver.get("peakMemoryMetrics") or {}).get("JVMHeapMemory") or _heap_pools_peak(spark)
     return {"peak_heap_mb": None if heap is None else round(heap / 2**20, 1),
             "gc_seconds": round(driver.get("totalGCTime", 0) / 1000, 2),
             "python_peak_rss_mb": python_peak_rss_mb()}
