@@ -13,14 +13,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ipcount.jobs.crash import PLANNING, Crash, no_crash
-from ipcount.jobs.epoch import EpochRunner, aged_out
+from ipcount.jobs.epoch import EpochRunner, KafkaSource, Source, aged_out
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.coverage import next_chunk
+from ipcount.rules.coverage import chunks, next_chunk
 from ipcount.rules.errors import DataLossError
 from ipcount.rules.ledger import BACKFILL, EpochPlan, EpochSummary, LedgerState
 from ipcount.rules.offsets import OffsetRange, describe, split_at_log_start
 from ipcount.rules.requests import BackfillRequest, check_against_log
-from ipcount.storage import broker
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -68,13 +67,15 @@ class Resolved:
     latest: dict[int, int]
 
 
-def resolve(cfg: PipelineConfig, request: BackfillRequest) -> Resolved:
-    """The request as (non-empty) offset ranges of ``cfg.topic``, checked against the log."""
-    earliest, latest = broker.partition_offsets(cfg)
+def resolve(cfg: PipelineConfig, request: BackfillRequest, source: Source | None = None) -> Resolved:
+    """The request as (non-empty) offset ranges of ``cfg.topic``, checked against the log
+    (``source``; default the topic on the broker)."""
+    source = source or KafkaSource(cfg, None)
+    earliest, latest = source.partition_offsets()
     if request.by_time:
         request.check_time(int(time.time() * 1000))
-        starts = broker.offsets_for_time(cfg, request.from_ms, latest)
-        ends = broker.offsets_for_time(cfg, request.until_ms, latest)
+        starts = source.offsets_for_time(request.from_ms, latest)
+        ends = source.offsets_for_time(request.until_ms, latest)
         ranges = tuple(OffsetRange(cfg.topic, p, starts[p], max(starts[p], ends[p])) for p in sorted(latest))
     else:
         ranges = tuple(OffsetRange(cfg.topic, r.partition, r.from_offset, r.until_offset) for r in request.offsets)
@@ -82,8 +83,9 @@ def resolve(cfg: PipelineConfig, request: BackfillRequest) -> Resolved:
     return Resolved(tuple(r for r in ranges if r.size > 0), earliest, latest)
 
 
-def run_backfill(cfg: PipelineConfig, spark: SparkSession, request: BackfillRequest, run_id: str | None = None,
-                 crash: Crash = no_crash, resolved: Resolved | None = None) -> BackfillReport:
+def run_backfill(cfg: PipelineConfig, spark: SparkSession | None, request: BackfillRequest,
+                 run_id: str | None = None, crash: Crash = no_crash, resolved: Resolved | None = None,
+                 source: Source | None = None) -> BackfillReport:
     """Count what the request names and the target's ledger does not own yet, chunk by chunk.
 
     Re-running the same request (same id) after a crash finishes its unfinished chunk from
@@ -96,19 +98,23 @@ def run_backfill(cfg: PipelineConfig, spark: SparkSession, request: BackfillRequ
     (``on_data_loss = "fail"``, nothing planned) or is recorded ``lost`` with the chunk
     (``"skip"``); an unfinished chunk whose offsets aged out is settled the way the chain's
     is (:meth:`EpochRunner.settle_aged_out`), and the rest of it counted at once.
+    ``source``: the log to read (default the topic on the broker, through ``spark``).
     """
     target_cfg = cfg.for_target(request.target)
-    resolved = resolved or resolve(cfg, request)  # every check before any write
+    source = source or KafkaSource(target_cfg, spark)  # (what it reads is parsed by the target's rules)
+    resolved = resolved or resolve(cfg, request, source)  # every check before any write
     requested = resolved.ranges
     log.info("backfill %s: %s -> %s", request.request_id, request.describe(), describe(requested))
-    runner = replace(EpochRunner.open(target_cfg, spark, run_id, crash), yields_to_chain=True)
+    runner = replace(EpochRunner.open(target_cfg, spark, run_id, crash, source), yields_to_chain=True)
 
     runner.step(PLANNING)
     state = runner.state()
     resumed = []
-    for plan in state.pending_backfills:  # a crashed backfill's chunk, whichever request it was
-        resumed.extend(_finish(runner, plan))
-    if state.pending_backfills:
+    # A crashed backfill's chunks, whichever request they were, and the chunks that take over
+    # the rest of one settled here: each settle leaves fewer offsets, so this ends.
+    while state.pending_backfills:
+        for plan in state.pending_backfills:
+            resumed.extend(_finish(runner, plan))
         state = runner.state()
     skipped = tuple(o for r in requested for o in state.coverage.overlaps(r))
     if skipped:
@@ -116,7 +122,7 @@ def run_backfill(cfg: PipelineConfig, spark: SparkSession, request: BackfillRequ
 
     report = BackfillReport(request, requested, skipped, resumed=resumed)
     while True:
-        earliest, latest = broker.partition_offsets(cfg)
+        earliest, latest = source.partition_offsets()
         plan = runner.record_new_plan(lambda st: _next_chunk(cfg, st, request.request_id, requested, earliest))
         if plan is None:
             break
@@ -146,21 +152,27 @@ def _next_chunk(cfg: PipelineConfig, st: LedgerState, request_id: str, wanted: t
 
 def _finish(runner: EpochRunner, plan: EpochPlan) -> list[EpochSummary]:
     """Finish an unfinished backfill chunk: run it with its recorded ranges, or, if Kafka no
-    longer holds all of them and the policy is ``skip``, settle it and count what is left
-    of it as a new chunk of the same request."""
+    longer holds all of them and the policy is ``skip``, settle it: the rest of it becomes
+    new chunks of the same request (bounded by this run's cap) in the very commit that gives
+    it up, so no death between two commits can leave those offsets owned by no row. The
+    caller runs them as it runs every unfinished chunk."""
     cfg = runner.cfg
     log.info("finishing unfinished backfill epoch %d (%s) with its recorded ranges", plan.epoch, plan.describe())
-    earliest, latest = broker.partition_offsets(cfg)
+    earliest, latest = runner.source.partition_offsets()
     lost = aged_out(plan, earliest, latest)
     if not lost:
         return [runner.execute(plan, earliest, latest, resumed=True)]
     if cfg.on_data_loss != "skip":
         raise _deleted(lost[0], f"unfinished backfill epoch {plan.epoch} (request {plan.request_id})")
-    if runner.settle_aged_out(plan, lost):
-        return []
     rest, _ = split_at_log_start(plan.nonempty_ranges, earliest)
-    again = runner.record_new_plan(lambda st: _next_chunk(cfg, st, plan.request_id, rest, earliest))
-    return [] if again is None else [runner.execute(again, earliest, latest)]
+
+    def again(st: LedgerState) -> tuple[EpochPlan, ...]:
+        return tuple(EpochPlan(st.last_epoch + i, chunk, st.request_watermarks.get(plan.request_id), kind=BACKFILL,
+                               request_id=plan.request_id, chain_watermark_ms=st.watermark_ms,
+                               planned_at_ms=int(time.time() * 1000))
+                     for i, chunk in enumerate(chunks(rest, cfg.max_records_per_epoch), start=1))
+    runner.settle_aged_out(plan, lost, again)
+    return []
 
 
 def _deleted(r: OffsetRange, of: str) -> DataLossError:

@@ -20,13 +20,13 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 from ipcount.jobs import transform
 from ipcount.jobs.crash import PLANNING, Crash, no_crash, step_line
 from ipcount.jobs.tally import EpochTally, SparkTally
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import CommitContention, PlanConflict
+from ipcount.rules.errors import CommitContention, DataLossError, EpochFenced, PlanConflict
 from ipcount.rules.kafka_security import read_group_id, sasl_password, spark_kafka_options
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, EpochSummary, LedgerState, PartitionMetrics
 from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
@@ -44,8 +44,43 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long a backfill chunk lets an unfinished chain epoch commit first (see EpochRunner).
-CHAIN_PRIORITY_SECONDS = 30.0
+
+class Source(Protocol):
+    """Where epochs read from: the log's bounds and its records, tallied. :class:`KafkaSource`
+    in production; the model test of the ledger (tests/) gives a simulated log, so the
+    protocol runs on the very code below over every sequence of operations and faults."""
+
+    def partition_offsets(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(earliest, latest) per partition; latest is the last stable offset."""
+
+    def start_offsets(self, earliest: Mapping[int, int], latest: Mapping[int, int]) -> dict[int, int]:
+        """Where an empty ledger's chain starts (``start_position``)."""
+
+    def offsets_for_time(self, timestamp_ms: int, latest: Mapping[int, int]) -> dict[int, int]:
+        """Per partition, the first offset whose timestamp is >= ``timestamp_ms``."""
+
+    def tally(self, plan: EpochPlan) -> EpochTally | SparkTally | None:
+        """The plan's records read, parsed, classified and tallied (None: it reads nothing)."""
+
+
+@dataclass(frozen=True)
+class KafkaSource:
+    """The topic on the broker, read with Spark's Kafka source."""
+
+    cfg: PipelineConfig
+    spark: SparkSession | None
+
+    def partition_offsets(self) -> tuple[dict[int, int], dict[int, int]]:
+        return broker.partition_offsets(self.cfg)
+
+    def start_offsets(self, earliest: Mapping[int, int], latest: Mapping[int, int]) -> dict[int, int]:
+        return broker.start_offsets(self.cfg, earliest, latest)
+
+    def offsets_for_time(self, timestamp_ms: int, latest: Mapping[int, int]) -> dict[int, int]:
+        return broker.offsets_for_time(self.cfg, timestamp_ms, latest)
+
+    def tally(self, plan: EpochPlan) -> EpochTally | SparkTally | None:
+        return _read_and_tally(self.spark, self.cfg, plan)
 
 
 @dataclass(frozen=True)
@@ -54,11 +89,14 @@ class EpochRunner:
     epochs, backfill chunks and rebuilds share. ``run_id`` is recorded in the ledger;
     ``crash`` is called at each step boundary (tests kill the process there).
 
-    ``yields_to_chain``: before its sink writes, wait (at most :data:`CHAIN_PRIORITY_SECONDS`)
-    while the scheduled chain has an unfinished epoch. Every commit to the counts table makes
-    a racing one read and try again, and the chain's MERGE after another writer's commit
-    reads the whole table: a backfill committing chunk after chunk could otherwise make the
-    chain lose every try. A backfill has no deadline; the chain's epoch is due now."""
+    ``yields_to_chain`` (a backfill's chunks): before its sink writes, finish the scheduled
+    chain's unfinished epoch, if there is one, with its recorded ranges. Every commit to the
+    counts table makes a racing one read and try again, and the chain's MERGE after another
+    writer's commit reads the whole table: a backfill committing chunk after chunk could
+    otherwise make the chain lose every try. Waiting for the chain's runner would need a
+    deadline (it may have died) that a slow epoch outlasts; finishing the epoch needs none,
+    and a runner still on it loses nothing (its writes find the epoch's transactions there,
+    its ledger commit finds the epoch committed), so the chain's epoch always commits first."""
 
     cfg: PipelineConfig
     spark: SparkSession
@@ -67,17 +105,22 @@ class EpochRunner:
     run_id: str | None = None
     crash: Crash = no_crash
     yields_to_chain: bool = False
+    source: Source | None = None  # the log it reads (None: the topic, KafkaSource(cfg, spark))
+
+    def __post_init__(self) -> None:
+        if self.source is None:
+            object.__setattr__(self, "source", KafkaSource(self.cfg, self.spark))
 
     @classmethod
-    def open(cls, cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,
-             crash: Crash = no_crash) -> EpochRunner:
+    def open(cls, cfg: PipelineConfig, spark: SparkSession | None, run_id: str | None = None,
+             crash: Crash = no_crash, source: Source | None = None) -> EpochRunner:
         """The runner of ``cfg``'s tables, created if missing; refused unless ``cfg`` means
         what the tables were created to mean (:mod:`ipcount.rules.tableset`)."""
         ledger, sink = Ledger(cfg.ledger_path), Sink(cfg)
         ledger.ensure(cfg.log_retention_hours)
         sink.ensure()
         tableset_io.claim(cfg)
-        return cls(cfg, spark, ledger, sink, run_id, crash)
+        return cls(cfg, spark, ledger, sink, run_id, crash, source=source)
 
     def state(self) -> LedgerState:
         return self.ledger.state(self.cfg.topic)
@@ -86,8 +129,7 @@ class EpochRunner:
         """A step boundary: its marker in the log (:func:`ipcount.jobs.crash.step_line`), then
         the crash hook's turn."""
         log.info("%s", step_line(point, epoch))
-        if point != PLANNING:
-            self.crash(point)
+        self.crash(point)
 
     def record_new_plan(self, planner: Callable[[LedgerState], EpochPlan | None],
                         state: LedgerState | None = None, attempts: int = 8) -> EpochPlan | None:
@@ -135,12 +177,12 @@ class EpochRunner:
 
         t = time.monotonic()
         try:
-            tally = _read_and_tally(self.spark, cfg, plan)
+            tally = self.source.tally(plan)
         except Exception as read_error:
             # Retention may pass the ranges between that check and Spark's read: the read then
             # fails with a Java trace; say what happened, as the check would have.
             try:
-                offsets = broker.partition_offsets(cfg)
+                offsets = self.source.partition_offsets()
             except Exception:  # noqa: BLE001 - the broker is away too: the read's own error says more
                 raise read_error from None
             _check_still_there(cfg.topic, plan, *offsets)
@@ -173,7 +215,8 @@ class EpochRunner:
         log.info("%s", summary.line())
         return summary
 
-    def settle_aged_out(self, plan: EpochPlan, lost: tuple[OffsetRange, ...]) -> bool:
+    def settle_aged_out(self, plan: EpochPlan, lost: tuple[OffsetRange, ...],
+                        again: Callable[[LedgerState], tuple[EpochPlan, ...]] | None = None) -> bool:
         """Settle an unfinished epoch whose offsets ``lost`` (:func:`aged_out`) aged out before
         it could be resumed (``on_data_loss = "skip"``), deciding from the sink's own commits:
 
@@ -181,8 +224,9 @@ class EpochRunner:
           ledger commit is all that was missing, and is made now, with the counts version and
           watermark its counts commit recorded (the record counts unknown);
         * they are not: what it wrote to the dead-letter and late tables is deleted, its lost
-          heads are recorded as ``lost``, and the rest of its ranges is released for a new
-          plan.
+          heads are recorded as ``lost``, and the rest of its ranges is released: to the
+          plans ``again`` makes of it, in the same commit (:meth:`Ledger.release`), or to
+          the next plan.
 
         True if the epoch was committed, False if it was released.
         """
@@ -202,7 +246,7 @@ class EpochRunner:
                     "never written, so it is given up (on_data_loss=skip): those offsets are recorded as lost "
                     "and the rest of its ranges is planned again", self.cfg.topic, plan.epoch, where)
         self.sink.remove_epoch_rows(plan.epoch)
-        self.ledger.release(plan, lost)
+        self.ledger.release(plan, lost, again, self.run_id)
         return False
 
     def _write(self, plan: EpochPlan, tally: EpochTally | SparkTally, totals: PartitionMetrics,
@@ -210,7 +254,7 @@ class EpochRunner:
         """Write the epoch's rows to the sink (``totals``: its metrics over all partitions);
         the counts table's version."""
         if self.yields_to_chain:
-            self._let_the_chain_commit(plan)
+            self._finish_the_chains_epoch(plan)
         # What the chain's last counts commits left final, so the MERGE reads only what it must.
         chain = self.ledger.chain_commits(self.cfg.topic) if plan.kind == SCHEDULED else ()
         if isinstance(tally, SparkTally):
@@ -239,31 +283,32 @@ class EpochRunner:
         stages["merge"] = time.monotonic() - t - stages.get("side_tables", 0.0)
         return sink_version
 
-    def _let_the_chain_commit(self, plan: EpochPlan) -> None:
-        """Wait while the chain's unfinished epoch of now is still unfinished (bounded: its
-        runner may have died, and then it waits for the next chain run)."""
+    def _finish_the_chains_epoch(self, plan: EpochPlan) -> None:
+        """Finish the chain's unfinished epoch, if any, before ``plan``'s writes. Never settles
+        it: whether to give up offsets that aged out is the chain's own runs' decision, under
+        their policy; such an epoch is left to them, as is one another runner settles now."""
         chain = self.state().pending
         if chain is None:
             return
-        log.info("epoch %d: waiting up to %.0f s for the chain's unfinished epoch %d to commit first", plan.epoch,
-                 CHAIN_PRIORITY_SECONDS, chain.epoch)
-        deadline = time.monotonic() + CHAIN_PRIORITY_SECONDS
-        while time.monotonic() < deadline:
-            time.sleep(0.2)
-            now = self.state().pending
-            if now is None or now.epoch != chain.epoch:
-                return
-        log.info("epoch %d: the chain's epoch %d is still unfinished; going on", plan.epoch, chain.epoch)
+        log.info("epoch %d: the chain's epoch %d is unfinished; finishing it first with its recorded ranges %s",
+                 plan.epoch, chain.epoch, chain.describe())
+        earliest, latest = self.source.partition_offsets()
+        try:
+            replace(self, yields_to_chain=False).execute(chain, earliest, latest, resumed=True)
+        except (DataLossError, EpochFenced) as e:
+            log.info("epoch %d: the chain's epoch %d is left to the chain's runs: %s", plan.epoch, chain.epoch,
+                     str(e).splitlines()[0])
 
 
-def run_epoch(cfg: PipelineConfig, spark: SparkSession, run_id: str | None = None,
-              crash: Crash = no_crash) -> EpochSummary | None:
+def run_epoch(cfg: PipelineConfig, spark: SparkSession | None, run_id: str | None = None,
+              crash: Crash = no_crash, source: Source | None = None) -> EpochSummary | None:
     """Run the scheduled chain's next epoch to its ledger commit (or finish its unfinished
-    one). Returns None when there was nothing to read."""
+    one). Returns None when there was nothing to read. ``source``: the log to read (default
+    the topic on the broker, through ``spark``)."""
     started = time.monotonic()
     with one_epoch_of_tables():
-        runner = EpochRunner.open(cfg, spark, run_id, crash)
-        earliest, latest = broker.partition_offsets(cfg)
+        runner = EpochRunner.open(cfg, spark, run_id, crash, source)
+        earliest, latest = runner.source.partition_offsets()
         plan, resumed = next_chain_epoch(runner, earliest, latest)
         lost = aged_out(plan, earliest, latest) if plan is not None and resumed and cfg.on_data_loss == "skip" else ()
         if lost:
@@ -302,13 +347,13 @@ def next_chain_epoch(runner: EpochRunner, earliest: dict[int, int], latest: dict
                      st.pending.describe())
             resumed.append(st.pending.epoch)
             return st.pending
-        return _plan_next(runner.cfg, st, earliest, latest)
+        return _plan_next(runner.cfg, st, earliest, latest, runner.source)
     plan = runner.record_new_plan(planner, state)
     return plan, bool(resumed)
 
 
 def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int],
-               latest: dict[int, int]) -> EpochPlan | None:
+               latest: dict[int, int], source: Source) -> EpochPlan | None:
     """The chain's next plan, or None when a pipeline with history has nothing new.
 
     Per partition the epoch continues where the chain ended, past any offsets a backfill
@@ -319,7 +364,7 @@ def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int]
         log.info("ledger has entries: starting from its positions (start_position %r not used)", cfg.start_position)
         initial: dict[int, int] = {}
     else:
-        initial = broker.start_offsets(cfg, earliest, latest)
+        initial = source.start_offsets(earliest, latest)
         log.info("empty ledger: start_position %s resolves to %s", cfg.start_position,
                  " ".join(f"p{p}={o}" for p, o in sorted(initial.items())))
     committed, lost = state.committed, ()

@@ -106,3 +106,16 @@ def next_chunk(gaps: Iterable[OffsetRange], cap: int) -> tuple[OffsetRange, ...]
     budgets = split_cap({p: g.size for p, g in heads.items()}, cap)
     return tuple(OffsetRange(g.topic, p, g.from_offset, g.from_offset + budgets[p])
                  for p, g in sorted(heads.items()) if budgets[p] > 0)
+
+
+def chunks(gaps: Iterable[OffsetRange], cap: int) -> tuple[tuple[OffsetRange, ...], ...]:
+    """All of ``gaps`` as bounded epochs, in order: :func:`next_chunk` until nothing is left."""
+    left = [g for g in gaps if g.size > 0]
+    out = []
+    while chunk := next_chunk(left, cap):
+        out.append(chunk)
+        taken = {(c.partition, c.from_offset): c.until_offset for c in chunk}
+        left = [OffsetRange(g.topic, g.partition, taken.get((g.partition, g.from_offset), g.from_offset),
+                            g.until_offset) for g in left]
+        left = [g for g in left if g.size > 0]
+    return tuple(out)

@@ -18,13 +18,14 @@ tasks on spark-submit or Spark Connect).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.coverage import intersect
-from ipcount.rules.errors import PlanConflict
+from ipcount.rules.errors import CommitContention, PlanConflict
 from ipcount.rules.finality import ChainCommit
 from ipcount.rules.ledger import (COLUMNS, COMMITTED, LOST, METRICS, PLANNED, SCHEDULED, SUMMARY, VIEW_COLUMNS,
                                   EpochPlan, EpochSummary, LedgerState, PartitionMetrics, Row, committed_summaries,
@@ -179,24 +180,54 @@ class Ledger:
         return (bool(rows) and all(r["status"] in (PLANNED, LOST) for r in rows)
                 and ordered(plan_from_rows(rows)) == ordered(plan))
 
-    def release(self, plan: EpochPlan, lost: tuple[OffsetRange, ...]) -> None:
+    def release(self, plan: EpochPlan, lost: tuple[OffsetRange, ...],
+                again: Callable[[LedgerState], tuple[EpochPlan, ...]] | None = None,
+                run_id: str | None = None) -> bool:
         """Give up an unfinished epoch whose offsets aged out before it was run, in one
         commit: each of its partitions' lost head (``lost``, one range per partition at
         most, starting where its planned range does) becomes a ``lost`` row of the epoch,
-        and its other planned rows go, so a new plan takes those offsets. The lost rows keep
-        the epoch id taken: its transaction id may be in the sink tables' logs already."""
-        source = arrow_rows(_uncommitted_rows(plan, LOST, lost, datetime.now(timezone.utc), None))
-        mine = f"t.epoch = {int(plan.epoch)} AND t.status = '{PLANNED}'"
+        and its other planned rows go. The lost rows keep the epoch id taken: its
+        transaction id may be in the sink tables' logs already.
 
-        def merge() -> None:
-            (latest(self.path)
-             .merge(source, f'{mine} AND t.topic = s.topic AND t."partition" = s."partition"',
-                    source_alias="s", target_alias="t")
-             .when_matched_update({"status": f"'{LOST}'", "from_offset": "s.from_offset",
-                                   "until_offset": "s.until_offset"})
-             .when_not_matched_by_source_delete(mine)
-             .execute())
-        retry_on_conflict(merge, f"releasing epoch {plan.epoch} in the ledger")
+        ``again``: the plans that take over the rest of its ranges, made from the ledger's
+        state (new epoch ids), recorded in the same commit - a backfill's rest, which no
+        later plan would take if it were left to a second commit that a death can skip.
+        Without it the rest is free for a new plan (the chain's next plan starts there).
+        ``run_id``: the run that plans them.
+
+        Committed against the snapshot it was planned from or not at all; after a
+        concurrent commit it reads again. False if another run released the epoch first.
+        """
+        from deltalake import CommitProperties
+
+        mine = f"t.epoch = {int(plan.epoch)} AND t.status = '{PLANNED}'"
+        for attempt in range(1, 11):
+            snapshot = latest(self.path)
+            view = self.view(snapshot)
+            state = view.state(next(r.topic for r in (*plan.ranges, *plan.lost, *lost)))
+            if plan.epoch not in state.unfinished:
+                return False
+            now = datetime.now(timezone.utc)
+            rows = _uncommitted_rows(plan, LOST, lost, now, None)
+            for new in (again(state) if again is not None else ()):
+                rows += _uncommitted_rows(new, PLANNED, new.ranges, now, run_id)
+            source = arrow_rows(rows)
+            try:
+                (snapshot.merge(source, f'{mine} AND s.epoch = {int(plan.epoch)} AND t.topic = s.topic '
+                                        f'AND t."partition" = s."partition"', source_alias="s", target_alias="t",
+                                commit_properties=CommitProperties(max_commit_retries=0))
+                 .when_matched_update({"status": f"'{LOST}'", "from_offset": "s.from_offset",
+                                       "until_offset": "s.until_offset"})
+                 .when_not_matched_insert_all(f"s.epoch <> {int(plan.epoch)}")
+                 .when_not_matched_by_source_delete(mine)
+                 .execute())
+                return True
+            except rs_concurrent_errors() as e:
+                log.info("releasing epoch %d in the ledger: concurrent commit (%s); reading again (%d/10)",
+                         plan.epoch, type(e).__name__, attempt)
+                time.sleep(0.2 * attempt)
+        raise CommitContention(f"could not release epoch {plan.epoch} in {self.path}: other commits kept landing; "
+                               "run again")
 
     def commit(self, plan: EpochPlan, metrics: Mapping[int, PartitionMetrics] | None,
                watermark_after_ms: int | None,

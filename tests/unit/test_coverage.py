@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.rules.coverage import Coverage, intersect, merge, next_chunk, subtract
+from ipcount.rules.coverage import Coverage, chunks, intersect, merge, next_chunk, subtract
 from ipcount.rules.errors import BadRequestError
 from ipcount.rules.offsets import OffsetRange, plan_ranges
 from ipcount.rules.requests import BackfillRequest, check_against_log, check_target, parse_offsets, parse_time
@@ -70,6 +70,18 @@ def test_chunks_cover_every_gap_exactly_once():
     assert Coverage.of("t", seen).of_partition(0) == ((0, 50), (60, 100))
     assert Coverage.of("t", seen).of_partition(1) == ((10, 73),)
     assert sum(c.size for c in seen) == 90 + 63          # nothing twice
+
+
+def test_chunks_split_all_of_the_gaps_into_capped_epochs_in_order():
+    gaps = [r(0, 5, 20), r(0, 30, 33), r(1, 0, 4)]
+    out = chunks(gaps, 6)
+    assert out[0] == (r(0, 5, 10), r(1, 0, 1))  # the cap split by the first gaps' sizes
+    assert all(sum(c.size for c in chunk) <= 6 for chunk in out)
+    taken = [c for chunk in out for c in chunk]
+    assert Coverage.of("t", taken).of_partition(0) == ((5, 20), (30, 33))
+    assert Coverage.of("t", taken).of_partition(1) == ((0, 4),)
+    assert sum(c.size for c in taken) == 15 + 3 + 4  # nothing twice
+    assert chunks([], 6) == () and chunks([r(0, 3, 3)], 6) == ()
 
 
 def test_plan_ranges_skips_offsets_a_backfill_owns():
