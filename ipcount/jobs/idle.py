@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping
 
 from ipcount.rules.config import PipelineConfig
+from ipcount.rules.coverage import Coverage
 from ipcount.rules.ledger_summary import committed_chain
+from ipcount.rules.offsets import OffsetRange
 from ipcount.storage.ledger import Ledger, LedgerView
 
 
@@ -29,23 +31,32 @@ class Verdict:
 
 
 def verdict(positions: Mapping[int, int], unfinished: list[int], earliest: Mapping[int, int],
-            latest: Mapping[int, int]) -> Verdict:
-    """Whether the next scheduled epoch must run, and why (pure)."""
+            latest: Mapping[int, int], owned: Coverage | None = None) -> Verdict:
+    """Whether the next scheduled epoch must run, and why (pure). ``owned``: the offsets the
+    ledger's rows own (:attr:`ipcount.rules.ledger.LedgerState.coverage`); the planner
+    passes over those a backfill counted ahead of the chain, and so does this."""
     if unfinished:
         return Verdict(True, f"epoch {unfinished[0]} is unfinished: finishing it with its recorded ranges")
     if not positions:
         return Verdict(True, "the ledger has no committed scheduled epoch yet")
-    if set(positions) != set(latest):
+    if set(positions) - set(latest):
         return Verdict(True, f"partitions changed: the ledger has {sorted(positions)}, the topic {sorted(latest)}")
-    aged = [p for p in sorted(positions) if earliest[p] > positions[p]]
+
+    def unowned(partition: int, start: int, end: int) -> int:
+        if owned is None or start >= end:
+            return max(0, end - start)
+        return sum(g.size for g in owned.gaps(OffsetRange(owned.topic, partition, start, end)))
+    aged = [p for p in sorted(positions) if unowned(p, positions[p], earliest[p])]
     if aged:
         return Verdict(True, "offsets aged out on partition(s) " + ", ".join(
             f"{p} ([{positions[p]}, {earliest[p]}))" for p in aged))
-    new = {p: latest[p] - positions[p] for p in sorted(positions) if latest[p] > positions[p]}
+    # A partition the chain has not read yet starts at its log start (the ledger has entries).
+    at = {p: max(positions.get(p, earliest[p]), earliest[p]) for p in latest}
+    new = {p: n for p in sorted(at) if (n := unowned(p, at[p], latest[p]))}
     if new:
         return Verdict(True, f"{sum(new.values())} new offset(s): " + " ".join(f"p{p}+{n}" for p, n in new.items()))
     return Verdict(False, "nothing new: the chain is at the log end " +
-                   " ".join(f"p{p}={o}" for p, o in sorted(positions.items())))
+                   " ".join(f"p{p}={o}" for p, o in sorted(at.items())))
 
 
 def check(cfg: PipelineConfig) -> Verdict:
@@ -61,7 +72,7 @@ def check(cfg: PipelineConfig) -> Verdict:
         earliest, latest = broker.partition_offsets(cfg)
     except Exception as e:  # noqa: BLE001 - the Spark job gives the authoritative error
         return Verdict(True, f"could not check without Spark ({type(e).__name__}: {e}); running the epoch")
-    return verdict(positions, unfinished, earliest, latest)
+    return verdict(positions, unfinished, earliest, latest, view.state(cfg.topic).coverage)
 
 
 class Watch:
@@ -102,7 +113,7 @@ class Watch:
             raise
         if not positions and all(latest[p] <= earliest[p] for p in latest):
             return Verdict(False, "no epoch yet, and no record in the topic"), key
-        return verdict(positions, unfinished, earliest, latest), key
+        return verdict(positions, unfinished, earliest, latest, view.state(self.cfg.topic).coverage), key
 
     def _ledger(self) -> LedgerView:
         from ipcount.storage.delta import open_table

@@ -154,10 +154,12 @@ def chain_commits_of(summary: LedgerSummary | None, topic: str, tail: Iterable[R
 def committed_chain(summary: LedgerSummary | None, topic: str,
                     tail: Iterable[Row]) -> tuple[int, dict[int, int], list[int]]:
     """The scheduled chain's newest committed epoch (0 if none), its next offset per
-    partition from its committed rows, and its unfinished (planned) epochs: what the group
-    commit and the idle check follow."""
+    partition, and its unfinished (planned) epochs: what the group commit, the idle check and
+    the lag follow. The positions are past its committed and its lost rows, as the planner's
+    are (:func:`ipcount.rules.ledger.state_of`): offsets the chain gave up as deleted are
+    not waiting, and the planner never plans them again."""
     mine = [r for r in tail if r["topic"] == topic]
     folded = summary.folded(topic) if summary is not None else Folded()
     newest = newest_chain_epoch(mine, folded)
-    return (newest[0] if newest is not None else 0, furthest(folded.committed_until, chain_positions(mine)),
-            unfinished_chain_epochs(mine))
+    positions = furthest(folded.chain_until, chain_positions(mine, statuses=(COMMITTED, LOST)))
+    return (newest[0] if newest is not None else 0, positions, unfinished_chain_epochs(mine))
