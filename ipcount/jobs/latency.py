@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import CommitContention
 from ipcount.rules.ledger import COMMITTED, is_scheduled
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
 
 
 @dataclass(frozen=True)
@@ -83,10 +87,22 @@ def chain_epochs(ledger_rows: Iterable[Mapping], commit_ms: Mapping[int, int],
     return out[-last:] if last else out
 
 
+def commit_times(counts_path: str, first: int,
+                 load_counts: Callable[[], DeltaTable] | None = None) -> dict[int, int]:
+    """The commit time (ms) of each counts version from ``first`` to the latest, by version,
+    from one snapshot's log (:func:`~ipcount.storage.delta.commit_infos`: ``history()`` would
+    misnumber them if a commit landed meanwhile). ``load_counts`` loads the table (by
+    default from ``counts_path``)."""
+    from ipcount.storage.delta import commit_infos
+
+    infos = commit_infos(counts_path, first, load=load_counts)
+    if infos is None:
+        raise CommitContention(f"commits to {counts_path} kept landing while its log was read; run again")
+    return {v: int(h["timestamp"]) for v, h in infos.items()}
+
+
 def measure(cfg: PipelineConfig, last: int | None = None) -> LatencyReport:
     """Read the ledger, the counts table's log and the records' timestamps; the report."""
-    from deltalake import DeltaTable
-
     from ipcount.storage.broker import read_range
     from ipcount.storage.delta import read_rows
 
@@ -95,9 +111,8 @@ def measure(cfg: PipelineConfig, last: int | None = None) -> LatencyReport:
     # Only the commits of the epochs measured: on object storage each is a read.
     versions = sorted({r["sink_version"] for r in rows
                        if r["status"] == COMMITTED and is_scheduled(r) and r["sink_version"] is not None})
-    counts = DeltaTable(cfg.counts_path)
-    oldest = ((versions[-last:] if last else versions) or [counts.version()])[0]
-    commit_ms = {h["version"]: int(h["timestamp"]) for h in counts.history(counts.version() - oldest + 1)}
+    measured_versions = versions[-last:] if last else versions
+    commit_ms = commit_times(cfg.counts_path, measured_versions[0]) if measured_versions else {}
     measured = []
     for epoch, committed, ranges in chain_epochs(rows, commit_ms, last):
         stamps = tuple(rec.timestamp for p, start, until in ranges for rec in read_range(cfg, p, start, until))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ipcount.jobs.latency import EpochLatency, chain_epochs, percentile, report
+from ipcount.jobs.latency import EpochLatency, chain_epochs, commit_times, percentile, report
 
 
 def row(epoch, partition, start, until, version, status="committed", kind="scheduled"):
@@ -38,3 +38,25 @@ def test_a_record_waits_from_its_timestamp_to_its_epoch_s_counts_commit():
     assert (found.p50_seconds, found.p95_seconds, found.max_seconds) == (2.0, 4.0, 4.0)
     assert "p50 2.0 s, p95 4.0 s" in found.line()
     assert report([]).records == 0 and "no counted records" in report([]).line()
+
+
+def test_a_commit_landing_after_the_table_is_loaded_shifts_no_version_s_time(tmp_path):
+    """delta-rs's history(n) numbers down from the loaded snapshot's version but lists the
+    commits made since too: each epoch then took the next version's commit time."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    path = str(tmp_path / "counts")
+    for n in range(3):                                           # versions 0-2
+        write_deltalake(path, pa.table({"n": [n]}), mode="append")
+    loads = []
+
+    def load_then_commit():                                       # version 3 lands after the first load
+        loads.append(DeltaTable(path))
+        if len(loads) == 1:
+            write_deltalake(path, pa.table({"n": [3]}), mode="append")
+        return loads[-1]
+
+    found = commit_times(path, 1, load_counts=load_then_commit)
+    logged = {h["version"]: int(h["timestamp"]) for h in DeltaTable(path).history()}   # read with none landing
+    assert found == {v: logged[v] for v in (1, 2, 3)}
