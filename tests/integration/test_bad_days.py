@@ -268,7 +268,8 @@ def test_a_backfill_adopts_its_plan_when_the_commit_landed_but_its_answer_was_lo
 def test_a_backfill_lets_an_unfinished_chain_epoch_commit_first(cfg, spark):
     """Each counts commit sends a racing one back to read again, and the chain's MERGE after
     another writer's commit reads the whole table: a backfill that commits chunk after chunk
-    could make the chain lose every try. Its chunks wait while the chain's epoch is due."""
+    could make the chain lose every try. Its chunk's run finishes the chain's due epoch first,
+    racing the chain's own runner when it comes back: one of them commits it, once."""
     from tests.tables import counts_merges
 
     produced = produce_batch(cfg, 22, BASE_MS)
@@ -288,7 +289,8 @@ def test_a_backfill_lets_an_unfinished_chain_epoch_commit_first(cfg, spark):
     ahead = threading.Thread(target=backfill)
     ahead.start()
     threading.Event().wait(4)                                      # the backfill has read its chunk by now
-    assert run_epoch(cfg, spark).epoch == chain.epoch               # the chain's runner comes back
+    back = run_epoch(cfg, spark)                                   # the chain's runner comes back: it finishes
+    assert back is None or back.epoch == chain.epoch               # its epoch, or finds it finished
     ahead.join(300)
     assert not failed, failed
     order = [m["epoch"] for m in counts_merges(cfg)]
