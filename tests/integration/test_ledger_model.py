@@ -6,7 +6,8 @@ sequences of operations: records produced in and out of event-time order, malfor
 far-future ones, aborted transactions, retention and ``delete_records`` moving the log start,
 partitions added; the chain's epochs and backfill requests (offset and time ranges) with caps
 and data-loss policies that change from run to run; and a process death at any step marker
-(the run abandoned there, its files and plans left as they are). A simulated topic
+(the run abandoned there, its files and plans left as they are) or a commit whose answer
+was lost (it landed; the caller sees it refused). A simulated topic
 (tests/model_log.py) stands in for Kafka and Spark's read.
 
 After every step the tables are checked against a plain model of the log:
@@ -35,6 +36,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
+from contextlib import contextmanager
 from datetime import datetime, timezone
 
 import pytest
@@ -46,7 +48,7 @@ from ipcount.jobs.backfill import run_backfill
 from ipcount.jobs.epoch import run_epoch
 from ipcount.jobs.idle import verdict
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import BadRequestError, DataLossError
+from ipcount.rules.errors import BadRequestError, CommitContention, DataLossError, EpochFenced
 from ipcount.rules.ledger import COMMITTED, LOST, PLANNED, SUMMARY, is_scheduled, state_of, timestamp_ms
 from ipcount.rules.ledger_summary import committed_chain
 from ipcount.rules.offsets import OffsetRange
@@ -58,13 +60,40 @@ from tests.model_log import Record, SimulatedLog
 
 T0 = 1_780_000_000_000  # 2026-05-28: before any real planning time, so Kafka timestamps bound event times
 POINTS = ("planning", "after_plan", "after_sink", "after_ledger")
-EXAMPLES = int(os.environ.get("IPCOUNT_MODEL_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("IPCOUNT_MODEL_EXAMPLES", "45"))
 STEPS = int(os.environ.get("IPCOUNT_MODEL_STEPS", "40"))
 
 
 class ProcessDeath(BaseException):
     """The run dies here: nothing after this point of it happens (not an Exception: no
     handler of the product's may catch it, as none catches SIGKILL)."""
+
+
+@contextmanager
+def answers_lost(kind: str | None, nth: int):
+    """The ``nth`` Delta commit of ``kind`` (``write``: an append, ``merge``) lands, and its
+    caller sees it refused (an object store that stored the PUT but lost its answer)."""
+    if kind is None:
+        yield
+        return
+    import deltalake
+    from deltalake.exceptions import CommitFailedError
+    from deltalake.table import TableMerger
+
+    owner, name = {"write": (deltalake, "write_deltalake"), "merge": (TableMerger, "execute")}[kind]
+    original, calls = getattr(owner, name), Counter()
+
+    def lands_then_lost(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls[kind] += 1
+        if calls[kind] == nth:
+            raise CommitFailedError(f"simulated: {kind} {nth} landed, and its answer was lost")
+        return out
+    setattr(owner, name, lands_then_lost)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def crash_at(point: str | None, nth: int = 1):
@@ -77,6 +106,9 @@ def crash_at(point: str | None, nth: int = 1):
     return hook
 
 
+LOST_ANSWERS = st.sampled_from([None, None, None, None, "write", "merge"])
+# How a run may fail when a commit's answer was lost: it says so, and the next run goes on.
+RUN_FAILURES = (CommitContention, EpochFenced)
 RECORD_KINDS = st.sampled_from(["ok", "ok", "ok", "ok", "disordered", "late", "malformed", "ahead"])
 
 
@@ -131,11 +163,12 @@ class LedgerModel(RuleBasedStateMachine):
         return self.cfg.replace(max_records_per_epoch=cap, on_data_loss=policy)
 
     @rule(cap=st.sampled_from([2, 5, 10, 1000]), policy=st.sampled_from(["fail", "skip"]),
-          crash=st.sampled_from([None, None, *POINTS]))
-    def chain_epoch(self, cap, policy, crash):
+          crash=st.sampled_from([None, None, *POINTS]), lost=LOST_ANSWERS, nth=st.integers(1, 3))
+    def chain_epoch(self, cap, policy, crash, lost, nth):
         try:
-            run_epoch(self._cfg(cap, policy), None, crash=crash_at(crash), source=self.log)
-        except ProcessDeath:
+            with answers_lost(lost, nth):
+                run_epoch(self._cfg(cap, policy), None, crash=crash_at(crash), source=self.log)
+        except (ProcessDeath, *RUN_FAILURES):
             return
         except DataLossError:
             assert policy == "fail", "skip records what aged out instead of failing"
@@ -144,25 +177,25 @@ class LedgerModel(RuleBasedStateMachine):
 
     @rule(partition=st.integers(0, 7), a=st.floats(0, 1), b=st.floats(0, 1), cap=st.sampled_from([2, 5, 10, 1000]),
           policy=st.sampled_from(["fail", "skip"]), crash=st.sampled_from([None, None, *POINTS]),
-          nth=st.integers(1, 3))
-    def backfill_offsets(self, partition, a, b, cap, policy, crash, nth):
+          nth=st.integers(1, 3), lost=LOST_ANSWERS)
+    def backfill_offsets(self, partition, a, b, cap, policy, crash, nth, lost):
         p = partition % len(self.log.entries)
         start, end = self.log.start[p], len(self.log.entries[p])
         lo, hi = sorted((start + int(a * (end - start)), start + int(b * (end - start))))
         if hi <= lo:
             return
-        self._backfill(f"offsets:{p}:{lo}-{hi}", {"offsets": f"{p}:{lo}-{hi}"}, cap, policy, crash, nth)
+        self._backfill({"offsets": f"{p}:{lo}-{hi}"}, cap, policy, crash, nth, lost)
 
     @rule(a=st.integers(-20_000, 0), length=st.integers(1, 20_000), cap=st.sampled_from([2, 5, 10, 1000]),
           policy=st.sampled_from(["fail", "skip"]), crash=st.sampled_from([None, None, *POINTS]),
-          nth=st.integers(1, 3))
-    def backfill_time(self, a, length, cap, policy, crash, nth):
+          nth=st.integers(1, 3), lost=LOST_ANSWERS)
+    def backfill_time(self, a, length, cap, policy, crash, nth, lost):
         def iso(ms: int) -> str:
             return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat()
         start = self.clock + a
-        self._backfill("time", {"from_time": iso(start), "until_time": iso(start + length)}, cap, policy, crash, nth)
+        self._backfill({"from_time": iso(start), "until_time": iso(start + length)}, cap, policy, crash, nth, lost)
 
-    def _backfill(self, what: str, fields: dict, cap: int, policy: str, crash: str | None, nth: int) -> None:
+    def _backfill(self, fields: dict, cap: int, policy: str, crash: str | None, nth: int, lost: str | None) -> None:
         from ipcount.jobs.backfill import resolve
         from ipcount.rules.requests import request_from_fields
 
@@ -174,8 +207,9 @@ class LedgerModel(RuleBasedStateMachine):
         except BadRequestError:
             return  # refused before anything was written
         try:
-            run_backfill(cfg, None, request, crash=crash_at(crash, nth), resolved=resolved, source=self.log)
-        except ProcessDeath:
+            with answers_lost(lost, nth):
+                run_backfill(cfg, None, request, crash=crash_at(crash, nth), resolved=resolved, source=self.log)
+        except (ProcessDeath, *RUN_FAILURES):
             return
         except DataLossError:
             assert policy == "fail", "skip records what aged out instead of failing"
