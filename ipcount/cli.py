@@ -117,6 +117,15 @@ def main(argv: Sequence[str] | None = None,
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        from ipcount.storage.spark import connect_lost
+
+        if not connect_lost(e):
+            raise
+        log.error("%s %s: the Spark Connect server went away under it (%s). Nothing written is lost: an epoch it "
+                  "left unfinished keeps its recorded ranges, and the next run finishes it", prog, args.command,
+                  " ".join(str(e).split())[:160])
+        return EXIT_FAILED
 
 
 def run_in_session(args: Sequence[str], spark=None) -> None:

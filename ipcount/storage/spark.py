@@ -214,6 +214,13 @@ def _ended(error: Exception) -> bool:
     return "INVALID_HANDLE.SESSION_CLOSED" in str(error) or "INVALID_HANDLE.SESSION_CHANGED" in str(error)
 
 
+def connect_lost(error: BaseException) -> bool:
+    """Whether ``error`` says this process's Spark Connect session went away under it: the
+    server stopped or restarted mid-command (its client retries, then finds the session gone
+    or is left with none: ``NO_ACTIVE_SESSION``)."""
+    return isinstance(error, Exception) and (_ended(error) or "NO_ACTIVE_SESSION" in str(error))
+
+
 def _drop(spark: SparkSession) -> None:
     """Let go of a session the server no longer has (no release request: it is closed already)."""
     spark.release_session_on_close = False

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 
-from ipcount.rules.errors import EXIT_USAGE
+from ipcount.rules.errors import EXIT_FAILED, EXIT_USAGE
 from ipcount.rules.private_files import write_private_file
 from ipcount_lab.generator import TrafficGenerator, produce
 from ipcount_lab.service import listening
@@ -42,6 +42,38 @@ def test_epochs_on_a_connect_server_count_exactly_and_survive_a_crash(cfg, conne
     want = expected_tables(produced, epoch_ranges(cfg))
     assert counts(cfg) == want.counts and sum(want.counts.values()) > 900
     assert dead_letters(cfg) == want.dead and late_records(cfg) == want.late
+
+
+def test_a_server_gone_mid_epoch_is_one_line_and_the_next_run_finishes_the_epoch(cfg, connect):
+    """Review finding 5 of issue 59: a Connect server that died (and came back) under an
+    epoch's read ended the command with pyspark's raw NO_ACTIVE_SESSION traceback."""
+    cfg = cfg.replace(**connect.settings())
+    gen = TrafficGenerator(seed=73, events_per_second=80, late_share=0.0, malformed_share=0.0)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(600, BASE_MS), partition_of=lambda i, r: i % 3)
+    epoch = subprocess.Popen([sys.executable, "-m", "ipcount.cli", "epoch", *cfg.to_args()], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    log = []
+    try:
+        for line in epoch.stderr:  # stopped at its first step past the plan: the read comes next
+            log.append(line)
+            if "ipcount-step after_plan" in line:
+                os.kill(epoch.pid, signal.SIGSTOP)
+                break
+        assert epoch.poll() is None, "".join(log)[-3000:]
+        connect.kill()
+        connect.start()
+    finally:
+        os.kill(epoch.pid, signal.SIGCONT)
+    out, err = epoch.communicate(timeout=900)
+    err = "".join(log) + err
+    assert epoch.returncode == EXIT_FAILED, err[-3000:]
+    assert "the Spark Connect server went away under it" in err and "the next run finishes it" in err, err[-3000:]
+    assert "Traceback" not in err
+    assert {r["status"] for r in ledger(cfg)} == {"planned"}
+    done = ipcount(cfg, "epoch", "--epochs", "5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = expected_tables(produced, epoch_ranges(cfg))
+    assert counts(cfg) == want.counts and sum(want.counts.values()) == 600
 
 
 def test_a_server_that_is_not_there_or_refuses_the_token_is_a_clear_error(cfg, connect, tmp_path):
