@@ -143,7 +143,9 @@ def test_backfill_history_after_starting_at_latest_then_rebuild_and_verify(cfg, 
 
 def test_backfill_by_time_into_a_replay_table(cfg, spark):
     hour = 3_600_000
-    t0 = BASE_MS - 24 * hour                            # yesterday, as Kafka record timestamps
+    # Yesterday, as Kafka record timestamps: relative to now, since the broker deletes records
+    # older than its retention (7 days) by their timestamps, possibly in the middle of the test.
+    t0 = (int(time.time() * 1000) // hour - 24) * hour
     # [t0, t0+150s), then an hour later; event times a little before their Kafka timestamps
     first = produce_dataset(cfg, 150, seed=31, base_ms=t0, kafka_ts=lambda i, r: t0 + i * 1000)
     second = produce_dataset(cfg, 150, seed=32, base_ms=t0 + hour, kafka_ts=lambda i, r: t0 + hour + i * 1000)
