@@ -19,7 +19,7 @@ from typing import Any, Hashable, Mapping
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.coverage import Coverage
-from ipcount.rules.ledger_summary import committed_chain
+from ipcount.rules.ledger import LedgerState
 from ipcount.rules.offsets import OffsetRange
 from ipcount.storage.ledger import Ledger, LedgerView
 
@@ -65,14 +65,19 @@ def check(cfg: PipelineConfig) -> Verdict:
     try:
         from ipcount.storage import broker
 
-        view = Ledger(cfg.ledger_path).view()
-        _, positions, unfinished = committed_chain(view.summary, cfg.topic, view.tail)
+        state = Ledger(cfg.ledger_path).state(cfg.topic)
+        positions, unfinished = state.committed, _unfinished(state)
         if unfinished or not positions:
             return verdict(positions, unfinished, {}, {})
         earliest, latest = broker.partition_offsets(cfg)
     except Exception as e:  # noqa: BLE001 - the Spark job gives the authoritative error
         return Verdict(True, f"could not check without Spark ({type(e).__name__}: {e}); running the epoch")
-    return verdict(positions, unfinished, earliest, latest, view.state(cfg.topic).coverage)
+    return verdict(positions, unfinished, earliest, latest, state.coverage)
+
+
+def _unfinished(state: LedgerState) -> list[int]:
+    """The scheduled chain's planned (not yet committed) epochs, lowest first."""
+    return [p.epoch for p in state.pending_chain]
 
 
 class Watch:
@@ -101,8 +106,8 @@ class Watch:
         from them (the run that planned it is on it, or a retry finishes it). Raises when the
         ledger or the broker cannot be read: a failed look is no reason for a run."""
         try:
-            view = self._ledger()
-            _, positions, unfinished = committed_chain(view.summary, self.cfg.topic, view.tail)
+            state = self._ledger().state(self.cfg.topic)
+            positions, unfinished = state.committed, _unfinished(state)
             key = tuple(sorted(positions.items()))
             if unfinished:
                 return verdict(positions, unfinished, {}, {}), key
@@ -113,7 +118,7 @@ class Watch:
             raise
         if not positions and all(latest[p] <= earliest[p] for p in latest):
             return Verdict(False, "no epoch yet, and no record in the topic"), key
-        return verdict(positions, unfinished, earliest, latest, view.state(self.cfg.topic).coverage), key
+        return verdict(positions, unfinished, earliest, latest, state.coverage), key
 
     def _ledger(self) -> LedgerView:
         from ipcount.storage.delta import open_table

@@ -254,6 +254,15 @@ def furthest(*positions: Mapping[int, int]) -> dict[int, int]:
     return out
 
 
+def chain_passed(rows: Iterable[Row], folded: Folded = Folded()) -> dict[int, int]:
+    """partition -> the scheduled chain's next offset, past its committed and its lost rows
+    (one topic's ``rows`` and what a summary ``folded`` of it). The chain goes on after its
+    lost rows too: a chain that gave up its first epochs (their offsets aged out) has no
+    committed row, and resolving its start position again would leave the offsets deleted
+    since then owned by no row, neither counted nor lost."""
+    return furthest(folded.chain_until, chain_positions(rows, statuses=(COMMITTED, LOST)))
+
+
 def state_of(topic: str, rows: Iterable[Row], folded: Folded = Folded(), last_epoch: int = 0) -> LedgerState:
     """:class:`LedgerState` of ``topic`` from the ledger's rows (of all topics: epoch ids
     are unique across them), or from a summary's ``folded`` facts and ``last_epoch`` and the
@@ -273,11 +282,8 @@ def state_of(topic: str, rows: Iterable[Row], folded: Folded = Folded(), last_ep
                                      for a, b in spans),
                                    *(OffsetRange(topic, r["partition"], r["from_offset"], r["until_offset"])
                                      for r in mine)])
-    # The chain goes on after its lost rows too: a chain that gave up its first epochs (their
-    # offsets aged out) has no committed row, and resolving its start position again would
-    # leave the offsets deleted since then owned by no row, neither counted nor lost.
-    positions = furthest(folded.chain_until, chain_positions(mine, statuses=(COMMITTED, LOST)))
-    return LedgerState(last_epoch=max([last_epoch, *(r["epoch"] for r in rows)]), committed=positions,
+    return LedgerState(last_epoch=max([last_epoch, *(r["epoch"] for r in rows)]),
+                       committed=chain_passed(mine, folded),
                        watermark_ms=chain_last[1] if chain_last is not None else None,
                        pending_chain=tuple(chain_plans),
                        pending_backfills=tuple(p for p in plans if p.kind == BACKFILL),

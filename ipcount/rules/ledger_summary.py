@@ -20,8 +20,8 @@ from typing import Iterable, Mapping
 
 from ipcount.rules.coverage import merge
 from ipcount.rules.finality import ChainCommit, chain_commits
-from ipcount.rules.ledger import (COMMITTED, LOST, PLANNED, Folded, LedgerState, Row, chain_positions, furthest,
-                                  lane_watermarks, newest_chain_epoch, rows_by_epoch, state_of,
+from ipcount.rules.ledger import (COMMITTED, LOST, PLANNED, Folded, LedgerState, Row, chain_passed, chain_positions,
+                                  furthest, lane_watermarks, newest_chain_epoch, rows_by_epoch, state_of,
                                   unfinished_chain_epochs)
 
 FORMAT = 1
@@ -155,11 +155,9 @@ def committed_chain(summary: LedgerSummary | None, topic: str,
                     tail: Iterable[Row]) -> tuple[int, dict[int, int], list[int]]:
     """The scheduled chain's newest committed epoch (0 if none), its next offset per
     partition, and its unfinished (planned) epochs: what the group commit, the idle check and
-    the lag follow. The positions are past its committed and its lost rows, as the planner's
-    are (:func:`ipcount.rules.ledger.state_of`): offsets the chain gave up as deleted are
-    not waiting, and the planner never plans them again."""
+    the lag follow. The positions are the planner's (:func:`ipcount.rules.ledger.chain_passed`):
+    offsets the chain gave up as deleted are not waiting, and it never plans them again."""
     mine = [r for r in tail if r["topic"] == topic]
     folded = summary.folded(topic) if summary is not None else Folded()
     newest = newest_chain_epoch(mine, folded)
-    positions = furthest(folded.chain_until, chain_positions(mine, statuses=(COMMITTED, LOST)))
-    return (newest[0] if newest is not None else 0, positions, unfinished_chain_epochs(mine))
+    return (newest[0] if newest is not None else 0, chain_passed(mine, folded), unfinished_chain_epochs(mine))
