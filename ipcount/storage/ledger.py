@@ -18,7 +18,6 @@ tasks on spark-submit or Spark Connect).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -201,33 +200,30 @@ class Ledger:
         from deltalake import CommitProperties
 
         mine = f"t.epoch = {int(plan.epoch)} AND t.status = '{PLANNED}'"
-        for attempt in range(1, 11):
+
+        def merge() -> bool:
             snapshot = latest(self.path)
-            view = self.view(snapshot)
-            state = view.state(next(r.topic for r in (*plan.ranges, *plan.lost, *lost)))
+            state = self.view(snapshot).state(next(r.topic for r in (*plan.ranges, *plan.lost, *lost)))
             if plan.epoch not in state.unfinished:
                 return False
             now = datetime.now(timezone.utc)
             rows = _uncommitted_rows(plan, LOST, lost, now, None)
             for new in (again(state) if again is not None else ()):
                 rows += _uncommitted_rows(new, PLANNED, new.ranges, now, run_id)
-            source = arrow_rows(rows)
-            try:
-                (snapshot.merge(source, f'{mine} AND s.epoch = {int(plan.epoch)} AND t.topic = s.topic '
-                                        f'AND t."partition" = s."partition"', source_alias="s", target_alias="t",
-                                commit_properties=CommitProperties(max_commit_retries=0))
-                 .when_matched_update({"status": f"'{LOST}'", "from_offset": "s.from_offset",
-                                       "until_offset": "s.until_offset"})
-                 .when_not_matched_insert_all(f"s.epoch <> {int(plan.epoch)}")
-                 .when_not_matched_by_source_delete(mine)
-                 .execute())
-                return True
-            except rs_concurrent_errors() as e:
-                log.info("releasing epoch %d in the ledger: concurrent commit (%s); reading again (%d/10)",
-                         plan.epoch, type(e).__name__, attempt)
-                time.sleep(0.2 * attempt)
-        raise CommitContention(f"could not release epoch {plan.epoch} in {self.path}: other commits kept landing; "
-                               "run again")
+            (snapshot.merge(arrow_rows(rows), f'{mine} AND s.epoch = {int(plan.epoch)} AND t.topic = s.topic '
+                                              f'AND t."partition" = s."partition"', source_alias="s",
+                            target_alias="t", commit_properties=CommitProperties(max_commit_retries=0))
+             .when_matched_update({"status": f"'{LOST}'", "from_offset": "s.from_offset",
+                                   "until_offset": "s.until_offset"})
+             .when_not_matched_insert_all(f"s.epoch <> {int(plan.epoch)}")
+             .when_not_matched_by_source_delete(mine)
+             .execute())
+            return True
+        try:
+            return retry_on_conflict(merge, f"releasing epoch {plan.epoch} in the ledger")
+        except rs_concurrent_errors() as e:
+            raise CommitContention(f"could not release epoch {plan.epoch} in {self.path}: other commits kept "
+                                   "landing; run again") from e
 
     def commit(self, plan: EpochPlan, metrics: Mapping[int, PartitionMetrics] | None,
                watermark_after_ms: int | None,
