@@ -48,6 +48,7 @@ from ipcount.jobs.backfill import run_backfill
 from ipcount.jobs.epoch import run_epoch
 from ipcount.jobs.idle import verdict
 from ipcount.rules.config import PipelineConfig
+from ipcount.rules.coverage import merge
 from ipcount.rules.errors import BadRequestError, CommitContention, DataLossError, EpochFenced
 from ipcount.rules.ledger import COMMITTED, LOST, PLANNED, SUMMARY, is_scheduled, state_of, timestamp_ms
 from ipcount.rules.ledger_summary import committed_chain
@@ -57,6 +58,7 @@ from ipcount.storage.delta import open_table, read_rows
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.sink import FENCED, Sink
 from tests.model_log import Record, SimulatedLog
+from tests.tables import owned_offsets
 
 T0 = 1_780_000_000_000  # 2026-05-28: before any real planning time, so Kafka timestamps bound event times
 POINTS = ("planning", "after_plan", "after_sink", "after_ledger")
@@ -348,10 +350,11 @@ class LedgerModel(RuleBasedStateMachine):
         self.backfill_ran = False
 
     def _check_idle_agrees(self, rows, earliest, latest) -> None:
-        # From every row, as from a summary and its tail (tests/unit/test_ledger_summary.py).
-        _, positions, unfinished = committed_chain(None, self.cfg.topic, rows)
+        # From every row, as from a summary and its tail (tests/unit/test_ledger_summary.py),
+        # the state idle.check reads.
         state = state_of(self.cfg.topic, rows)
-        said = verdict(positions, unfinished, earliest, latest, state.coverage)
+        unfinished = [p.epoch for p in state.pending_chain]
+        said = verdict(state.committed, unfinished, earliest, latest, state.coverage)
         if unfinished:
             assert said.run
             return
@@ -391,14 +394,6 @@ test_ledger_model = pytest.mark.timeout(max(900, EXAMPLES * STEPS))(LedgerModel.
 
 # -- regressions: sequences the model (or a review) found, kept as named examples ------------
 
-def _owned(cfg: PipelineConfig) -> dict[int, set[int]]:
-    owned: dict[int, set[int]] = {}
-    for r in read_rows(cfg.ledger_path):
-        if r["status"] != SUMMARY:
-            owned.setdefault(r["partition"], set()).update(range(r["from_offset"], r["until_offset"]))
-    return owned
-
-
 def _aged_out_backfill_chunk(tmp_path) -> tuple[PipelineConfig, SimulatedLog]:
     """A backfill of 0:0-20 killed after planning its one chunk; then retention deletes
     offsets 0-4 of partition 0."""
@@ -423,7 +418,7 @@ def test_settling_an_aged_out_chunk_with_a_smaller_cap_keeps_all_its_rest_owned(
     cfg, log = _aged_out_backfill_chunk(tmp_path)
     run_backfill(cfg.replace(max_records_per_epoch=4), None, request_from_fields({"offsets": "1:0-1"}, cfg.topic),
                  source=log)
-    assert _owned(cfg)[0] == set(range(20))
+    assert merge(owned_offsets(cfg)[0]) == ((0, 20),)
     assert not Ledger(cfg.ledger_path).state(cfg.topic).unfinished
 
 
@@ -447,7 +442,7 @@ def test_a_death_right_after_the_settle_leaves_the_rest_owned(tmp_path, monkeypa
     monkeypatch.setattr(Ledger, "record_plan", dies_after_a_release)
     with pytest.raises(ProcessDeath):
         run_backfill(cfg, None, request_from_fields({"offsets": "1:0-1"}, cfg.topic), source=log)
-    assert _owned(cfg)[0] == set(range(20))
+    assert merge(owned_offsets(cfg)[0]) == ((0, 20),)
 
 
 def test_after_a_settle_under_skip_an_idle_topic_is_idle(tmp_path):
