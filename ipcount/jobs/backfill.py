@@ -20,6 +20,7 @@ from ipcount.rules.errors import DataLossError
 from ipcount.rules.ledger import BACKFILL, EpochPlan, EpochSummary, LedgerState
 from ipcount.rules.offsets import OffsetRange, describe, split_at_log_start
 from ipcount.rules.requests import BackfillRequest, check_against_log
+from ipcount.storage.delta import one_epoch_of_tables
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -103,6 +104,13 @@ def run_backfill(cfg: PipelineConfig, spark: SparkSession | None, request: Backf
     target_cfg = cfg.for_target(request.target)
     source = source or KafkaSource(target_cfg, spark)  # (what it reads is parsed by the target's rules)
     resolved = resolved or resolve(cfg, request, source)  # every check before any write
+    with one_epoch_of_tables():  # (each table loaded once for all the chunks)
+        return _run_chunks(cfg, target_cfg, spark, request, resolved, run_id, crash, source)
+
+
+def _run_chunks(cfg: PipelineConfig, target_cfg: PipelineConfig, spark: SparkSession | None,
+                request: BackfillRequest, resolved: Resolved, run_id: str | None, crash: Crash,
+                source: Source) -> BackfillReport:
     requested = resolved.ranges
     log.info("backfill %s: %s -> %s", request.request_id, request.describe(), describe(requested))
     runner = replace(EpochRunner.open(target_cfg, spark, run_id, crash, source), yields_to_chain=True)
