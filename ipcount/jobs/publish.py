@@ -30,10 +30,10 @@ from ipcount.rules.ledger import BACKFILL as BACKFILL_EPOCH
 from ipcount.rules.ledger import SUMMARY
 from ipcount.rules.maintenance import EXPIRED_LOG_CLEANUP, log_cleanup_due
 from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, DELETE, INSERT, LIVE, PUBLISHED_COLUMNS, SNAPSHOT,
-                                   Cursor, changed_rows, check_never_published, epoch_of_commit, has_change_feed,
+                                   Cursor, changed_rows, epoch_of_commit, has_change_feed,
                                    sink_records, snapshot_rows)
 from ipcount.storage.delta import commit_infos, has_table, read_rows, table_metadata
-from ipcount.storage.publisher import Publisher, create_sink_topic, log_starts, publisher_id
+from ipcount.storage.publisher import KafkaSinkTopic, Publisher, SinkTopic
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -52,11 +52,13 @@ class PublishReport:
         return sum(n for _, _, n in self.published)
 
 
-def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool = False) -> PublishReport:
+def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool = False,
+                    topic: SinkTopic | None = None) -> PublishReport:
     """Publish every committed counts version the cursor has not passed yet. ``resync``: send
     the table whole and go on from it (after a rebuild was swapped in, or when the cursor is
     gone and the table's early versions are no longer in its log, or the sink topic lost the
-    records that would say how far publishing got)."""
+    records that would say how far publishing got). ``topic``: where to (default
+    ``publish_topic`` on the broker)."""
     from deltalake import DeltaTable
 
     path = cfg.counts_path
@@ -64,11 +66,12 @@ def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool =
     if not has_change_feed(properties):
         raise ConfigError(f"the counts table {path} has no change data feed ({CHANGE_DATA_FEED}); it is turned on "
                           "by the next epoch run with publish = true")
-    create_sink_topic(cfg, cfg.publish_topic)   # (or refuses one that retention empties)
+    topic = topic or KafkaSinkTopic(cfg, cfg.publish_topic)
+    topic.create()   # (or refuses one that retention empties)
     report = PublishReport()
     publisher = None
     try:
-        publisher = Publisher(cfg, cfg.publish_topic)  # fences any publisher before it
+        publisher = topic.publisher()  # fences any publisher before it
         cursor = publisher.cursor()
         table = DeltaTable(path)
         latest = table.version()
@@ -78,7 +81,7 @@ def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool =
                             cursor.next_version, cursor.table_id, table_id)
             cursor = None
         elif cursor is None:
-            check_never_published(cfg.publish_topic, publisher_id(cfg), log_starts(cfg, cfg.publish_topic))
+            topic.check_never_published()
             if _feed_since_creation(path):
                 cursor = Cursor(table_id, 0)   # every version has its changes: publish them all
         if cursor is None:

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ipcount.jobs.crash import PLANNING, Crash, no_crash
-from ipcount.jobs.epoch import EpochRunner
+from ipcount.jobs.epoch import EpochRunner, KafkaSource, Source
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import BadRequestError, DataLossError
 from ipcount.rules.ledger import COMMITTED
 from ipcount.rules.offsets import check_partitions_exist, check_readable
 from ipcount.rules.requests import MAIN_TARGET, check_target
 from ipcount.rules.tableset import recorded_settings
-from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import has_table, table_metadata
 from ipcount.storage.ledger import Ledger
@@ -51,13 +50,14 @@ class RebuildReport:
         return text
 
 
-def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = MAIN_TARGET,
-            run_id: str | None = None, crash: Crash = no_crash) -> RebuildReport:
+def rebuild(cfg: PipelineConfig, spark: SparkSession | None, into: str, source: str = MAIN_TARGET,
+            run_id: str | None = None, crash: Crash = no_crash, topic: Source | None = None) -> RebuildReport:
     """Replay every committed epoch of ``source``'s ledger into the replay target ``into``:
     same ranges, watermarks, kinds and epoch ids, in the order their counts were committed,
     so the rebuilt tables equal the source's row for row. Resumable: epochs the target
     already committed are skipped, its unfinished one is finished. Refused unless ``into``
-    is fresh or this source's earlier rebuild."""
+    is fresh or this source's earlier rebuild. ``topic``: the log to read (default the
+    topic on the broker, through ``spark``)."""
     if check_target(into) == MAIN_TARGET or into == check_target(source):
         raise BadRequestError(f"rebuild needs a fresh replay target to write into, not {into!r} (rebuild into a "
                               "new name, verify it, then swap it in; see the README)")
@@ -68,7 +68,8 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
     dst_cfg = cfg.for_target(into).replace(**recorded_settings(tableset_io.recorded(src_cfg)))
     src = Ledger(src_cfg.ledger_path)
     epochs = src.epochs(cfg.topic)
-    earliest, latest = broker.partition_offsets(cfg)
+    topic = topic or KafkaSource(dst_cfg, spark)
+    earliest, latest = topic.partition_offsets()
     for plan, _ in epochs:  # everything must still be in Kafka: fail before writing anything
         for r in plan.nonempty_ranges:
             try:
@@ -82,7 +83,7 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession, into: str, source: str = M
     Ledger(dst_cfg.ledger_path).ensure(dst_cfg.log_retention_hours)
     Sink(dst_cfg).ensure()
     tableset_io.claim(dst_cfg, rebuild_of=table_metadata(src_cfg.ledger_path)[0])
-    runner = EpochRunner.open(dst_cfg, spark, run_id, crash)
+    runner = EpochRunner.open(dst_cfg, spark, run_id, crash, topic)
     done = {p.epoch for p, _ in runner.ledger.epochs(cfg.topic, (COMMITTED,))}
     runner.step(PLANNING)
     pending = set(runner.state().unfinished)

@@ -13,7 +13,8 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType
@@ -22,7 +23,8 @@ from kafka.structs import OffsetAndMetadata
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import BrokerUnavailableError, PublisherFenced
-from ipcount.rules.publish import SINK_CLEANUP_POLICY, Cursor, SinkRecord, check_sink_policy, cursor_after
+from ipcount.rules.publish import (SINK_CLEANUP_POLICY, Cursor, SinkRecord, check_never_published, check_sink_policy,
+                                   cursor_after)
 from ipcount.storage.broker import admin_client, client_options
 
 log = logging.getLogger(__name__)
@@ -165,6 +167,35 @@ def read_range(consumer: KafkaConsumer, tp: TopicPartition, start: int, end: int
         for batch in consumer.poll(timeout_ms=500).values():
             records += [r for r in batch if r.offset < end]
     return records
+
+
+class SinkTopic(Protocol):
+    """Where counts are published, as :func:`ipcount.jobs.publish.publish_pending` sees it
+    (:class:`KafkaSinkTopic` in production; a simulated one in the model test)."""
+
+    def create(self) -> None:
+        """The topic, created if missing (or refused, ConfigError)."""
+
+    def check_never_published(self) -> None:
+        """For a publisher without a cursor: ConfigError if records were deleted from the topic."""
+
+    def publisher(self) -> Publisher:
+        """The one live publisher (fencing the ones before)."""
+
+
+@dataclass(frozen=True)
+class KafkaSinkTopic:
+    cfg: PipelineConfig
+    topic: str
+
+    def create(self) -> None:
+        create_sink_topic(self.cfg, self.topic)
+
+    def check_never_published(self) -> None:
+        check_never_published(self.topic, publisher_id(self.cfg), log_starts(self.cfg, self.topic))
+
+    def publisher(self) -> Publisher:
+        return Publisher(self.cfg, self.topic)
 
 
 class Publisher:
