@@ -23,14 +23,12 @@ def freshness_breaches(cfg: PipelineConfig) -> list[str]:
     all is well), from the ledger and the broker's read_committed log ends as the monitor
     reads them (delta-rs and kafka-python: no JVM)."""
     from ipcount.orchestration.monitor.data import PipelineTables
-    from ipcount.orchestration.monitor.model import partition_lag
     from ipcount.storage import broker
     from ipcount.storage.delta import DeltaReader
 
     tables = PipelineTables(cfg, DeltaReader())
-    chain = tables.chain_positions()
     earliest, latest = broker.partition_offsets(cfg)
-    lag = {p: partition_lag(end, chain.get(p), earliest[p]) for p, end in latest.items()}
+    lag = tables.chain_lag(earliest, latest)
     last = tables.last_committed()
     age = None if last is None else (datetime.now(timezone.utc) - last[1]).total_seconds()
     return breaches(lag, age, cfg.alert_lag_records, cfg.alert_stale_seconds)

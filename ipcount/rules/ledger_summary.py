@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from ipcount.rules.coverage import merge
+from ipcount.rules.coverage import merge, subtract
 from ipcount.rules.finality import ChainCommit, chain_commits
 from ipcount.rules.ledger import (COMMITTED, LOST, PLANNED, Folded, LedgerState, Row, chain_passed, chain_positions,
                                   furthest, lane_watermarks, newest_chain_epoch, rows_by_epoch, state_of,
@@ -149,6 +149,26 @@ def chain_commits_of(summary: LedgerSummary | None, topic: str, tail: Iterable[R
     mine = [r for r in tail if r["topic"] == topic]
     folded = summary.folded(topic) if summary is not None else Folded()
     return _newest_two([ChainCommit(v, w) for v, w in folded.chain_commits], chain_commits(mine))
+
+
+def chain_lag(summary: LedgerSummary | None, topic: str, tail: Iterable[Row], log_start: Mapping[int, int],
+              log_end: Mapping[int, int]) -> dict[int, int]:
+    """Per partition of ``log_end``, the offsets from the chain's position (or the log start,
+    while it has none) to the log end that no committed or lost row owns: what is not
+    counted yet. A backfill's committed chunk ahead of the chain is counted (the chain's
+    next plan passes it), an unfinished epoch's offsets are not."""
+    mine = [r for r in tail if r["topic"] == topic]
+    folded = summary.folded(topic) if summary is not None else Folded()
+    position = chain_passed(mine, folded)
+    done: dict[int, list[tuple[int, int]]] = {p: list(spans) for p, spans in folded.owned.items()}
+    for r in mine:
+        if r["status"] in (COMMITTED, LOST):
+            done.setdefault(r["partition"], []).append((r["from_offset"], r["until_offset"]))
+    out = {}
+    for p, end in log_end.items():
+        start = position.get(p, log_start.get(p, 0))
+        out[p] = sum(b - a for a, b in subtract((start, end), merge(done.get(p, ())))) if end > start else 0
+    return out
 
 
 def committed_chain(summary: LedgerSummary | None, topic: str,

@@ -6,8 +6,8 @@ import random
 from ipcount.rules.finality import chain_commits
 from ipcount.rules.ledger import (BACKFILL, COMMITTED, LOST, PLANNED, SCHEDULED, chain_positions, state_of,
                                   unfinished_chain_epochs)
-from ipcount.rules.ledger_summary import (FOLD_AFTER_EPOCHS, LedgerSummary, chain_commits_of, committed_chain,
-                                          fold, fold_due, state)
+from ipcount.rules.ledger_summary import (FOLD_AFTER_EPOCHS, LedgerSummary, chain_commits_of, chain_lag,
+                                          committed_chain, fold, fold_due, state)
 
 TOPICS = ("a", "b")
 
@@ -114,6 +114,8 @@ def check(history: History) -> None:
                      default=0)
         assert committed_chain(summary, topic, tail) == (newest, chain_positions(mine, (COMMITTED, LOST)),
                                                     unfinished_chain_epochs(mine))
+        starts, ends = {0: 3, 1: 0, 2: 50}, {0: 300, 1: 450, 2: 60, 3: 7}
+        assert chain_lag(summary, topic, tail, starts, ends) == chain_lag(None, topic, history.rows, starts, ends)
 
 
 def test_a_summary_and_its_tail_give_what_every_row_gives():
@@ -167,3 +169,21 @@ def test_a_summary_of_another_format_or_damaged_reads_as_none():
     assert LedgerSummary.from_json(good) is not None
     for damaged in (good[: len(good) // 2], "[1, 2]", good.replace('"through"', '"thru"'), '"text"'):
         assert LedgerSummary.from_json(damaged) is None, damaged
+
+
+def _row(epoch, partition, start, until, status, kind=SCHEDULED):
+    return {"epoch": epoch, "topic": "a", "partition": partition, "from_offset": start, "until_offset": until,
+            "status": status, "kind": kind, "request_id": None if kind == SCHEDULED else "r1",
+            "watermark_before_ms": None, "watermark_after_ms": None, "chain_watermark_ms": None,
+            "planned_at": None, "sink_version": None}
+
+
+def test_the_lag_leaves_out_what_a_backfill_counted_ahead_of_the_chain():
+    """The lag was the log end less the chain's position: offsets a backfill had counted
+    ahead of the chain, which the chain's next plan passes, stayed "waiting" for good on an
+    idle topic (in the monitor, the metrics and the freshness alert)."""
+    rows = [_row(1, 0, 0, 10, COMMITTED), _row(2, 0, 10, 30, COMMITTED, BACKFILL), _row(3, 0, 40, 45, PLANNED, BACKFILL),
+            _row(4, 1, 0, 5, LOST), _row(5, 1, 5, 8, PLANNED)]
+    # (no chain in partition 2 yet: from its log start)
+    assert chain_lag(None, "a", rows, {0: 0, 1: 5, 2: 1}, {0: 50, 1: 8, 2: 4}) == {0: 20, 1: 3, 2: 3}
+    assert chain_lag(None, "a", rows, {0: 0, 1: 5}, {0: 30, 1: 5}) == {0: 0, 1: 0}

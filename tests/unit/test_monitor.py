@@ -263,14 +263,6 @@ def test_a_run_s_request_is_the_one_its_epoch_task_counts():
     assert _Run.of(chain).request == "" and request_id("", "t") is None
     assert request_id('{"offsets": "0:9-5"}', "t") is None  # refused: its run counted nothing
 
-def test_partition_lag_counts_from_the_chain_or_the_log_start():
-    from ipcount.orchestration.monitor.model import partition_lag
-
-    assert partition_lag(100, 60, 10) == 40      # behind the chain's position
-    assert partition_lag(100, None, 10) == 90    # no chain yet: from the log start
-    assert partition_lag(100, None, None) == 100
-    assert partition_lag(None, 60, 10) is None   # the broker did not answer
-
 
 def test_access_without_the_backfill_dag_hides_backfills_and_refuses_replay_targets():
     from ipcount.orchestration.monitor.model import Access, ForbiddenError

@@ -127,9 +127,7 @@ class Monitor:
         positions = self.broker.positions(cfg)
         lag = None
         if positions.log_end:
-            chain = tables.chain_positions()
-            lag = sum(max(0, model.partition_lag(end, chain.get(p), positions.log_start.get(p)))
-                      for p, end in positions.log_end.items())
+            lag = sum(tables.chain_lag(positions.log_start, positions.log_end).values())
         now = datetime.now(timezone.utc)
         interval = model.schedule_interval(cfg.schedule, now, cfg.on_data_poll_seconds)
         health = model.assess_health(
@@ -145,12 +143,12 @@ class Monitor:
         cfg, tables = self.target(target, access)
         positions = self.broker.positions(cfg)
         chain = tables.chain_positions()
+        waiting = tables.chain_lag(positions.log_start, positions.log_end)
         partitions = []
         for p in sorted(set(positions.log_end) | set(chain)):
             end, ledger, group = positions.log_end.get(p), chain.get(p), positions.group.get(p)
             partitions.append({"partition": p, "log_start": positions.log_start.get(p), "log_end": end,
-                               "ledger_position": ledger, "group_offset": group,
-                               "lag": model.partition_lag(end, ledger, positions.log_start.get(p)),
+                               "ledger_position": ledger, "group_offset": group, "lag": waiting.get(p),
                                "group_lag": None if end is None or group is None else end - group})
         history = tables.lag_history(last)
         return {"target": target, "partitions": partitions, "broker_error": positions.error,

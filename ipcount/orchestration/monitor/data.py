@@ -15,13 +15,13 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.monitor.model import epoch_blocks, time_blocks
 from ipcount.rules.config import PipelineConfig, join_location
 from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED, Folded, newest_chain_epoch
-from ipcount.rules.ledger_summary import committed_chain
+from ipcount.rules.ledger_summary import chain_lag, committed_chain
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage import broker
 from ipcount.storage.delta import (DeltaReader, has_table, query_table, sql_identifier, sql_literal,
@@ -174,6 +174,12 @@ class PipelineTables:
         """partition -> next offset of the scheduled chain (what the consumer group follows)."""
         view = self.view()
         return committed_chain(view.summary, self.cfg.topic, view.tail)[1]
+
+    def chain_lag(self, log_start: Mapping[int, int], log_end: Mapping[int, int]) -> dict[int, int]:
+        """partition -> offsets not counted yet, from the chain's position to the log end
+        (:func:`ipcount.rules.ledger_summary.chain_lag`)."""
+        view = self.view()
+        return chain_lag(view.summary, self.cfg.topic, view.tail, log_start, log_end)
 
     def last_committed(self) -> tuple[int, datetime, int | None] | None:
         """(epoch, committed at, watermark after it) of the chain's last committed epoch."""

@@ -36,6 +36,7 @@ class PipelineCollector(Collector):
         health = self.monitor.health(MAIN_TARGET, self.access)
         positions = self.monitor.broker.positions(cfg)
         chain = tables.chain_positions()
+        waiting = tables.chain_lag(positions.log_start, positions.log_end)
 
         def gauge(name: str, text: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, text, labels=("pipeline", *labels))
@@ -49,8 +50,7 @@ class PipelineCollector(Collector):
         for p in sorted(set(positions.log_end) | set(chain)):
             if p in positions.log_end:
                 end.add_metric([pipeline, str(p)], positions.log_end[p])
-                lag.add_metric([pipeline, str(p)],
-                               model.partition_lag(positions.log_end[p], chain.get(p), positions.log_start.get(p)))
+                lag.add_metric([pipeline, str(p)], waiting[p])
             if p in chain:
                 at.add_metric([pipeline, str(p)], chain[p])
         yield from (end, at, lag)

@@ -178,14 +178,6 @@ def _in_stage_order(stages: Mapping[str, float] | Iterable[tuple[str, float]]) -
     return {k: stages[k] for k in sorted(stages, key=lambda k: (rank.get(k, len(rank)), k))}
 
 
-def partition_lag(log_end: int | None, position: int | None, log_start: int | None) -> int | None:
-    """Offsets of a partition the chain has not counted: from its position, or from the log
-    start while the chain has none; None when the log end is unknown."""
-    if log_end is None:
-        return None
-    return log_end - (position if position is not None else (log_start or 0))
-
-
 def schedule_interval(cron: str, now: datetime, poll_seconds: int = 0) -> timedelta | None:
     """The time between the schedule's fire times around ``now`` (None if it is not a
     periodic cron expression or preset); for ``on-data``, how often its watcher looks
