@@ -18,6 +18,7 @@ its peers (Spark Structured Streaming, Flink SQL).
 - :mod:`.chaos`              ``bin/lab chaos``: random SIGKILLs, then a plain-Python recount
 - :mod:`.chaos_state`        a chaos run's state between sittings
 - :mod:`.chaos_maintenance`  maintenance racing the rounds, in a thread of the chaos process
+- :mod:`.model_run`          ``bin/lab model``: the model test of the ledger as a long run, with figures
 - :mod:`.benchmark`          ``bin/benchmark``
 - :mod:`.bench_rounds`       warm against warm: the contenders round after round
 - :mod:`.bench_stats`        medians, spreads and round-by-round ratios

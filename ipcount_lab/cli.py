@@ -4,6 +4,8 @@ traffic, and the trials; none of it is part of the product (``bin/ipcount``).
     generate       produce access-log traffic to the source topic
     chaos          kill epochs, backfills, DAG runs, the broker and a Spark Connect server at random
                    on a topic of its own, then recount: duplicates and losses must be 0
+    model          the model test of the ledger as a long run (random operations and faults, every
+                   invariant after every step), with its figures
     kafka          start / stop / status of the embedded broker (--secure: SASL and TLS too;
                    --nodes 3: a three-node cluster)
     s3             start / stop / status / serve of an embedded S3-compatible server (s3proxy)
@@ -343,10 +345,44 @@ def _airflow(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     os.execve(airflow, [airflow, *args.airflow_args], env)
 
 
+def _model_arguments(sub) -> None:
+    p = sub.add_parser("model", help="the model test of the ledger as a long run, with its figures",
+                       description="Run the model test of the ledger (tests/integration/test_ledger_model.py): "
+                                   "random sequences of operations and faults over the real epoch code on real "
+                                   "delta-rs tables, every invariant checked after every step; print the "
+                                   "sequences, steps and operations it ran. Exit 0 only with no violation. "
+                                   "Needs a checkout (the tests), no broker and no JVM.")
+    p.add_argument("--sequences", type=positive_int, default=200, help="random sequences to run (default 200)")
+    p.add_argument("--steps", type=positive_int, default=60, help="at most this many steps each (default 60)")
+    p.add_argument("--seed", type=int, default=None, help="Hypothesis's seed (default: a random one, printed)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
+
+
+def _model(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    import random
+
+    from ipcount_lab.model_run import run_model
+
+    seed = args.seed if args.seed is not None else random.randrange(2**32)
+    print(f"[lab] model test: {args.sequences} sequences of up to {args.steps} steps, seed {seed}", flush=True)
+    try:
+        run = run_model(args.sequences, args.steps, seed)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    print(run.line())
+    if args.json:
+        Path(args.json).write_text(json.dumps(run.to_dict(), indent=2) + "\n")
+    if not run.passed:
+        print(run.failure, file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 # name -> (adds its sub-parser, runs it), in the order --help lists them.
 COMMANDS: dict[str, tuple[Callable[[Any], None], Command]] = {
     "generate": (_generate_arguments, _generate),
     "chaos": (_chaos_arguments, _chaos),
+    "model": (_model_arguments, _model),
     "kafka": (_kafka_arguments, _kafka),
     "s3": (_s3_arguments, _s3),
     "spark-cluster": (_spark_cluster_arguments, _spark_cluster),

@@ -6,6 +6,8 @@ offsets-for-times lookup, and an epoch's tally. The tally is built record by rec
 rules the Spark job implements (:mod:`ipcount.rules.records`), in the shape of
 :func:`ipcount.jobs.transform.tally`'s rows, so the model never restates a rule of its own.
 
+:class:`SimulatedSinkTopic` stands in for the sink topic that counts are published to.
+
 The log holds what a read_committed consumer would see: an offset whose record is None is a
 transaction marker or an aborted record, read by nobody.
 """
@@ -23,6 +25,7 @@ from ipcount.jobs.tally import EpochTally
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import DataLossError
 from ipcount.rules.ledger import EpochPlan
+from ipcount.rules.publish import Cursor, SinkRecord
 from ipcount.rules.records import TOO_LARGE, Event, dead_letter_prefix_bytes, is_late, parse_value, window_start
 
 TALLY_SCHEMA = pa.schema([
@@ -140,3 +143,39 @@ def _add(sums: dict, key: tuple, event_ms: int | None) -> None:
 
 def _row(**values) -> dict:
     return {"totals": False, **values}
+
+
+@dataclass
+class SimulatedSinkTopic:
+    """The sink topic and its one publisher (:class:`ipcount.storage.publisher.SinkTopic`):
+    the committed transactions, each its records and the cursor committed with them. A
+    death before the commit leaves nothing, as an aborted Kafka transaction would."""
+
+    transactions: list[tuple[list[SinkRecord], Cursor]] = field(default_factory=list)
+
+    def create(self) -> None:
+        pass
+
+    def check_never_published(self) -> None:
+        assert not self.transactions, "asked with a cursor there: a publisher that lost it"
+
+    def publisher(self) -> SimulatedSinkTopic:
+        return self
+
+    def cursor(self) -> Cursor | None:
+        return self.transactions[-1][1] if self.transactions else None
+
+    def next_version(self) -> int:
+        return self.transactions[-1][1].next_version if self.transactions else 0
+
+    def publish(self, records, after: Cursor, crash=lambda point: None) -> int:
+        records = list(records)
+        if records:
+            crash("publish_before_commit")
+        self.transactions.append((records, after))
+        if records:
+            crash("publish_after_commit")
+        return len(records)
+
+    def close(self) -> None:
+        pass

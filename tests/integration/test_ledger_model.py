@@ -1,14 +1,17 @@
 """Exactly once as a checked invariant: a model-based (stateful) test of the ledger protocol.
 
 Hypothesis drives the real epoch code (:func:`ipcount.jobs.epoch.run_epoch`,
-:func:`ipcount.jobs.backfill.run_backfill`) on real delta-rs table sets, over random
-sequences of operations: records produced in and out of event-time order, malformed and
-far-future ones, aborted transactions, retention and ``delete_records`` moving the log start,
-partitions added; the chain's epochs and backfill requests (offset and time ranges) with caps
-and data-loss policies that change from run to run; and a process death at any step marker
-(the run abandoned there, its files and plans left as they are) or a commit whose answer
-was lost (it landed; the caller sees it refused). A simulated topic
-(tests/model_log.py) stands in for Kafka and Spark's read.
+:func:`ipcount.jobs.backfill.run_backfill`, :func:`ipcount.jobs.rebuild.rebuild`,
+:func:`ipcount.storage.maintenance.maintain`, :func:`ipcount.jobs.publish.publish_pending`)
+on real delta-rs table sets, over random sequences of operations: records produced in and
+out of event-time order, malformed and far-future ones, aborted transactions, retention and
+``delete_records`` moving the log start, partitions added; the chain's epochs and backfill
+requests (offset and time ranges) with caps and data-loss policies that change from run to
+run; two runs racing (one paused at a step marker while the other runs); rebuilds,
+maintenance and publishing; and a process death at any step marker (the run abandoned
+there, its files and plans left as they are) or a commit whose answer was lost (it landed;
+the caller sees it refused). A simulated topic (tests/model_log.py) stands in for Kafka and
+Spark's read, and a simulated sink topic for the publisher's transactions.
 
 After every step the tables are checked against a plain model of the log:
 
@@ -19,9 +22,11 @@ After every step the tables are checked against a plain model of the log:
   include every committed epoch and nothing else but planned ones;
 * counts equal the records of those epochs' ranges, minus exactly the late ones (each late
   against its epoch's recorded watermark, and no counted one); dead letters are exactly
-  the malformed records of those ranges;
+  the malformed records of those ranges; so in the replay target a rebuild writes, too;
 * a count once final never changes, but by a backfill (history counted late; its MERGE says
   so in the commit);
+* every counts version is published once and in order, and the sink topic folds to the
+  table as of the last version published;
 * the idle check agrees with what the chain's planner would plan;
 * a run that was not killed leaves no unfinished epoch of its kind behind.
 
@@ -30,40 +35,49 @@ No JVM and no broker: the suite's budget is a few minutes (``IPCOUNT_MODEL_EXAMP
 """
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ipcount.jobs import epoch as epoch_mod
 from ipcount.jobs.backfill import run_backfill
 from ipcount.jobs.epoch import run_epoch
 from ipcount.jobs.idle import verdict
+from ipcount.jobs.publish import publish_pending
+from ipcount.jobs.rebuild import rebuild
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.coverage import merge
 from ipcount.rules.errors import BadRequestError, CommitContention, DataLossError, EpochFenced
 from ipcount.rules.ledger import COMMITTED, LOST, PLANNED, SUMMARY, is_scheduled, state_of, timestamp_ms
-from ipcount.rules.ledger_summary import committed_chain
+from ipcount.rules.ledger_summary import chain_lag, committed_chain
 from ipcount.rules.offsets import OffsetRange
 from ipcount.rules.records import Event, is_late, parse_value, window_start
 from ipcount.storage.delta import open_table, read_rows
 from ipcount.storage.ledger import Ledger
+from ipcount.storage.maintenance import maintain
 from ipcount.storage.sink import FENCED, Sink
-from tests.model_log import Record, SimulatedLog
+from tests.model_log import Record, SimulatedLog, SimulatedSinkTopic
 from tests.tables import owned_offsets
 
 T0 = 1_780_000_000_000  # 2026-05-28: before any real planning time, so Kafka timestamps bound event times
 POINTS = ("planning", "after_plan", "after_sink", "after_ledger")
-EXAMPLES = int(os.environ.get("IPCOUNT_MODEL_EXAMPLES", "45"))
+EXAMPLES = int(os.environ.get("IPCOUNT_MODEL_EXAMPLES", "30"))
 STEPS = int(os.environ.get("IPCOUNT_MODEL_STEPS", "40"))
+REPLAY = "replay"  # the rebuilds' target
+REPORT = os.environ.get("IPCOUNT_MODEL_REPORT")  # (bin/lab model)
 
 
 class ProcessDeath(BaseException):
@@ -108,10 +122,39 @@ def crash_at(point: str | None, nth: int = 1):
     return hook
 
 
+@dataclass(frozen=True)
+class Run:
+    kind: str                   # "chain" (run_epoch) or "backfill" (run_backfill)
+    cap: int                    # max_records_per_epoch of this run
+    policy: str                 # on_data_loss of this run
+    fields: dict | None = None  # a backfill's request (None: nothing to ask for)
+    seed: int = 0               # (a racing backfill's request is drawn from it)
+
+
+CAPS = st.sampled_from([2, 5, 10, 1000])
+POLICIES = st.sampled_from(["fail", "skip"])
+DEATHS = st.sampled_from([None, None, *POINTS])
+RUNS = st.builds(Run, kind=st.sampled_from(["chain", "backfill"]), cap=CAPS, policy=POLICIES,
+                 seed=st.integers(0, 2**32))
 LOST_ANSWERS = st.sampled_from([None, None, None, None, "write", "merge"])
 # How a run may fail when a commit's answer was lost: it says so, and the next run goes on.
 RUN_FAILURES = (CommitContention, EpochFenced)
 RECORD_KINDS = st.sampled_from(["ok", "ok", "ok", "ok", "disordered", "late", "malformed", "ahead"])
+
+
+def counted(step):
+    """A rule whose runs a sequence counts (for ``bin/lab model``'s figures)."""
+    @functools.wraps(step)
+    def run(self, *args, **kwargs):
+        if not self.in_step:
+            self.steps += 1
+        self.operations[step.__name__] += 1
+        self.in_step += 1
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            self.in_step -= 1
+    return run
 
 
 class LedgerModel(RuleBasedStateMachine):
@@ -119,26 +162,33 @@ class LedgerModel(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="ledger-model-")
         self.cfg = PipelineConfig(warehouse=self.dir, topic="model", window_seconds=5, allowed_lateness_seconds=5,
-                                  start_position="earliest", max_records_per_epoch=10)
+                                  start_position="earliest", max_records_per_epoch=10, publish=True)
         self.log = SimulatedLog(self.cfg)
         self.log.add_partitions(2)
+        self.sink_topic = SimulatedSinkTopic()
         self.clock = T0
         self.done_requests: list[tuple[OffsetRange, ...]] = []  # backfills that reported done
         self.final: dict[tuple[int, str], int] = {}              # (window, ip) -> its final count
-        self.checked_in: set[int] = set()                        # committed epochs seen in the sink
+        self.checked_in: dict[str, set[int]] = {}                # per counts table: committed epochs seen in it
         self.backfilled: dict[int, set[int]] = {}                # offsets a backfill epoch ever owned
         self.backfill_ran = False  # a backfill may add to a final count (history; docs/data-model.md)
+        self.operations: Counter = Counter()  # rules run, by name (a publish after an epoch too)
+        self.steps = self.in_step = 0
         self.tables = TablesSeen()
         self.seen: tuple | None = None  # the table versions (and requests done) last checked
         self.rows: list[dict] = []       # the ledger's rows as last read
 
     def teardown(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        if REPORT:  # one line per sequence: what bin/lab model adds up
+            with open(REPORT, "a") as out:
+                out.write(json.dumps({"steps": self.steps, "operations": self.operations}) + "\n")
 
     # -- the log ----------------------------------------------------------------------
 
     @rule(partition=st.integers(0, 7), kinds=st.lists(RECORD_KINDS, min_size=1, max_size=8),
           aborted=st.sampled_from([False, False, False, True]), advance=st.integers(0, 4_000))
+    @counted
     def produce(self, partition, kinds, aborted, advance):
         self.clock += advance
         records = [self._record(kind, i) for i, kind in enumerate(kinds)]
@@ -153,12 +203,14 @@ class LedgerModel(RuleBasedStateMachine):
         return Record(json.dumps({"ip": ip, "ts": event}).encode(), self.clock)
 
     @rule(partition=st.integers(0, 7), by=st.integers(1, 12))
+    @counted
     def delete_records(self, partition, by):
         p = partition % len(self.log.entries)
         self.log.delete_records(p, self.log.start[p] + by)
 
     @precondition(lambda self: len(self.log.entries) < 4)
     @rule()
+    @counted
     def add_partition(self):
         self.log.add_partitions(1)
 
@@ -167,61 +219,150 @@ class LedgerModel(RuleBasedStateMachine):
     def _cfg(self, cap: int, policy: str) -> PipelineConfig:
         return self.cfg.replace(max_records_per_epoch=cap, on_data_loss=policy)
 
-    @rule(cap=st.sampled_from([2, 5, 10, 1000]), policy=st.sampled_from(["fail", "skip"]),
-          crash=st.sampled_from([None, None, *POINTS]), lost=LOST_ANSWERS, nth=st.integers(1, 3))
-    def chain_epoch(self, cap, policy, crash, lost, nth):
-        try:
-            with answers_lost(lost, nth):
-                run_epoch(self._cfg(cap, policy), None, crash=crash_at(crash), source=self.log)
-        except (ProcessDeath, *RUN_FAILURES):
-            return
-        except DataLossError:
-            assert policy == "fail", "skip records what aged out instead of failing"
-            return
-        assert not self._ledger_state().pending_chain, "a chain run that was not killed left its epoch unfinished"
+    @rule(cap=CAPS, policy=POLICIES, crash=DEATHS, lost=LOST_ANSWERS, nth=st.integers(1, 3), then_publish=st.booleans())
+    @counted
+    def chain_epoch(self, cap, policy, crash, lost, nth, then_publish):
+        if self._run(Run("chain", cap, policy), crash_at(crash), lost, nth):
+            self._check_nothing_left("chain")
+            if then_publish:  # as `ipcount epoch` does with publish on
+                self.publish(None)
 
-    @rule(partition=st.integers(0, 7), a=st.floats(0, 1), b=st.floats(0, 1), cap=st.sampled_from([2, 5, 10, 1000]),
-          policy=st.sampled_from(["fail", "skip"]), crash=st.sampled_from([None, None, *POINTS]),
-          nth=st.integers(1, 3), lost=LOST_ANSWERS)
+    @rule(partition=st.integers(0, 7), a=st.floats(0, 1), b=st.floats(0, 1), cap=CAPS, policy=POLICIES,
+          crash=DEATHS, nth=st.integers(1, 3), lost=LOST_ANSWERS)
+    @counted
     def backfill_offsets(self, partition, a, b, cap, policy, crash, nth, lost):
+        if self._run(Run("backfill", cap, policy, self._offsets(partition, a, b)), crash_at(crash, nth), lost, nth):
+            self._check_nothing_left("backfill")
+
+    @rule(a=st.integers(-20_000, 0), length=st.integers(1, 20_000), cap=CAPS, policy=POLICIES, crash=DEATHS,
+          nth=st.integers(1, 3), lost=LOST_ANSWERS)
+    @counted
+    def backfill_time(self, a, length, cap, policy, crash, nth, lost):
+        if self._run(Run("backfill", cap, policy, self._times(a, length)), crash_at(crash, nth), lost, nth):
+            self._check_nothing_left("backfill")
+
+    @rule(first=RUNS, second=RUNS, at=st.sampled_from(POINTS), nth=st.sampled_from([1, 1, 2]), dies=DEATHS)
+    @counted
+    def race(self, first, second, at, nth, dies):
+        """Two runs at once, interleaved where the first one is paused at a step marker:
+        the second runs from start to end (or to its death) there, with tables of its own
+        loading, as another process would."""
+        self.produce(first.seed, ["ok", "ok", "disordered"], False, 500)  # (so that both have work)
+        first, second = self._requested(first), self._requested(second)
+        seen, outcome = Counter(), []
+
+        def second_runs_here(point: str) -> None:
+            seen[point] += 1
+            if point == at and seen[point] == nth and not outcome:
+                outcome.append(contextvars.Context().run(self._run, second, crash_at(dies), None, 1))
+        done = self._run(first, second_runs_here, None, 1)
+        event(f"race: {second.kind} at {first.kind}'s {at}: " + ("did not meet" if not outcome else
+                                                                 "second done" if outcome[0] else "second stopped"))
+        if done and outcome != [False]:
+            self._check_nothing_left(first.kind)
+
+    @rule(retention=st.sampled_from([0, None]))
+    @counted
+    def maintain(self, retention):
+        """Compaction, transaction retirement, checkpoints and vacuum (0: every file no
+        version references; nothing here reads an older version)."""
+        run = maintain(self.cfg, retention_hours=retention, next_unpublished=self.sink_topic.next_version)
+        if any("transactions retired" in n for t in run.tables for n in t.notes):
+            event("maintain: transactions retired")
+        if any(t.compacted_files for t in run.tables):
+            event("maintain: files compacted")
+        if any(t.vacuumed_files for t in run.tables):
+            event("maintain: files vacuumed")
+
+    @rule(crash=DEATHS, nth=st.integers(1, 3))
+    @counted
+    def rebuild(self, crash, nth):
+        """Replay the committed epochs into the replay target (resumed by the next rebuild)."""
+        committed = {r["epoch"] for r in self._rows() if r["status"] == COMMITTED}
+        try:
+            rebuild(self.cfg, None, REPLAY, crash=crash_at(crash, nth), topic=self.log)
+        except ProcessDeath:
+            event("rebuild: died")
+            return
+        except (DataLossError, BadRequestError):
+            event("rebuild: refused")
+            return  # no ledger yet, or a committed epoch's offsets aged out: refused before any write
+        event("rebuild: done")
+        replay = self.cfg.for_target(REPLAY)
+        rebuilt = {r["epoch"] for r in self.tables.rows(replay.ledger_path) if r["status"] == COMMITTED}
+        assert rebuilt == committed, f"the rebuild reported done: epochs {sorted(committed ^ rebuilt)} differ"
+
+    @rule(crash=st.sampled_from([None, None, "publish_before_commit", "publish_after_commit"]))
+    @counted
+    def publish(self, crash):
+        """Publish the counts versions not published yet to the sink topic."""
+        if self.tables.get(self.cfg.counts_path) is None:
+            return
+        try:
+            report = publish_pending(self.cfg, crash_at(crash), topic=self.sink_topic)
+        except ProcessDeath:
+            event("publish: died")
+            return
+        event(f"publish: {'some' if report.records else 'no'} records")
+        assert self.sink_topic.next_version() == self.tables.version(self.cfg.counts_path) + 1
+
+    # -- a run, as the command line or a DAG task would start it ------------------------
+
+    def _requested(self, run: Run) -> Run:
+        """``run`` with a request of its own, if it is a backfill: a random partition's
+        offsets from a random one to the end of the log (the seed says which)."""
+        if run.kind != "backfill":
+            return run
+        r = random.Random(run.seed)
+        return replace(run, fields=self._offsets(r.randrange(8), r.random(), 1.0))
+
+    def _offsets(self, partition: int, a: float, b: float) -> dict | None:
         p = partition % len(self.log.entries)
         start, end = self.log.start[p], len(self.log.entries[p])
         lo, hi = sorted((start + int(a * (end - start)), start + int(b * (end - start))))
-        if hi <= lo:
-            return
-        self._backfill({"offsets": f"{p}:{lo}-{hi}"}, cap, policy, crash, nth, lost)
+        return {"offsets": f"{p}:{lo}-{hi}"} if hi > lo else None
 
-    @rule(a=st.integers(-20_000, 0), length=st.integers(1, 20_000), cap=st.sampled_from([2, 5, 10, 1000]),
-          policy=st.sampled_from(["fail", "skip"]), crash=st.sampled_from([None, None, *POINTS]),
-          nth=st.integers(1, 3), lost=LOST_ANSWERS)
-    def backfill_time(self, a, length, cap, policy, crash, nth, lost):
+    def _times(self, a: int, length: int) -> dict:
         def iso(ms: int) -> str:
             return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat()
-        start = self.clock + a
-        self._backfill({"from_time": iso(start), "until_time": iso(start + length)}, cap, policy, crash, nth, lost)
+        return {"from_time": iso(self.clock + a), "until_time": iso(self.clock + a + length)}
 
-    def _backfill(self, fields: dict, cap: int, policy: str, crash: str | None, nth: int, lost: str | None) -> None:
+    def _run(self, run: Run, crash, lost: str | None, nth: int) -> bool:
+        """Run ``run`` to its end; True if it reported done (False: it died, it failed as it
+        may after a lost commit answer, or it refused to lose data under ``fail``)."""
         from ipcount.jobs.backfill import resolve
         from ipcount.rules.requests import request_from_fields
 
-        cfg = self._cfg(cap, policy)
-        self.backfill_ran = True
-        request = request_from_fields(fields, cfg.topic)
+        cfg = self._cfg(run.cap, run.policy)
         try:
-            resolved = resolve(cfg, request, self.log)
-        except BadRequestError:
-            return  # refused before anything was written
-        try:
+            if run.kind == "chain":
+                with answers_lost(lost, nth):
+                    run_epoch(cfg, None, crash=crash, source=self.log)
+                return True
+            if run.fields is None:
+                return False
+            self.backfill_ran = True
+            request = request_from_fields(run.fields, cfg.topic)
+            try:
+                resolved = resolve(cfg, request, self.log)
+            except BadRequestError:
+                return False  # refused before anything was written
             with answers_lost(lost, nth):
-                run_backfill(cfg, None, request, crash=crash_at(crash, nth), resolved=resolved, source=self.log)
+                run_backfill(cfg, None, request, crash=crash, resolved=resolved, source=self.log)
+            self.done_requests.append(resolved.ranges)
+            return True
         except (ProcessDeath, *RUN_FAILURES):
-            return
+            return False
         except DataLossError:
-            assert policy == "fail", "skip records what aged out instead of failing"
-            return
-        self.done_requests.append(resolved.ranges)
-        assert not self._ledger_state().pending_backfills, \
-            "a backfill that reported done left unfinished backfill epochs behind"
+            assert run.policy == "fail", "skip records what aged out instead of failing"
+            return False
+
+    def _check_nothing_left(self, kind: str) -> None:
+        state = self._ledger_state()
+        if kind == "chain":
+            assert not state.pending_chain, "a chain run that was not killed left its epoch unfinished"
+        else:
+            assert not state.pending_backfills, "a backfill that reported done left unfinished backfill epochs behind"
 
     # -- the invariants ---------------------------------------------------------------
 
@@ -235,8 +376,10 @@ class LedgerModel(RuleBasedStateMachine):
     def tables_match_the_log(self):
         # The tables' checks again only when a table changed or a request reported done since
         # (the log only grows and its start only moves on: what held of the tables holds).
-        paths = (self.cfg.ledger_path, self.cfg.counts_path, self.cfg.late_path, self.cfg.dead_letter_path)
-        seen = (tuple(self.tables.version(p) for p in paths), len(self.done_requests))
+        paths = [p for cfg in (self.cfg, self.cfg.for_target(REPLAY))
+                 for p in (cfg.ledger_path, cfg.counts_path, cfg.late_path, cfg.dead_letter_path)]
+        seen = (tuple(self.tables.version(p) for p in paths), len(self.done_requests),
+                len(self.sink_topic.transactions))
         if seen == self.seen:
             self._check_idle_agrees(self.rows, *self.log.partition_offsets())
             return
@@ -252,9 +395,51 @@ class LedgerModel(RuleBasedStateMachine):
             for r in ranges:
                 missing = [o for o in range(r.from_offset, r.until_offset) if o not in owned.get(r.partition, {})]
                 assert not missing, f"backfill reported done but offsets {missing[:5]}... of {r} have no ledger row"
-        in_tables = self._epochs_in_tables(rows)
-        self._check_counts(rows, in_tables)
+        in_tables = self._epochs_in_tables(self.cfg, rows)
+        self._check_counts(self.cfg, rows, in_tables)
         self._check_idle_agrees(rows, earliest, latest)
+        self._check_replay(earliest)
+        self._check_published()
+
+    def _check_published(self) -> None:
+        """Every counts version published once, in order, and the sink topic's newest record
+        per key is the table's row as of the last version published; a count once final is
+        published again only changed by a backfill (a correction)."""
+        if not self.sink_topic.transactions:
+            return
+        newest: dict[tuple[int, str], dict] = {}
+        next_version = None
+        for records, cursor in self.sink_topic.transactions:
+            kinds = {dict(r.headers)["ipcount-kind"] for r in records}
+            if next_version is not None:
+                assert cursor.next_version == next_version + 1, \
+                    f"published version {cursor.next_version - 1} after {next_version - 1}"
+                assert kinds <= {b"live", b"backfill"}
+            for r in records:
+                assert int(dict(r.headers)["ipcount-version"]) == cursor.next_version - 1
+                value = json.loads(r.value)
+                key = (_ms(datetime.fromisoformat(value["window_start"])), value["ip"])
+                before = newest.get(key)
+                assert before is None or not before["is_final"] or before["count"] == value["count"] \
+                    or value["kind"] == "backfill", f"final count {key} published again as {value['count']}"
+                newest[key] = value
+            next_version = cursor.next_version
+        from deltalake import DeltaTable
+        then = DeltaTable(self.cfg.counts_path, version=next_version - 1).to_pyarrow_table(
+            columns=["window_start", "ip", "count", "is_final"]).to_pylist()
+        assert {(_ms(r["window_start"]), r["ip"]): (r["count"], r["is_final"]) for r in then} == \
+            {k: (v["count"], v["is_final"]) for k, v in newest.items()}, \
+            f"the sink topic differs from counts version {next_version - 1}"
+
+    def _check_replay(self, earliest) -> None:
+        """The replay target holds what the source's committed epochs it replayed counted:
+        the same checks of its own tables (a rebuilt ledger lacks the epochs its source gave
+        up, so no chain check there)."""
+        replay = self.cfg.for_target(REPLAY)
+        rows = [r for r in self.tables.rows(replay.ledger_path) if r["status"] != SUMMARY]
+        if rows:
+            self._check_ownership(rows, earliest)
+            self._check_counts(replay, rows, self._epochs_in_tables(replay, rows))
 
     def _check_ownership(self, rows, earliest) -> dict[int, dict[int, dict]]:
         owned: dict[int, dict[int, dict]] = {}
@@ -289,10 +474,13 @@ class LedgerModel(RuleBasedStateMachine):
             if not is_scheduled(r):
                 self.backfilled.setdefault(r["partition"], set()).update(range(r["from_offset"], r["until_offset"]))
 
-    def _epochs_in_tables(self, rows) -> set[int]:
-        """The epochs whose data the tables hold, from the counts table's transactions."""
-        sink = Sink(self.cfg)
-        counts = self.tables.get(self.cfg.counts_path)
+    def _epochs_in_tables(self, cfg: PipelineConfig, rows) -> set[int]:
+        """The epochs whose data the tables hold, from the counts table's transactions (an
+        epoch at or below the floor had its transaction retired: only final ones are)."""
+        sink = Sink(cfg)
+        counts = self.tables.get(cfg.counts_path)
+        floor = (counts.transaction_version(sink.floor_id) if counts is not None else None) or 0
+        checked_in = self.checked_in.setdefault(cfg.counts_path, set())
         status: dict[int, set[str]] = {}
         reads: set[int] = set()  # epochs with a range to read (one that reads nothing writes nothing)
         for r in rows:
@@ -301,21 +489,25 @@ class LedgerModel(RuleBasedStateMachine):
                 reads.add(r["epoch"])
         in_tables = set()
         for epoch, statuses in status.items():
-            if COMMITTED in statuses and epoch in self.checked_in:
+            if COMMITTED in statuses and epoch in checked_in:
                 in_tables.add(epoch)
+                continue
+            if epoch <= floor:
+                assert PLANNED not in statuses, f"epoch {epoch}'s transactions were retired while it was planned"
+                if COMMITTED in statuses:
+                    in_tables.add(epoch)
                 continue
             holds = (counts is not None and counts.transaction_version(sink.txn_app_id(epoch)) is not None
                      and counts.transaction_version(f"{sink.txn_app_id(epoch)}/{FENCED}") is None)
             if COMMITTED in statuses and epoch in reads:
                 assert holds, f"epoch {epoch} is committed in the ledger but its counts commit is not in the table"
-                self.checked_in.add(epoch)
+                checked_in.add(epoch)
             if holds:
                 assert statuses & {COMMITTED, PLANNED}, f"epoch {epoch}'s data is in the tables but its rows are gone"
                 in_tables.add(epoch)
         return in_tables
 
-    def _check_counts(self, rows, in_tables: set[int]) -> None:
-        cfg = self.cfg
+    def _check_counts(self, cfg: PipelineConfig, rows, in_tables: set[int]) -> None:
         late = self.tables.rows(cfg.late_path, ["epoch", "partition", "offset", "watermark"])
         dead = self.tables.rows(cfg.dead_letter_path, ["epoch", "partition", "offset", "reason"])
         late_at = {(r["partition"], r["offset"]): r for r in late}
@@ -358,10 +550,32 @@ class LedgerModel(RuleBasedStateMachine):
                 final[key] = r["count"]
         assert found == expected, f"counts differ from the records of the epochs in the tables: " \
                                   f"{dict(found - expected)} over, {dict(expected - found)} under"
+        if cfg.counts_path != self.cfg.counts_path:
+            return
         for key, n in self.final.items():
             assert found.get(key) == n or self.backfill_ran, f"final count {key} changed from {n} to {found.get(key)}"
         self.final.update(final)
         self.backfill_ran = False
+
+    def _check_lag(self, rows, earliest, latest, run: bool) -> None:
+        """The lag the monitor, the metrics and the freshness alert show: per partition the
+        offsets from where the chain is to the log end that no committed or lost row owns
+        (counted here offset by offset). When the idle check says there is nothing to run,
+        all of it waits for an unfinished backfill, if any."""
+        lag = chain_lag(None, self.cfg.topic, rows, earliest, latest)
+        owner: dict[tuple[int, int], dict] = {}
+        for r in rows:
+            for o in range(r["from_offset"], r["until_offset"]):
+                owner[(r["partition"], o)] = r
+        for p, end in latest.items():
+            chain = [r["until_offset"] for r in rows if is_scheduled(r) and r["partition"] == p
+                     and r["status"] in (COMMITTED, LOST)]
+            waiting = [o for o in range(max(chain, default=earliest[p]), end)
+                       if (p, o) not in owner or owner[(p, o)]["status"] == PLANNED]
+            assert lag[p] == len(waiting), f"partition {p}: lag {lag[p]}, but {len(waiting)} offsets wait"
+            if not run:
+                idle = [o for o in waiting if (p, o) not in owner or is_scheduled(owner[(p, o)])]
+                assert not idle, f"idle, but offsets {p}:{idle[:5]} wait for no backfill"
 
     def _check_idle_agrees(self, rows, earliest, latest) -> None:
         # From every row, as from a summary and its tail (tests/unit/test_ledger_summary.py),
@@ -369,6 +583,7 @@ class LedgerModel(RuleBasedStateMachine):
         state = state_of(self.cfg.topic, rows)
         unfinished = [p.epoch for p in state.pending_chain]
         said = verdict(state.committed, unfinished, earliest, latest, state.coverage)
+        self._check_lag(rows, earliest, latest, said.run)
         if unfinished:
             assert said.run
             return
@@ -547,3 +762,34 @@ def test_a_backfill_finishes_the_chains_unfinished_epoch_before_its_own_chunk(tm
     assert epochs[2]["sink_version"] < epochs[3]["sink_version"], "the backfill's chunk committed before the chain"
     counts = _table(cfg.counts_path, ["count"])
     assert sum(r["count"] for r in counts) == 25
+
+
+def test_an_idle_topic_whose_tail_a_backfill_counted_shows_no_lag(tmp_path):
+    """The model's lag check: the monitor, the metrics and the freshness alert took the lag
+    as the log end less the chain's position, so offsets a backfill had counted ahead of the
+    chain (which its next plan passes) showed as waiting for good on an idle topic."""
+    from ipcount.orchestration.monitor.data import PipelineTables
+    from ipcount.rules.requests import request_from_fields
+    from ipcount.storage.delta import DeltaReader
+
+    cfg = PipelineConfig(warehouse=str(tmp_path), topic="model", start_position="earliest")
+    log = SimulatedLog(cfg)
+    log.add_partitions(1)
+    log.append(0, [Record(json.dumps({"ip": "10.0.0.1", "ts": T0 + i}).encode(), T0 + i) for i in range(10)])
+    run_epoch(cfg, None, source=log)
+    log.append(0, [Record(json.dumps({"ip": "10.0.0.1", "ts": T0 + i}).encode(), T0 + i) for i in range(10, 20)])
+    run_backfill(cfg, None, request_from_fields({"offsets": "0:11-22"}, cfg.topic), source=log)
+    tables = PipelineTables(cfg, DeltaReader())
+    assert tables.chain_positions() == {0: 11}   # the chain's own position stays where it was
+    assert tables.chain_lag(*log.partition_offsets()) == {0: 0}
+    assert run_epoch(cfg, None, source=log) is None  # and the chain has nothing to plan
+
+
+def test_the_lab_runs_the_model_and_adds_up_what_it_ran():
+    """``bin/lab model``: the sequences the test ran and their steps, from its own report."""
+    from ipcount_lab.model_run import run_model
+
+    run = run_model(sequences=2, steps=6, seed=3)
+    assert run.passed, run.failure
+    assert run.sequences == 2 and 2 <= run.steps <= 12 and sum(run.operations.values()) >= run.steps
+    assert "2 sequences of up to 6 steps" in run.line() and "0 invariant violations" in run.line()
