@@ -593,8 +593,15 @@ def _round(scenario: str, cfg: PipelineConfig, killer: _Killer, backfills: list[
         spec = _random_offsets(cfg, killer.rng)
         if spec:
             backfills.append(spec)
-            running.append(procs.start("backfill", "--offsets", spec, *args))
+            running.append(procs.start("backfill", "--offsets", spec, *_backfill_args(cfg, killer.rng)))
     return killer.kill_some(running)
+
+
+def _backfill_args(cfg: PipelineConfig, rng: random.Random) -> list[str]:
+    """A backfill run's settings, with a cap of its own: a request run again (after a kill, or
+    at the finish) goes on with another cap, and a settle cuts the rest by the settling run's."""
+    cap = cfg.max_records_per_epoch
+    return cfg.replace(max_records_per_epoch=rng.choice((max(1, cap // 8), max(1, cap // 2), cap, 2 * cap))).to_args()
 
 
 class _NoStore:
@@ -704,7 +711,7 @@ def _retention_round(cfg: PipelineConfig, killer: _Killer, state: RunState, run_
     spec = _random_offsets(cfg, rng)
     if spec:
         state.backfills.append(spec)
-        running.append(procs.start("backfill", "--offsets", spec, *args))
+        running.append(procs.start("backfill", "--offsets", spec, *_backfill_args(cfg, rng)))
     killer.wait_for(running[0], _Moment(rng.uniform(0.0, killer.write_window), aimed=True))
     _delete_heads(cfg, state, run_dir, rng)
     phases = killer.kill_some(running)
