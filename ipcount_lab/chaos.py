@@ -683,11 +683,14 @@ def _answers_round(cfg: PipelineConfig, killer: _Killer, state: RunState, store:
 
 
 def _complete_rebuild(cfg: PipelineConfig, procs: _Processes, state: RunState, run_dir: Path) -> None:
-    """If rebuild rounds ran: the rebuild into the replay target run to its end, no kill, and
-    the source's committed epochs - what the target must then hold - kept in the state. Once
-    (before retention deletes anything: a rebuild needs every offset it replays)."""
+    """If rebuild rounds ran: the chain, then the rebuild into the replay target, run to their
+    end, no kill, and the source's committed epochs - what the target must then hold - kept
+    in the state. Once (before retention deletes anything: a rebuild needs every offset it
+    replays). The chain first, so that the rebuild has every epoch counted so far to replay,
+    however the kills fell before (they may have left none committed)."""
     if REBUILD not in state.by_scenario or state.rebuilt is not None:
         return
+    _run_to_end(procs, "the chain, before completing the rebuild", "epoch", "--epochs", "1000", *cfg.to_args())
     epochs = sorted({r["epoch"] for r in read_rows(cfg.ledger_path, ["epoch", "topic", "status"])
                      if r["topic"] == cfg.topic and r["status"] == COMMITTED})
     log.info("chaos: completing the rebuild into %s (%d committed epochs)", REPLAY_TARGET, len(epochs))
