@@ -66,7 +66,8 @@ def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool =
     if not has_change_feed(properties):
         raise ConfigError(f"the counts table {path} has no change data feed ({CHANGE_DATA_FEED}); it is turned on "
                           "by the next epoch run with publish = true")
-    topic = topic or KafkaSinkTopic(cfg, cfg.publish_topic)
+    if topic is None:
+        topic = KafkaSinkTopic(cfg, cfg.publish_topic)
     topic.create()   # (or refuses one that retention empties)
     report = PublishReport()
     publisher = None

@@ -51,12 +51,12 @@ class RebuildReport:
 
 
 def rebuild(cfg: PipelineConfig, spark: SparkSession | None, into: str, source: str = MAIN_TARGET,
-            run_id: str | None = None, crash: Crash = no_crash, topic: Source | None = None) -> RebuildReport:
+            run_id: str | None = None, crash: Crash = no_crash, log_source: Source | None = None) -> RebuildReport:
     """Replay every committed epoch of ``source``'s ledger into the replay target ``into``:
     same ranges, watermarks, kinds and epoch ids, in the order their counts were committed,
     so the rebuilt tables equal the source's row for row. Resumable: epochs the target
     already committed are skipped, its unfinished one is finished. Refused unless ``into``
-    is fresh or this source's earlier rebuild. ``topic``: the log to read (default the
+    is fresh or this source's earlier rebuild. ``log_source``: the log to read (default the
     topic on the broker, through ``spark``)."""
     if check_target(into) == MAIN_TARGET or into == check_target(source):
         raise BadRequestError(f"rebuild needs a fresh replay target to write into, not {into!r} (rebuild into a "
@@ -68,8 +68,9 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession | None, into: str, source: 
     dst_cfg = cfg.for_target(into).replace(**recorded_settings(tableset_io.recorded(src_cfg)))
     src = Ledger(src_cfg.ledger_path)
     epochs = src.epochs(cfg.topic)
-    topic = topic or KafkaSource(dst_cfg, spark)
-    earliest, latest = topic.partition_offsets()
+    if log_source is None:
+        log_source = KafkaSource(dst_cfg, spark)
+    earliest, latest = log_source.partition_offsets()
     for plan, _ in epochs:  # everything must still be in Kafka: fail before writing anything
         for r in plan.nonempty_ranges:
             try:
@@ -83,7 +84,7 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession | None, into: str, source: 
     Ledger(dst_cfg.ledger_path).ensure(dst_cfg.log_retention_hours)
     Sink(dst_cfg).ensure()
     tableset_io.claim(dst_cfg, rebuild_of=table_metadata(src_cfg.ledger_path)[0])
-    runner = EpochRunner.open(dst_cfg, spark, run_id, crash, topic)
+    runner = EpochRunner.open(dst_cfg, spark, run_id, crash, log_source)
     done = {p.epoch for p, _ in runner.ledger.epochs(cfg.topic, (COMMITTED,))}
     runner.step(PLANNING)
     pending = set(runner.state().unfinished)

@@ -74,6 +74,8 @@ from tests.tables import owned_offsets
 
 T0 = 1_780_000_000_000  # 2026-05-28: before any real planning time, so Kafka timestamps bound event times
 POINTS = ("planning", "after_plan", "after_sink", "after_ledger")
+COMMITS = ("write", "merge")  # (Delta commits a race may land between)
+DONE, DIED, FAILED, REFUSED = "done", "died", "failed", "refused"  # how a run ends
 EXAMPLES = int(os.environ.get("IPCOUNT_MODEL_EXAMPLES", "30"))
 STEPS = int(os.environ.get("IPCOUNT_MODEL_STEPS", "40"))
 REPLAY = "replay"  # the rebuilds' target
@@ -110,6 +112,27 @@ def answers_lost(kind: str | None, nth: int):
         yield
     finally:
         setattr(owner, name, original)
+
+
+@contextmanager
+def before_commits(hook):
+    """``hook("write")`` before each append and ``hook("merge")`` before each MERGE of a
+    Delta table is made (the table object, loaded before, does not see what the hook did)."""
+    import deltalake
+    from deltalake.table import TableMerger
+
+    patched = [(deltalake, "write_deltalake", "write"), (TableMerger, "execute", "merge")]
+    originals = [getattr(owner, name) for owner, name, _ in patched]
+    for (owner, name, kind), original in zip(patched, originals):
+        def call(*args, _original=original, _kind=kind, **kwargs):
+            hook(_kind)
+            return _original(*args, **kwargs)
+        setattr(owner, name, call)
+    try:
+        yield
+    finally:
+        for (owner, name, _), original in zip(patched, originals):
+            setattr(owner, name, original)
 
 
 def crash_at(point: str | None, nth: int = 1):
@@ -166,6 +189,7 @@ class LedgerModel(RuleBasedStateMachine):
         self.log = SimulatedLog(self.cfg)
         self.log.add_partitions(2)
         self.sink_topic = SimulatedSinkTopic()
+        self.published_rows: dict[int, list[dict]] = {}  # counts version -> its rows, as a publish began
         self.clock = T0
         self.done_requests: list[tuple[OffsetRange, ...]] = []  # backfills that reported done
         self.final: dict[tuple[int, str], int] = {}              # (window, ip) -> its final count
@@ -222,7 +246,7 @@ class LedgerModel(RuleBasedStateMachine):
     @rule(cap=CAPS, policy=POLICIES, crash=DEATHS, lost=LOST_ANSWERS, nth=st.integers(1, 3), then_publish=st.booleans())
     @counted
     def chain_epoch(self, cap, policy, crash, lost, nth, then_publish):
-        if self._run(Run("chain", cap, policy), crash_at(crash), lost, nth):
+        if self._run(Run("chain", cap, policy), crash_at(crash), lost, nth) == DONE:
             self._check_nothing_left("chain")
             if then_publish:  # as `ipcount epoch` does with publish on
                 self.publish(None)
@@ -231,41 +255,46 @@ class LedgerModel(RuleBasedStateMachine):
           crash=DEATHS, nth=st.integers(1, 3), lost=LOST_ANSWERS)
     @counted
     def backfill_offsets(self, partition, a, b, cap, policy, crash, nth, lost):
-        if self._run(Run("backfill", cap, policy, self._offsets(partition, a, b)), crash_at(crash, nth), lost, nth):
+        if self._run(Run("backfill", cap, policy, self._offsets(partition, a, b)), crash_at(crash, nth), lost,
+                     nth) == DONE:
             self._check_nothing_left("backfill")
 
     @rule(a=st.integers(-20_000, 0), length=st.integers(1, 20_000), cap=CAPS, policy=POLICIES, crash=DEATHS,
           nth=st.integers(1, 3), lost=LOST_ANSWERS)
     @counted
     def backfill_time(self, a, length, cap, policy, crash, nth, lost):
-        if self._run(Run("backfill", cap, policy, self._times(a, length)), crash_at(crash, nth), lost, nth):
+        if self._run(Run("backfill", cap, policy, self._times(a, length)), crash_at(crash, nth), lost, nth) == DONE:
             self._check_nothing_left("backfill")
 
-    @rule(first=RUNS, second=RUNS, at=st.sampled_from(POINTS), nth=st.sampled_from([1, 1, 2]), dies=DEATHS)
+    @rule(first=RUNS, second=RUNS, at=st.sampled_from([*POINTS, *COMMITS]), nth=st.sampled_from([1, 1, 2]),
+          dies=DEATHS)
     @counted
     def race(self, first, second, at, nth, dies):
-        """Two runs at once, interleaved where the first one is paused at a step marker:
-        the second runs from start to end (or to its death) there, with tables of its own
-        loading, as another process would."""
+        """Two runs at once: the first is paused at a step marker, or just before one of its
+        Delta commits (``write``: an append, ``merge``) goes through, and the second runs
+        there from start to end (or to its death), loading tables of its own as another
+        process would; then the first goes on (a commit of it then lands on a snapshot the
+        second has moved past: the conflict checks' and retries' turn)."""
         self.produce(first.seed, ["ok", "ok", "disordered"], False, 500)  # (so that both have work)
         first, second = self._requested(first), self._requested(second)
         seen, outcome = Counter(), []
 
-        def second_runs_here(point: str) -> None:
+        def second_runs(point: str) -> None:
             seen[point] += 1
             if point == at and seen[point] == nth and not outcome:
-                outcome.append(contextvars.Context().run(self._run, second, crash_at(dies), None, 1))
-        done = self._run(first, second_runs_here, None, 1)
-        event(f"race: {second.kind} at {first.kind}'s {at}: " + ("did not meet" if not outcome else
-                                                                 "second done" if outcome[0] else "second stopped"))
-        if done and outcome != [False]:
+                outcome.append(DIED)  # (until it ends: its own commits and markers pass through)
+                outcome[0] = contextvars.Context().run(self._run, second, crash_at(dies), None, 1)
+        with before_commits(second_runs):
+            done = self._run(first, second_runs, None, 1)
+        event(f"race: {second.kind} at {first.kind}'s {at}: {outcome[0] if outcome else 'did not meet'}")
+        if done == DONE and not (outcome and outcome[0] in (DIED, FAILED) and second.kind == first.kind):
             self._check_nothing_left(first.kind)
 
     @rule(retention=st.sampled_from([0, None]))
     @counted
     def maintain(self, retention):
         """Compaction, transaction retirement, checkpoints and vacuum (0: every file no
-        version references; nothing here reads an older version)."""
+        version references, but what the publisher has yet to read)."""
         run = maintain(self.cfg, retention_hours=retention, next_unpublished=self.sink_topic.next_version)
         if any("transactions retired" in n for t in run.tables for n in t.notes):
             event("maintain: transactions retired")
@@ -280,7 +309,7 @@ class LedgerModel(RuleBasedStateMachine):
         """Replay the committed epochs into the replay target (resumed by the next rebuild)."""
         committed = {r["epoch"] for r in self._rows() if r["status"] == COMMITTED}
         try:
-            rebuild(self.cfg, None, REPLAY, crash=crash_at(crash, nth), topic=self.log)
+            rebuild(self.cfg, None, REPLAY, crash=crash_at(crash, nth), log_source=self.log)
         except ProcessDeath:
             event("rebuild: died")
             return
@@ -298,6 +327,11 @@ class LedgerModel(RuleBasedStateMachine):
         """Publish the counts versions not published yet to the sink topic."""
         if self.tables.get(self.cfg.counts_path) is None:
             return
+        latest = self.tables.get(self.cfg.counts_path)
+        # The rows as of the version about to be published last (a vacuum may delete its
+        # files once it is published; nothing writes while this runs).
+        self.published_rows[latest.version()] = latest.to_pyarrow_table(
+            columns=["window_start", "ip", "count", "is_final"]).to_pylist()
         try:
             report = publish_pending(self.cfg, crash_at(crash), topic=self.sink_topic)
         except ProcessDeath:
@@ -327,9 +361,10 @@ class LedgerModel(RuleBasedStateMachine):
             return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat()
         return {"from_time": iso(self.clock + a), "until_time": iso(self.clock + a + length)}
 
-    def _run(self, run: Run, crash, lost: str | None, nth: int) -> bool:
-        """Run ``run`` to its end; True if it reported done (False: it died, it failed as it
-        may after a lost commit answer, or it refused to lose data under ``fail``)."""
+    def _run(self, run: Run, crash, lost: str | None, nth: int) -> str:
+        """Run ``run`` to its end: DONE if it reported done; DIED; FAILED as it may after a
+        lost commit answer or a race, or refusing to lose data under ``fail``; REFUSED
+        before anything was written (nothing to ask for, a request the log refuses)."""
         from ipcount.jobs.backfill import resolve
         from ipcount.rules.requests import request_from_fields
 
@@ -338,24 +373,26 @@ class LedgerModel(RuleBasedStateMachine):
             if run.kind == "chain":
                 with answers_lost(lost, nth):
                     run_epoch(cfg, None, crash=crash, source=self.log)
-                return True
+                return DONE
             if run.fields is None:
-                return False
-            self.backfill_ran = True
+                return REFUSED
             request = request_from_fields(run.fields, cfg.topic)
             try:
                 resolved = resolve(cfg, request, self.log)
             except BadRequestError:
-                return False  # refused before anything was written
+                return REFUSED
+            self.backfill_ran = True
             with answers_lost(lost, nth):
                 run_backfill(cfg, None, request, crash=crash, resolved=resolved, source=self.log)
             self.done_requests.append(resolved.ranges)
-            return True
-        except (ProcessDeath, *RUN_FAILURES):
-            return False
+            return DONE
+        except ProcessDeath:
+            return DIED
+        except RUN_FAILURES:
+            return FAILED
         except DataLossError:
             assert run.policy == "fail", "skip records what aged out instead of failing"
-            return False
+            return FAILED
 
     def _check_nothing_left(self, kind: str) -> None:
         state = self._ledger_state()
@@ -381,6 +418,7 @@ class LedgerModel(RuleBasedStateMachine):
         seen = (tuple(self.tables.version(p) for p in paths), len(self.done_requests),
                 len(self.sink_topic.transactions))
         if seen == self.seen:
+            self.backfill_ran = False  # (it wrote nothing: no count of it to excuse)
             self._check_idle_agrees(self.rows, *self.log.partition_offsets())
             return
         self.seen = seen
@@ -420,13 +458,14 @@ class LedgerModel(RuleBasedStateMachine):
                 value = json.loads(r.value)
                 key = (_ms(datetime.fromisoformat(value["window_start"])), value["ip"])
                 before = newest.get(key)
-                assert before is None or not before["is_final"] or before["count"] == value["count"] \
-                    or value["kind"] == "backfill", f"final count {key} published again as {value['count']}"
+                assert before is None or not before["is_final"] or value["kind"] == "backfill" \
+                    or (before["count"], value["is_final"]) == (value["count"], True), \
+                    f"final count {key} published again as {value['count']} (final: {value['is_final']})"
                 newest[key] = value
             next_version = cursor.next_version
-        from deltalake import DeltaTable
-        then = DeltaTable(self.cfg.counts_path, version=next_version - 1).to_pyarrow_table(
-            columns=["window_start", "ip", "count", "is_final"]).to_pylist()
+        then = self.published_rows.get(next_version - 1)
+        if then is None:
+            return  # a publish died past a version before its last: the next one goes on from it
         assert {(_ms(r["window_start"]), r["ip"]): (r["count"], r["is_final"]) for r in then} == \
             {k: (v["count"], v["is_final"]) for k, v in newest.items()}, \
             f"the sink topic differs from counts version {next_version - 1}"
