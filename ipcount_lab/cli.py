@@ -366,7 +366,9 @@ def _model(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     print(f"[lab] model test: {args.sequences} sequences of up to {args.steps} steps, seed {seed}", flush=True)
     try:
-        run = run_model(args.sequences, args.steps, seed)
+        run = run_model(args.sequences, args.steps, seed,
+                        progress=lambda n, steps: print(f"[lab] {n} of {args.sequences} sequences done, "
+                                                        f"{steps} steps", flush=True))
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     print(run.line())

@@ -45,8 +45,9 @@ class ModelRun:
                 "operations": dict(self.operations), "seconds": round(self.seconds, 1), "passed": self.passed}
 
 
-def run_model(sequences: int, steps: int, seed: int) -> ModelRun:
-    """Run the model test with ``sequences`` sequences of up to ``steps`` steps from ``seed``."""
+def run_model(sequences: int, steps: int, seed: int, progress=None, every_seconds: float = 60.0) -> ModelRun:
+    """Run the model test with ``sequences`` sequences of up to ``steps`` steps from ``seed``;
+    ``progress(sequences, steps)`` is told how far it got every ``every_seconds``."""
     if not (REPO_ROOT / MODEL_TEST.split("::")[0]).exists():
         raise FileNotFoundError(f"{MODEL_TEST.split('::')[0]} is not under {REPO_ROOT}: run from a checkout")
     run = ModelRun(seed, sequences, steps)
@@ -54,17 +55,33 @@ def run_model(sequences: int, steps: int, seed: int) -> ModelRun:
         report = Path(tmp) / "sequences.jsonl"
         env = {**os.environ, "IPCOUNT_MODEL_EXAMPLES": str(sequences), "IPCOUNT_MODEL_STEPS": str(steps),
                "IPCOUNT_MODEL_REPORT": str(report)}
+        output = Path(tmp) / "pytest.log"
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "pytest", MODEL_TEST, "-q", "-p", "no:cacheprovider",
-                               f"--hypothesis-seed={seed}", "--hypothesis-show-statistics"],
-                              cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        with output.open("w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", MODEL_TEST, "-q", "-p", "no:cacheprovider",
+                                     f"--hypothesis-seed={seed}", "--hypothesis-show-statistics"],
+                                    cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            while True:
+                try:
+                    proc.wait(timeout=every_seconds)
+                    break
+                except subprocess.TimeoutExpired:
+                    if progress is not None:
+                        progress(*_sequences(report)[:2])
         run.seconds = time.monotonic() - started
-        for line in report.read_text().splitlines() if report.exists() else ():
-            sequence = json.loads(line)
-            run.sequences += 1
-            run.steps += sequence["steps"]
-            run.operations.update(sequence["operations"])
-    run.passed = proc.returncode == 0
-    if not run.passed:
-        run.failure = (proc.stdout + proc.stderr)[-6000:]
+        run.sequences, run.steps, run.operations = _sequences(report)
+        run.passed = proc.returncode == 0
+        if not run.passed:
+            run.failure = output.read_text()[-6000:]
     return run
+
+
+def _sequences(report: Path) -> tuple[int, int, Counter]:
+    """(sequences, steps, operations) of the report so far."""
+    sequences, steps, operations = 0, 0, Counter()
+    for line in report.read_text().splitlines() if report.exists() else ():
+        if line.endswith("}"):  # (a line being written is left for the next look)
+            sequence = json.loads(line)
+            sequences, steps = sequences + 1, steps + sequence["steps"]
+            operations.update(sequence["operations"])
+    return sequences, steps, operations

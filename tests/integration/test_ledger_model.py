@@ -828,7 +828,10 @@ def test_the_lab_runs_the_model_and_adds_up_what_it_ran():
     """``bin/lab model``: the sequences the test ran and their steps, from its own report."""
     from ipcount_lab.model_run import run_model
 
-    run = run_model(sequences=2, steps=6, seed=3)
+    seen = []
+    run = run_model(sequences=2, steps=6, seed=3, progress=lambda n, steps: seen.append((n, steps)),
+                    every_seconds=0.5)
     assert run.passed, run.failure
+    assert seen and all(0 <= n <= 2 and 0 <= steps <= 12 for n, steps in seen)  # told how far it got
     assert run.sequences == 2 and 2 <= run.steps <= 12 and sum(run.operations.values()) >= run.steps
     assert "2 sequences of up to 6 steps" in run.line() and "0 invariant violations" in run.line()
