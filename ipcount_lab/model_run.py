@@ -71,8 +71,11 @@ def run_model(sequences: int, steps: int, seed: int, progress=None, every_second
         run.seconds = time.monotonic() - started
         run.sequences, run.steps, run.operations = _sequences(report)
         run.passed = proc.returncode == 0
-        if not run.passed:
-            run.failure = output.read_text()[-6000:]
+        if not run.passed:  # the whole output kept: the falsifying steps come before the statistics
+            kept = REPO_ROOT / ".local" / "model-runs" / f"seed-{seed}.log"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(output.read_text())
+            run.failure = f"the run's whole output (the failing steps first): {kept}"
     return run
 
 
