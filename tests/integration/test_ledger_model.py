@@ -664,11 +664,6 @@ class TablesSeen:
         return [] if table is None else table.to_pyarrow_table(columns=columns).to_pylist()
 
 
-def _table(path: str, columns: list[str] | None) -> list[dict]:
-    table = open_table(path)
-    return [] if table is None else table.to_pyarrow_table(columns=columns).to_pylist()
-
-
 def _ms(value: datetime) -> int:
     return round(value.timestamp() * 1000)
 
@@ -799,7 +794,7 @@ def test_a_backfill_finishes_the_chains_unfinished_epoch_before_its_own_chunk(tm
     epochs = {r["epoch"]: r for r in read_rows(cfg.ledger_path) if r["status"] == COMMITTED}
     assert sorted(epochs) == [1, 2, 3]
     assert epochs[2]["sink_version"] < epochs[3]["sink_version"], "the backfill's chunk committed before the chain"
-    counts = _table(cfg.counts_path, ["count"])
+    counts = TablesSeen().rows(cfg.counts_path, ["count"])
     assert sum(r["count"] for r in counts) == 25
 
 
