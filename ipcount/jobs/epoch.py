@@ -16,6 +16,7 @@ group happens after all this (:mod:`ipcount.jobs.group_commit`), for monitoring.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ from ipcount.rules.errors import CommitContention, DataLossError, EpochFenced, P
 from ipcount.rules.kafka_security import read_group_id, sasl_password, spark_kafka_options
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, EpochSummary, LedgerState, PartitionMetrics
 from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
-                                   read_tasks, reads_in_one_task, skip_deleted)
+                                   read_tasks, reads_in_one_task, skip_deleted, split_at_log_start)
 from ipcount.rules.records import dead_letter_prefix_bytes
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
@@ -224,9 +225,9 @@ class EpochRunner:
           ledger commit is all that was missing, and is made now, with the counts version and
           watermark its counts commit recorded (the record counts unknown);
         * they are not: what it wrote to the dead-letter and late tables is deleted, its lost
-          heads are recorded as ``lost``, and the rest of its ranges is released: to the
-          plans ``again`` makes of it, in the same commit (:meth:`Ledger.release`), or to
-          the next plan.
+          heads are recorded as ``lost``, and the rest of its ranges goes to the plans
+          ``again`` makes of it, in the same commit (:meth:`Ledger.release`), or, without
+          ``again``, to the next plan.
 
         True if the epoch was committed, False if it was released.
         """
@@ -312,11 +313,23 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession | None, run_id: str | Non
         plan, resumed = next_chain_epoch(runner, earliest, latest)
         lost = aged_out(plan, earliest, latest) if plan is not None and resumed and cfg.on_data_loss == "skip" else ()
         if lost:
-            runner.settle_aged_out(plan, lost)
+            runner.settle_aged_out(plan, lost, functools.partial(_rest_of, plan, earliest))
             plan, resumed = next_chain_epoch(runner, earliest, latest)
         if plan is None:
             return None
         return runner.execute(plan, earliest, latest, resumed=resumed, started=started)
+
+
+def _rest_of(plan: EpochPlan, earliest: dict[int, int], state: LedgerState) -> tuple[EpochPlan, ...]:
+    """The chain's next epoch over what Kafka still holds of ``plan``, a given-up epoch of
+    the chain: all of it, whatever this run's cap (the run that planned it kept to its own).
+    Recorded in the commit that gives ``plan`` up, so the offsets the chain had passed never
+    go back to being owned by no row (a backfill may have reported them done as the chain's)."""
+    rest, _ = split_at_log_start(plan.nonempty_ranges, earliest)
+    if not rest:
+        return ()
+    return (EpochPlan(state.last_epoch + 1, rest, state.watermark_ms, chain_watermark_ms=state.watermark_ms,
+                      planned_at_ms=int(time.time() * 1000)),)
 
 
 def aged_out(plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int]) -> tuple[OffsetRange, ...]:

@@ -190,8 +190,9 @@ class Ledger:
 
         ``again``: the plans that take over the rest of its ranges, made from the ledger's
         state (new epoch ids), recorded in the same commit - a backfill's rest, which no
-        later plan would take if it were left to a second commit that a death can skip.
-        Without it the rest is free for a new plan (the chain's next plan starts there).
+        later plan would take if it were left to a second commit that a death can skip, or
+        the chain's, which offsets the chain had passed must never leave. Without it the
+        rest is free for a new plan.
         ``run_id``: the run that plans them.
 
         Committed against the snapshot it was planned from or not at all; after a

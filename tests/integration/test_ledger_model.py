@@ -755,6 +755,35 @@ def test_after_a_settle_under_skip_an_idle_topic_is_idle(tmp_path):
     assert positions == {0: 12}
 
 
+def test_settling_the_chains_aged_out_epoch_with_a_smaller_cap_keeps_all_its_rest_owned(tmp_path):
+    """Model run, seed 60: the chain gave up its aged-out epoch and planned the rest afresh,
+    cut by the settling run's cap; the offsets past the cut, which the chain had passed (and
+    a backfill reported done on, as the chain's), were owned by no row until the chain came
+    back to them."""
+    from ipcount.rules.requests import request_from_fields
+    cfg = PipelineConfig(warehouse=str(tmp_path), topic="model", start_position="earliest", on_data_loss="skip")
+    log = SimulatedLog(cfg)
+    log.add_partitions(1)
+
+    def produce(first: int, n: int) -> None:
+        log.append(0, [Record(json.dumps({"ip": "10.0.0.1", "ts": T0 + i}).encode(), T0 + i)
+                       for i in range(first, first + n)])
+    produce(0, 5)
+    run_epoch(cfg, None, source=log)
+    (_, passed), = Ledger(cfg.ledger_path).state(cfg.topic).committed.items()
+    produce(5, 20)
+    end = log.partition_offsets()[1][0]
+    with pytest.raises(ProcessDeath):
+        run_epoch(cfg, None, crash=crash_at("after_plan"), source=log)  # epoch 2: all of the new records
+    done = run_backfill(cfg, None, request_from_fields({"offsets": f"0:{passed}-{end}"}, cfg.topic), source=log)
+    assert done.epochs == [] and [(r.from_offset, r.until_offset) for r in done.skipped] == [(passed, end)]
+    log.delete_records(0, passed + 2)
+    run_epoch(cfg.replace(max_records_per_epoch=4), None, source=log)
+    assert merge(owned_offsets(cfg)[0]) == ((0, end),)
+    lost = [(r["from_offset"], r["until_offset"]) for r in read_rows(cfg.ledger_path) if r["status"] == LOST]
+    assert lost == [(passed, passed + 2)]
+
+
 def test_a_backfill_finishes_the_chains_unfinished_epoch_before_its_own_chunk(tmp_path):
     """Review finding 3: a backfill waited at most 30 s for the chain's unfinished epoch, then
     committed its chunk first; a chain epoch slower than that lost its counts commit to every
