@@ -64,12 +64,15 @@ class RunState:
         retention waits until every other scenario has had a round and half the kills are made
         (it takes a turn anyway when nothing else can), and rebuild has no more rounds once the
         rebuild was completed or records were deleted (a rebuild replays only offsets Kafka
-        still holds, and the completed one is what the recount checks)."""
+        still holds, and the completed one is what the recount checks). A retention that
+        waited takes the first round it may have, rather than its next turn in the order."""
         n = len(self.order)
         others_done = all(s in self.by_scenario for s in self.order if s != RETENTION)
         waits = REBUILD in self.order and not (others_done and 2 * self.kills >= self.kills_wanted)
         candidates = [self.order[(self.rounds + k) % n] for k in range(n)]
         able = [s for s in candidates if not (s == REBUILD and (self.deleted or self.rebuilt is not None))]
+        if REBUILD in self.order and not waits and RETENTION in able and RETENTION not in self.by_scenario:
+            return RETENTION
         for s in able:
             if not (s == RETENTION and waits):
                 return s
