@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -9,6 +10,13 @@ import pytest
 
 from ipcount.rules.config import PipelineConfig
 from ipcount_lab.service import free_port  # noqa: F401 - tests import it from here
+
+# The suite's Spark drivers (sessions, spark-submit, Connect servers; the tests' own children
+# inherit this) are short-lived JVMs on a small machine: with C1 alone they spend less of it
+# compiling than tiered compilation does, and no test here is timed.
+_C1_ONLY = "-XX:TieredStopAtLevel=1"
+if _C1_ONLY not in os.environ.get("SPARK_SUBMIT_OPTS", ""):
+    os.environ["SPARK_SUBMIT_OPTS"] = f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} {_C1_ONLY}".strip()
 
 
 def run_until_idle(cfg: PipelineConfig, spark, limit: int = 20) -> list:
