@@ -324,12 +324,16 @@ def _rest_of(plan: EpochPlan, earliest: dict[int, int], state: LedgerState) -> t
     """The chain's next epoch over what Kafka still holds of ``plan``, a given-up epoch of
     the chain: all of it, whatever this run's cap (the run that planned it kept to its own).
     Recorded in the commit that gives ``plan`` up, so the offsets the chain had passed never
-    go back to being owned by no row (a backfill may have reported them done as the chain's)."""
+    go back to being owned by no row (a backfill may have reported them done as the chain's).
+    Before the chain's first commit its empty ranges are kept too: they are the start
+    positions it pinned, which no other row holds."""
     rest, _ = split_at_log_start(plan.nonempty_ranges, earliest)
+    if not state.committed:
+        rest += tuple(r for r in plan.ranges if r.size == 0 and r.partition in earliest)
     if not rest:
         return ()
-    return (EpochPlan(state.last_epoch + 1, rest, state.watermark_ms, chain_watermark_ms=state.watermark_ms,
-                      planned_at_ms=int(time.time() * 1000)),)
+    return (EpochPlan(state.last_epoch + 1, tuple(sorted(rest, key=lambda r: r.partition)), state.watermark_ms,
+                      chain_watermark_ms=state.watermark_ms),)
 
 
 def aged_out(plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int]) -> tuple[OffsetRange, ...]:

@@ -784,6 +784,33 @@ def test_settling_the_chains_aged_out_epoch_with_a_smaller_cap_keeps_all_its_res
     assert lost == [(passed, passed + 2)]
 
 
+def test_settling_the_chains_first_epoch_keeps_its_start_positions(tmp_path):
+    """Review of the chain's settle: the release dropped the given-up epoch's empty ranges,
+    which in a first epoch are the start positions it pinned; a partition left without a
+    row then started at its log start, counting history the start position had passed."""
+    cfg = PipelineConfig(warehouse=str(tmp_path), topic="model", start_position="earliest", on_data_loss="skip")
+    log = SimulatedLog(cfg)
+    log.add_partitions(2)
+    for p in (0, 1):
+        log.append(p, [Record(json.dumps({"ip": "10.0.0.1", "ts": T0 + i}).encode(), T0 + i) for i in range(10)])
+    history = log.partition_offsets()[1][0]
+
+    class StartsAtOffsets:  # start_position "specific": partition 0 at its end, partition 1 at 2
+        def __getattr__(self, name):
+            return getattr(log, name)
+
+        def start_offsets(self, earliest, latest):
+            return {0: latest[0], 1: 2}
+    starting = cfg.replace(start_position="specific", start_offsets=f"0:{history},1:2")
+    with pytest.raises(ProcessDeath):
+        run_epoch(starting, None, crash=crash_at("after_plan"), source=StartsAtOffsets())
+    log.delete_records(1, 4)
+    run_epoch(starting, None, source=StartsAtOffsets())     # settles epoch 1: [2, 4) of partition 1 lost
+    log.append(0, [Record(json.dumps({"ip": "10.0.0.1", "ts": T0 + 20}).encode(), T0 + 20)])
+    run_epoch(starting, None, source=StartsAtOffsets())
+    assert merge(owned_offsets(cfg)[0]) == ((history, log.partition_offsets()[1][0]),)
+
+
 def test_a_backfill_finishes_the_chains_unfinished_epoch_before_its_own_chunk(tmp_path):
     """Review finding 3: a backfill waited at most 30 s for the chain's unfinished epoch, then
     committed its chunk first; a chain epoch slower than that lost its counts commit to every
