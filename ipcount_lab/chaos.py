@@ -30,12 +30,12 @@ rest and resumed by the next rebuild round. A rebuild replays only offsets Kafka
 so when a run has both, retention waits until every other scenario has had its round and
 half the kills are made (then takes the next round), and the rebuild is then run to its end
 once, without kills, before the first records are deleted (or at the finish, if none are);
-from then on rebuild has no rounds. The ``answers`` scenario is the chain and a backfill racing while commit answers are
-lost: a run with it keeps its warehouse on an S3 store of its own (s3proxy) behind
-:mod:`ipcount_lab.lossy_proxy`, which in those rounds lets the store take every third
-commit and closes the connection instead of answering. The ``connect`` scenario runs the chain
-and a backfill on the run's own Spark Connect server (``spark_remote``), and half the time
-SIGKILLs the server under the chain and starts it again.
+from then on rebuild has no rounds. The ``answers`` scenario is the chain and a backfill
+racing while commit answers are lost: a run with it keeps its warehouse on an S3 store of
+its own (s3proxy) behind :mod:`ipcount_lab.lossy_proxy`, which in those rounds lets the store
+take every third commit and closes the connection instead of answering. The ``connect``
+scenario runs the chain and a backfill on the run's own Spark Connect server
+(``spark_remote``), and half the time SIGKILLs the server under the chain and starts it again.
 
 Then it lets the chain and every backfill finish without kills, each a process on the run's
 Spark Connect server (one is started for the finish when the run has no connect rounds),
