@@ -43,7 +43,10 @@ def add_config_flags(parser: argparse.ArgumentParser, names: Iterable[str] | Non
     for s in SETTINGS:
         if wanted is not None and s.name not in wanted:
             continue
-        help_text = f"{s.help} (default: {s.default}; env {s.env})"
+        details = [] if s.default == "" else [f"default: {s.default}"]  # (an empty one is in s.help)
+        if s.type == "int":
+            details.append(f"{s.minimum} to {s.maximum}")
+        help_text = f"{s.help} ({'; '.join([*details, f'env {s.env}'])})"
         if s.type == "bool":
             group.add_argument(flag(s.name), dest=s.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)

@@ -30,10 +30,10 @@ JSON_TYPES = {"str": "string", "int": "integer", "bool": "boolean"}
 
 
 def param_schema(s: Setting) -> dict[str, Any]:
-    """The JSON schema of a setting's Param: its type, least value and choices, and any more."""
+    """The JSON schema of a setting's Param: its type, range and choices, and any more."""
     schema: dict[str, Any] = {"type": JSON_TYPES[s.type]}
     if s.minimum is not None:
-        schema["minimum"] = s.minimum
+        schema.update(minimum=s.minimum, maximum=s.maximum)
     if s.choices:
         schema["enum"] = list(s.choices)
     return {**schema, **s.param}

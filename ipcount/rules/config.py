@@ -6,6 +6,8 @@ code reads ``os.environ``; it receives a :class:`PipelineConfig`.
 """
 from __future__ import annotations
 
+import difflib
+import ipaddress
 import json
 import os
 import re
@@ -29,6 +31,11 @@ EVENT_TIME_SOURCES = ("payload", "kafka")
 IDENTIFIER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,99}$")
 
 
+# Bounds of the int settings (seconds, or values that go into a 32-bit Java int).
+HOUR, WEEK, MONTH, YEAR = 3_600, 7 * 86_400, 31 * 86_400, 365 * 86_400
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+LAST_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the last time Python and Spark both hold
+
 # Who may set a setting. PIPELINE: the pipeline's settings. RUN: one run may set it differently
 # (the epoch DAG's Params).
 PIPELINE, RUN = "pipeline", "run"
@@ -45,7 +52,8 @@ class Setting:
     type: str                        # "str", "int" or "bool": the field's annotation
     default: Any
     help: str                        # the CLI's --help, the Param's description, the docs row
-    minimum: int | None = None       # int settings: the least allowed value
+    minimum: int | None = None       # int settings (each states both): the least allowed value
+    maximum: int | None = None       # and the greatest
     choices: tuple[str, ...] = ()    # the words allowed
     scope: str = PIPELINE
     title: str = ""                  # scope RUN: the trigger form's label
@@ -105,11 +113,11 @@ class PipelineConfig:
     late_table: str = setting("", "location of the late-records table (default <warehouse>/late_records)")
     maintenance_table: str = setting(
         "", "location of the maintenance log, a row per table and maintenance run (default <warehouse>/maintenance)")
-    window_seconds: int = setting(5, "tumbling event-time window size", minimum=1)
+    window_seconds: int = setting(5, "tumbling event-time window size", minimum=1, maximum=WEEK)
     allowed_lateness_seconds: int = setting(
         5,
         "a window accepts records until the watermark passes its end plus this",
-        minimum=0)
+        minimum=0, maximum=WEEK)
     event_time: str = setting(
         "payload",
         "where event time comes from: payload (the record's JSON ts or NGINX [time]) or kafka (the Kafka record "
@@ -119,13 +127,13 @@ class PipelineConfig:
         500_000,
         "cap on the offsets one epoch (or one backfill chunk) reads, split across partitions by backlog (no "
         "partition with a backlog is starved)",
-        minimum=1, scope=RUN, title="Max records in this epoch")
+        minimum=1, maximum=1_000_000_000, scope=RUN, title="Max records in this epoch")
     max_driver_tally_rows: int = setting(
         250_000,
         "an epoch's tally (a row per window and client counted, and per bad or late record) of at "
         "most this many rows is merged by the epoch's own process; a larger one is written by Spark's executors "
         "into the tables, and only the files' metadata reaches the process that commits (0: always the executors)",
-        minimum=0)
+        minimum=0, maximum=INT32_MAX)
     start_position: str = setting(
         "earliest",
         "where a pipeline with an empty ledger starts: earliest, latest, timestamp, group-offsets or specific; "
@@ -135,7 +143,7 @@ class PipelineConfig:
         -1,
         "for start_position timestamp: per partition, the first offset whose record timestamp is at or after "
         "this epoch-ms time (the end if none)",
-        scope=RUN, title="Start timestamp, epoch ms (start_position timestamp)", param={"minimum": -1})
+        scope=RUN, title="Start timestamp, epoch ms (start_position timestamp)", minimum=-1, maximum=LAST_MS)
     start_offsets: str = setting(
         "",
         "for start_position specific: 'partition:offset,...'; partitions not named start at earliest; offsets "
@@ -158,13 +166,14 @@ class PipelineConfig:
         True,
         "commit the ledger's positions to the consumer group after each epoch",
         scope=RUN, title="Commit offsets to the consumer group")
-    max_value_bytes: int = setting(65_536, "larger record values go to the dead-letter table as too_large", minimum=1)
+    max_value_bytes: int = setting(65_536, "larger record values go to the dead-letter table as too_large",
+                                   minimum=1, maximum=INT32_MAX)
     max_event_time_ahead_seconds: int = setting(
         3_600,
         "records whose event time is further than this past their Kafka timestamp (or the time their epoch was "
         "planned) go to the dead-letter table as event_time_ahead, so that one bad clock cannot move the "
         "watermark into the future (Kafka 4's message.timestamp.after.max.ms defaults to an hour too)",
-        minimum=0)
+        minimum=0, maximum=10 * YEAR)
     spark_master: str = setting(
         "local[*]",
         "master of the in-process Spark session (bin/ipcount epoch); the DAGs' spark-submit uses Airflow's "
@@ -184,7 +193,7 @@ class PipelineConfig:
         "id of an Airflow connection of type spark_connect (host, port, password: the server's token, extra "
         "use_ssl): set, the DAGs' Spark tasks run their command in the task's own process on that Spark Connect "
         "server (not spark-submit)")
-    kafka_timeout_seconds: int = setting(30, "timeout of broker requests", minimum=1)
+    kafka_timeout_seconds: int = setting(30, "timeout of broker requests", minimum=1, maximum=HOUR)
     schedule: str = setting(
         "* * * * *",
         "the epoch DAG's schedule, read when Airflow parses the DAG: a cron expression or preset, as data "
@@ -198,22 +207,23 @@ class PipelineConfig:
         "it bounds the delay after a lost event or a stopped triggerer, and gives airflow backfill create its "
         "intervals), or none: new data alone starts runs")
     on_data_poll_seconds: int = setting(
-        2, "with schedule on-data, how often the watcher compares the log ends with the ledger", minimum=1)
+        2, "with schedule on-data, how often the watcher compares the log ends with the ledger",
+        minimum=1, maximum=HOUR)
     alert_lag_records: int = setting(
         0,
         "after each epoch DAG run, its check_freshness task fails (so the failure alerts configured in Airflow "
         "fire) when more than this many offsets wait past the chain; 0: off",
-        minimum=0)
+        minimum=0, maximum=INT64_MAX)
     alert_stale_seconds: int = setting(
         0,
         "after each epoch DAG run, check_freshness fails when records wait and the chain's last commit is older "
         "than this; 0: off",
-        minimum=0)
+        minimum=0, maximum=MONTH)
     alert_run_seconds: int = setting(
         0,
         "a Deadline Alert on each epoch DAG run: when the run is not done this long after it was queued, its "
         "callback (ipcount.orchestration.alerts.run_overdue) logs an error; 0: off",
-        minimum=0)
+        minimum=0, maximum=MONTH)
     metrics_token_file: str = setting(
         "",
         "file (mode 0600) holding a token of at least 32 characters that a scraper sends as Authorization: "
@@ -223,12 +233,12 @@ class PipelineConfig:
         "the longest one Spark command of a DAG run (epoch, backfill, rebuild) may take: the tasks' "
         "execution_timeout (a task past it fails and is retried; its epoch stays planned and the retry finishes "
         "it)",
-        minimum=1)
+        minimum=1, maximum=MONTH)
     dagrun_timeout_seconds: int = setting(
         7_200,
         "a DAG run still running after this fails (Airflow's dagrun_timeout), so one stuck run cannot hold the "
         "DAG's one active run for good",
-        minimum=1)
+        minimum=1, maximum=MONTH)
     kafka_security_protocol: str = setting(
         "PLAINTEXT",
         "how the pipeline talks to Kafka: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL (SASL login over TLS)",
@@ -273,13 +283,13 @@ class PipelineConfig:
         168,
         "maintenance deletes a data file once no table version has referenced it for this long (Delta's VACUUM "
         "retention; a reader of an older version needs its files)",
-        minimum=1)
+        minimum=1, maximum=10 * YEAR // 3600)
     log_retention_hours: int = setting(
         1,
         "every table's commits older than this are deleted from its _delta_log, below its last checkpoint (Delta's "
         "delta.logRetentionDuration): time travel and streaming readers of a table reach back this far, and every "
         "commit lists the log, so a longer one costs each epoch; versions not yet published are kept",
-        minimum=1)
+        minimum=1, maximum=10 * YEAR // 3600)
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -294,11 +304,8 @@ class PipelineConfig:
         if self.on_data_fallback.strip().lower() != "none" and not is_cron(self.on_data_fallback):
             raise ConfigError(f"on_data_fallback {self.on_data_fallback!r}: expected a cron expression or preset "
                               "such as '@hourly' (the clock beside the data), or none")
-        if self.spark_remote and not re.match(r"^sc://[^/\s:;]+(:\d{1,5})?/?$", self.spark_remote):
-            # (No ;parameters: a token there would be in every command line; it has its file.)
-            raise ConfigError(f"spark_remote must be a Spark Connect URL such as sc://localhost:15002, with no "
-                              f";parameters (the token goes in spark_remote_token_file), or empty for a Spark "
-                              f"session in this process; found {self.spark_remote!r}")
+        if self.spark_remote:
+            _check_spark_remote(self.spark_remote)
         if self.spark_remote_token_file and not self.spark_remote:
             raise ConfigError("spark_remote_token_file is set but spark_remote is not: the token is for a Spark "
                               "Connect server")
@@ -365,15 +372,17 @@ class PipelineConfig:
         if not self.bootstrap_servers.strip():
             raise ConfigError("bootstrap_servers is empty; expected host:port[,host:port...]")
         for hostport in self.bootstrap_servers.split(","):
-            if not re.match(r"^[^:\s]+:\d{1,5}$", hostport.strip()):
-                raise ConfigError(
-                    f"bootstrap_servers entry {hostport!r} is not host:port (in {self.bootstrap_servers!r})")
+            parse_host_port(hostport, "bootstrap_servers entry")
 
     def _check_numbers_and_choices(self) -> None:
-        for name, minimum in MINIMUMS.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ConfigError(f"{name} must be an integer >= {minimum}; found {value!r}")
+        for s in SETTINGS:
+            if s.type != "int":
+                continue
+            value = getattr(self, s.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{s.name} must be an integer; found {value!r}")
+            if not s.minimum <= value <= s.maximum:
+                raise ConfigError(f"{s.name} must be an integer from {s.minimum} to {s.maximum}; found {value!r}")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}; found {getattr(self, name)!r}")
@@ -395,8 +404,13 @@ class PipelineConfig:
         """Defaults < ``config_file`` (or ``$IPCOUNT_CONFIG``) < ``IPCOUNT_*`` env < overrides."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        config_file = config_file or environ.get(f"{ENV_PREFIX}CONFIG") or None
-        if config_file:
+        if config_file is None:
+            config_file = environ.get(f"{ENV_PREFIX}CONFIG")
+            if config_file is not None and not config_file.strip():
+                raise ConfigError(f"{ENV_PREFIX}CONFIG is set but empty: name a config file, or unset it")
+        elif not str(config_file).strip():
+            raise ConfigError("--config is empty: name a config file, or leave the flag out")
+        if config_file is not None:
             values.update(read_config_file(config_file))
         values.update(_from_env(environ))
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -498,7 +512,6 @@ SETTINGS = tuple(Setting(f.name, str(f.type), f.default, **f.metadata["setting"]
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 SETTINGS_HELP = {s.name: s.help for s in SETTINGS}
 CHOICES = {s.name: s.choices for s in SETTINGS if s.choices}
-MINIMUMS = {s.name: s.minimum for s in SETTINGS if s.minimum is not None}
 PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
 
 # The settings of the commands that do not take them all (the rest, and every command's
@@ -547,6 +560,40 @@ def is_cron(expression: str) -> bool:
     return croniter.is_valid(cron_expression(expression))
 
 
+_HOST_PORT = re.compile(r"^(?:\[(?P<ipv6>[^\]\s]+)\]|(?P<host>[A-Za-z0-9._-]+)):(?P<port>\d{1,5})$")
+
+
+def parse_host_port(text: str, what: str) -> tuple[str, int]:
+    """``host:port`` (a host name, an IPv4 address, or an IPv6 address in brackets:
+    ``[::1]:9092``) as (host without brackets, port); a :class:`ConfigError` naming ``what``
+    otherwise."""
+    m = _HOST_PORT.match(text.strip())
+    if not m:
+        raise ConfigError(f"{what} {text!r} is not host:port (a host name or IPv4 address, or an IPv6 address in "
+                          "brackets such as [::1]:9092)")
+    if m["ipv6"]:
+        try:
+            ipaddress.IPv6Address(m["ipv6"])
+        except ValueError:
+            raise ConfigError(f"{what} {text!r}: {m['ipv6']!r} in brackets is not an IPv6 address") from None
+    port = int(m["port"])
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{what} {text!r}: port {port} is not between 1 and 65535")
+    return m["ipv6"] or m["host"], port
+
+
+def _check_spark_remote(url: str) -> None:
+    """``sc://host[:port][/]``. (No ;parameters: a token there would be in every command
+    line; it has its file.)"""
+    netloc = url[len("sc://"):].removesuffix("/") if url.startswith("sc://") else ""
+    if not netloc or ";" in netloc or "/" in netloc:
+        raise ConfigError(f"spark_remote must be a Spark Connect URL such as sc://localhost:15002, with no "
+                          f";parameters (the token goes in spark_remote_token_file), or empty for a Spark "
+                          f"session in this process; found {url!r}")
+    has_port = re.search(r":\d*$", netloc) and not netloc.endswith("]")
+    parse_host_port(netloc if has_port else f"{netloc}:15002", "spark_remote's address")
+
+
 # Where delta-rs can keep tables besides a local directory (its credentials and endpoint
 # come from the standard AWS_* environment variables).
 OBJECT_STORAGE_SCHEMES = ("s3", "s3a")
@@ -569,8 +616,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a ``.toml`` or ``.json`` file of settings (top-level keys, or an ``[ipcount]`` table:
     not both)."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"config file {str(p)!r} does not exist")
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} is {'a directory' if p.is_dir() else 'not a regular file'}; "
+                          "expected a .toml or .json file of settings")
     kind = "JSON" if p.suffix == ".json" else "TOML"
     try:
         text = p.read_text(encoding="utf-8")
@@ -598,35 +648,58 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(settings)
 
 
+# IPCOUNT_* variables that are not settings: the config file, the test and lab hooks, and
+# the secrets bin/compose-env writes to .env for docker-compose (a shell may have sourced it).
+OTHER_VARIABLES = frozenset(ENV_PREFIX + name for name in (
+    "CONFIG", "CRASH_AT", "MODEL_EXAMPLES", "MODEL_STEPS", "MODEL_REPORT", "TEST_DAG_DENY", "TEST_ARTIFACTS",
+    "AIRFLOW_ADMIN_PASSWORD", "AIRFLOW_JWT_SECRET", "CONNECT_TOKEN", "KAFKA_EXTERNAL_PASSWORD",
+    "POSTGRES_PASSWORD", "S3_SECRET"))
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings of the ``IPCOUNT_*`` variables; one that is no setting (a typo such as
+    ``IPCOUNT_WINDOW_SECOND``) is refused, as an unknown key of a config file is."""
     names = {f.name for f in fields(PipelineConfig)}
     out = {}
     for key, value in environ.items():
-        if key.startswith(ENV_PREFIX) and key != f"{ENV_PREFIX}CONFIG":
-            name = key[len(ENV_PREFIX):].lower()
-            if name in names:
-                out[name] = value
+        if not key.startswith(ENV_PREFIX) or key in OTHER_VARIABLES:
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in names or key != env_name(name):
+            close = difflib.get_close_matches(key, [env_name(n) for n in names], n=1)
+            raise ConfigError(f"environment variable {key} is no setting of the pipeline"
+                              + (f" (did you mean {close[0]}?)" if close else "")
+                              + "; the settings' variables are listed in docs/configuration.md")
+        out[name] = value
     return out
 
 
 def _convert(name: str, type_name: Any, value: Any) -> Any:
+    """``value`` as the setting's type: its own type, or a string spelling it (flags and
+    variables are strings); anything else (a TOML list, a number for a name) is refused."""
     type_name = str(type_name)
     if type_name == "bool":
         if isinstance(value, bool):
             return value
-        text = str(value).strip().lower()
+        text = value.strip().lower() if isinstance(value, str) else None
         if text in ("1", "true", "yes", "on"):
             return True
         if text in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{name} must be true or false; found {value!r}")
     if type_name == "int":
-        if isinstance(value, bool):
-            raise ConfigError(f"{name} must be an integer; found {value!r}")
-        try:
-            return int(str(value).replace("_", "")) if not isinstance(value, int) else value
-        except ValueError as e:
-            raise ConfigError(f"{name} must be an integer; found {value!r}") from e
-    return str(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d[\d_]*\s*", value):
+            return int(value.replace("_", ""))
+        raise ConfigError(f"{name} must be an integer; found {value!r}")
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string; found {value!r} ({type(value).__name__}): quote it in a "
+                          "config file")
+    if re.search(r"[\x00-\x1f\x7f]", value):
+        raise ConfigError(f"{name} holds a control character (a line break or tab?); found {value!r}")
+    return value
 
 

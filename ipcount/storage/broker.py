@@ -17,7 +17,7 @@ from kafka.errors import (KafkaConnectionError, KafkaTimeoutError, NoError, Retr
                           SaslAuthenticationFailedError, TopicAlreadyExistsError, UnsupportedSaslMechanismError)
 from kafka.structs import OffsetAndMetadata
 
-from ipcount.rules.config import REPO_ROOT, PipelineConfig
+from ipcount.rules.config import REPO_ROOT, PipelineConfig, parse_host_port
 from ipcount.rules.kafka_security import (SCRAM_MECHANISMS, check_resolved, java_client_properties,
                                           kafka_python_options, properties_file_text, sasl_password)
 from ipcount.rules.errors import BrokerUnavailableError, StartPositionError, UnknownTopicError
@@ -104,9 +104,8 @@ def _unreachable(cfg: PipelineConfig, failure: BaseException | None) -> str:
             + (f" (last error: {failure})" if failure is not None else ""))
 
 
-def _first_bootstrap(cfg: PipelineConfig) -> tuple[str, str]:
-    host, _, port = cfg.bootstrap_servers.split(",")[0].strip().rpartition(":")
-    return host, port
+def _first_bootstrap(cfg: PipelineConfig) -> tuple[str, int]:
+    return parse_host_port(cfg.bootstrap_servers.split(",")[0], "bootstrap_servers entry")
 
 
 def _accepts_connections(cfg: PipelineConfig) -> bool:

@@ -42,7 +42,23 @@ def test_tables_on_object_storage_keep_their_uri():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"window_seconds": 0}, "window_seconds must be an integer >= 1; found 0"),
+    ({"window_seconds": 0}, "window_seconds must be an integer from 1 to 604800; found 0"),
+    ({"window_seconds": 10**20}, "window_seconds must be an integer from 1 to 604800; found 100000000000000000000"),
+    ({"window_seconds": "1e20"}, "window_seconds must be an integer; found '1e20'"),
+    ({"window_seconds": 5.0}, "window_seconds must be an integer; found 5.0"),
+    ({"kafka_timeout_seconds": "86400"}, "kafka_timeout_seconds must be an integer from 1 to 3600"),
+    ({"bootstrap_servers": "h:0"}, "bootstrap_servers entry 'h:0': port 0 is not between 1 and 65535"),
+    ({"bootstrap_servers": "h:9092,h:65536"}, "port 65536 is not between 1 and 65535"),
+    ({"bootstrap_servers": "[::g]:9092"}, "'::g' in brackets is not an IPv6 address"),
+    ({"bootstrap_servers": "::1:9092"}, "'::1:9092' is not host:port"),
+    ({"spark_remote": "sc://h:70000"}, "port 70000 is not between 1 and 65535"),
+    ({"spark_remote": "sc://h:1;token=x"}, "with no ;parameters"),
+    ({"spark_remote": "sc://"}, "spark_remote must be a Spark Connect URL"),
+    ({"topic": 123}, "topic must be a string; found 123 (int): quote it in a config file"),
+    ({"warehouse": ["/a", "/b"]}, "warehouse must be a string; found ['/a', '/b'] (list)"),
+    ({"warehouse": {"path": "/a"}}, "warehouse must be a string; found {'path': '/a'} (dict)"),
+    ({"warehouse": "/tmp/a\nb"}, "warehouse holds a control character (a line break or tab?)"),
+    ({"commit_offsets": 1}, "commit_offsets must be true or false; found 1"),
     ({"start_position": "middle"}, "start_position must be one of earliest, latest, timestamp, group-offsets, specific; found 'middle'"),
     ({"bootstrap_servers": "localhost"}, "bootstrap_servers entry 'localhost' is not host:port"),
     ({"topic": "bad topic"}, "topic must be a legal Kafka topic name"),
@@ -71,6 +87,63 @@ def test_schedules_airflow_takes_are_taken(schedule):
     assert PipelineConfig(schedule=schedule, on_data_fallback="none", maintenance_schedule="none").schedule == schedule
     if schedule not in ("@continuous", "on-data"):
         assert PipelineConfig(on_data_fallback=schedule, maintenance_schedule=schedule).on_data_fallback == schedule
+
+
+@pytest.mark.parametrize("value", ["[::1]:9092", "kafka-0.example.com:9093,10.0.0.7:9092, [fe80::1%eth0]:19092",
+                                   "h:1", "h:65535"])
+def test_bootstrap_servers_in_every_legal_form_are_taken(value):
+    assert PipelineConfig(bootstrap_servers=value).bootstrap_servers == value
+
+
+@pytest.mark.parametrize("url", ["sc://localhost:15002", "sc://localhost", "sc://[::1]:15002", "sc://[::1]/"])
+def test_spark_connect_urls_in_every_legal_form_are_taken(url):
+    assert PipelineConfig(spark_remote=url).spark_remote == url
+
+
+def test_every_int_setting_states_its_range_and_its_param_schema_carries_it():
+    from ipcount.orchestration.dags import param_schema
+    from ipcount.rules.config import SETTINGS
+
+    for s in SETTINGS:
+        if s.type == "int":
+            assert s.minimum is not None and s.maximum is not None and s.minimum <= s.default <= s.maximum, s.name
+            if s.scope == "run":
+                assert (param_schema(s)["minimum"], param_schema(s)["maximum"]) == (s.minimum, s.maximum)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"IPCOUNT_WINDOW_SECOND": "10"},
+     "environment variable IPCOUNT_WINDOW_SECOND is no setting of the pipeline (did you mean IPCOUNT_WINDOW_SECONDS?)"),
+    ({"IPCOUNT_topic": "t"}, "environment variable IPCOUNT_topic is no setting of the pipeline (did you mean "
+                             "IPCOUNT_TOPIC?)"),
+    ({"IPCOUNT_CONFIG": ""}, "IPCOUNT_CONFIG is set but empty"),
+    ({"IPCOUNT_CONFIG": "  "}, "IPCOUNT_CONFIG is set but empty"),
+])
+def test_a_variable_the_pipeline_would_not_read_is_refused(env, message):
+    with pytest.raises(ConfigError) as e:
+        PipelineConfig.load(environ=env)
+    assert message in str(e.value)
+
+
+def test_the_variables_beside_the_settings_are_not_refused():
+    env = {"IPCOUNT_CRASH_AT": "after_plan", "IPCOUNT_S3_SECRET": "x", "IPCOUNT_TOPIC": "t", "IPCOUNTX": "y"}
+    assert PipelineConfig.load(environ=env).topic == "t"
+
+
+def test_a_config_path_that_is_empty_a_directory_or_a_device_is_refused_as_such(tmp_path):
+    with pytest.raises(ConfigError, match="--config is empty"):
+        PipelineConfig.load(config_file="", environ={})
+    with pytest.raises(ConfigError, match="is a directory; expected a .toml or .json file"):
+        PipelineConfig.load(config_file=tmp_path, environ={})
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        PipelineConfig.load(config_file="/dev/null", environ={})
+
+
+def test_a_toml_file_of_wrongly_typed_values_is_refused(tmp_path):
+    f = tmp_path / "p.toml"
+    f.write_text('topic = 123\n')
+    with pytest.raises(ConfigError, match="topic must be a string; found 123"):
+        PipelineConfig.load(config_file=f, environ={})
 
 
 def test_bad_config_file_is_reported(tmp_path):
@@ -133,7 +206,7 @@ def test_cli_rejects_bad_values_with_exit_code_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["config", "--window-seconds", "-1"])
     assert e.value.code == 2
-    assert "window_seconds must be an integer >= 1; found -1" in capsys.readouterr().err
+    assert "window_seconds must be an integer from 1 to 604800; found -1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args", [["generate", "--rate", "0"], ["generate", "--rate", "nan"],
@@ -169,7 +242,7 @@ def test_a_command_that_reads_no_setting_is_not_stopped_by_a_bad_one(monkeypatch
     monkeypatch.setenv("IPCOUNT_WINDOW_SECONDS", "-1")
     parser = build_parser()
     assert load_config(parser.parse_args(["connect-server", "--token-file", "f"])) == PipelineConfig()
-    with pytest.raises(ConfigError, match="window_seconds must be an integer >= 1; found -1"):
+    with pytest.raises(ConfigError, match="window_seconds must be an integer from 1 to 604800; found -1"):
         load_config(parser.parse_args(["watch"]))
 
 
