@@ -4,6 +4,7 @@
     backfill   count an offset or time range the ledger does not own yet, in bounded epochs
     verify     recount what a table's ledger says is counted, straight from Kafka, and compare
     rebuild    replay a ledger's committed epochs into a fresh replay table set
+    maintain   compact, checkpoint and vacuum every table of the set (no JVM)
     watch      print a line per epoch as epochs commit (reads the ledger, no JVM)
     latency    how long records waited to be counted: produce time -> counts commit, p50/p95
     publish    publish committed counts to the sink topic, exactly once (no JVM)
@@ -74,6 +75,39 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < 1e9:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, not {value}")
+    return value
+
+
+def not_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def load_config(args: argparse.Namespace) -> PipelineConfig:
     """The settings, from the command's flags where it has them (a command without the
     settings flags reads the file and IPCOUNT_* variables only; one that reads no setting
@@ -105,6 +139,9 @@ def main(argv: Sequence[str] | None = None,
                         stream=sys.stderr)
     for noisy in ("kafka", "py4j"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # delta-rs logs each credentials provider the AWS SDK tries as a WARN line of its own; the
+    # error a command reports says what failed and what to set.
+    os.environ.setdefault("RUST_LOG", "error")
     commands = COMMANDS if commands is None else commands
     parser = build_parser(commands, prog, doc)
     args = parser.parse_args(argv)
@@ -171,13 +208,14 @@ def _epoch_arguments(sub) -> None:
 
 
 def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.jobs.epoch import run_epoch
+    from ipcount.jobs.epoch import check_before_touch, run_epoch
     from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
     from ipcount.jobs.publish import publish_step
     from ipcount.rules.ledger import EpochSummary
     from ipcount.storage.spark import get_spark
 
     crash = _crash_hook()
+    check_before_touch(cfg)  # before the JVM's 10-15 s (run_epoch checks again before any table)
     spark = get_spark(cfg)
     # Several epochs in one session (catching up after downtime) pay the JVM and Spark
     # start once; each is still a whole epoch, exactly as if run on its own.
@@ -221,7 +259,7 @@ def _backfill_arguments(sub) -> None:
                       help='the request as one JSON object, as the backfill DAG passes it: {"target": ..., '
                            '"offsets": ... | "from_time": ..., "until_time": ...} (empty values are ignored)')
     p.add_argument("--until-time", metavar="TIME", help="end of the time range (exclusive); needs --from-time")
-    p.add_argument("--target", default="main",
+    p.add_argument("--target", type=not_empty,
                    help="'main' (the pipeline's tables, default) or a replay table name: a plain identifier; "
                         "its tables and ledger live under <warehouse>/replays/<name>/")
     p.add_argument("--run-id", help="Airflow run id recorded in the ledger (set by the DAG)")
@@ -233,21 +271,28 @@ def _backfill_request(args: argparse.Namespace, cfg: PipelineConfig):
     from ipcount.rules.requests import request_from_fields
 
     if args.request_json is not None:
+        given = [name for name, value in (("--target", args.target), ("--until-time", args.until_time))
+                 if value is not None]
+        if given:
+            raise BadRequestError(f"{' and '.join(given)} cannot go with --request-json: put "
+                                  f"{'them' if len(given) > 1 else 'it'} in the request")
         return request_from_fields(args.request_json, cfg.topic)
     if args.offsets is not None and args.until_time is not None:
         raise BadRequestError("--until-time goes with --from-time, not with --offsets")
     if args.from_time is not None and args.until_time is None:
         raise BadRequestError("--from-time needs --until-time (the end of the range, exclusive)")
-    return request_from_fields({"target": args.target, "offsets": args.offsets, "from_time": args.from_time,
+    return request_from_fields({"target": args.target or "main", "offsets": args.offsets, "from_time": args.from_time,
                                 "until_time": args.until_time}, cfg.topic, time_names=("--from-time", "--until-time"))
 
 
 def _backfill(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.jobs.backfill import resolve, run_backfill
+    from ipcount.jobs.epoch import check_locations
     from ipcount.storage.spark import get_spark
 
     crash = _crash_hook()
     request = _backfill_request(args, cfg)
+    check_locations(cfg.for_target(request.target))
     resolved = resolve(cfg, request)  # checked, with the broker, before Spark starts
     report = run_backfill(cfg, get_spark(cfg), request, run_id=args.run_id, crash=crash, resolved=resolved)
     print(report.line(), flush=True)
@@ -263,11 +308,15 @@ def _verify_arguments(sub) -> None:
                        description="Recount every offset the target's ledger has committed, straight from "
                                    "Kafka with a plain consumer and the Python record specification, and "
                                    "compare with the counts table per window and IP. Prints each difference. "
-                                   "Exit codes: 0 equal, 1 different, 4 broker unreachable.")
-    p.add_argument("--target", default="main", help="'main' (default) or a replay table name")
+                                   "A verify of nothing is no pass: no committed offsets, or no counted window "
+                                   "in the time range, exits 1. Exit codes: 0 equal, 1 different or nothing "
+                                   "to compare, 2 bad request or settings, or no such table set, 4 broker "
+                                   "unreachable or topic missing, 5 object storage unreachable.")
+    p.add_argument("--target", default="main", type=not_empty, help="'main' (default) or a replay table name")
     p.add_argument("--from-time", metavar="TIME", help="only compare windows starting at or after this time")
     p.add_argument("--until-time", metavar="TIME", help="only compare windows starting before this time")
-    p.add_argument("--max-differences", type=int, default=50, help="differences to print (default 50)")
+    p.add_argument("--max-differences", type=non_negative_int, default=50,
+                   help="differences to print (default 50)")
     add_config_flags(p, COMMAND_SETTINGS["verify"])
 
 
@@ -300,9 +349,12 @@ def _rebuild_arguments(sub) -> None:
 
 
 def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.jobs.rebuild import rebuild
+    from ipcount.jobs.rebuild import check_request, rebuild
+    from ipcount.storage.broker import partition_offsets
     from ipcount.storage.spark import get_spark
 
+    check_request(cfg, args.into, args.source)  # the request, the tables' locations and the broker, before
+    partition_offsets(cfg)                      # the JVM starts (rebuild checks the offsets again)
     report = rebuild(cfg, get_spark(cfg), args.into, args.source, run_id=args.run_id)
     print(report.line(), flush=True)
     return EXIT_OK
@@ -328,9 +380,11 @@ def _publish_arguments(sub) -> None:
 
 def _publish(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.jobs.publish import publish_pending
+    from ipcount.storage.tableset import existing
 
     if not cfg.publish:
         raise ConfigError("publish is off for this pipeline; set publish = true (--publish or IPCOUNT_PUBLISH)")
+    existing(cfg, command="publish")
     report = publish_pending(cfg, _crash_hook(), resync=args.resync)
     print(f"published {len(report.published)} counts version(s), {report.records} record(s), to "
           f"{cfg.publish_topic}; next version {report.cursor.next_version if report.cursor else '-'}")
@@ -352,10 +406,9 @@ def _maintain_arguments(sub) -> None:
 
 def _maintain(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.jobs.maintenance import run_maintenance
-    from ipcount.storage.delta import has_table
+    from ipcount.storage.tableset import existing
 
-    if not has_table(cfg.ledger_path):
-        raise ConfigError(f"no ledger at {cfg.ledger_path}: nothing to maintain (check warehouse / ledger_table)")
+    existing(cfg, command="maintain")
     run = run_maintenance(cfg)
     for line in run.lines():
         print(line)
@@ -367,8 +420,9 @@ def _watch_arguments(sub) -> None:
     p = sub.add_parser("watch", help="print a line per epoch as epochs commit",
                        description="Follow the ledger and print one line per committed epoch.")
     add_config_flags(p, COMMAND_SETTINGS["watch"])
-    p.add_argument("--epochs", type=int, default=None, help="exit after this many new epochs")
-    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 1)")
+    p.add_argument("--epochs", type=positive_int, default=None, help="exit after this many new epochs")
+    p.add_argument("--timeout", type=positive_seconds, default=None,
+                   help="give up after this many seconds (exit 1)")
     p.add_argument("--from-start", action="store_true", help="also print epochs committed before now")
 
 
@@ -379,25 +433,27 @@ def _latency_arguments(sub) -> None:
                                    "epochs: read after the fact from the ledger, the counts table's log and the "
                                    "topic (no JVM).")
     add_config_flags(p, COMMAND_SETTINGS["latency"])
-    p.add_argument("--epochs", type=int, default=None, help="only the last N committed epochs (default all)")
+    p.add_argument("--epochs", type=positive_int, default=None,
+                   help="only the last N committed epochs (default all)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
 def _latency(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.jobs.latency import measure
 
-    if args.epochs is not None and args.epochs < 1:
-        raise ConfigError(f"--epochs must be at least 1; found {args.epochs}")
     found = measure(cfg, args.epochs)
     print(json.dumps(found.as_dict()) if args.json else found.line())
     return EXIT_OK if found.records else EXIT_FAILED
 
 
 def _watch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.storage.delta import has_table
     from ipcount.storage.ledger import committed_epochs
 
     last = 0
-    if not args.from_start:
+    if not has_table(cfg.ledger_path):  # (refuses a location no table can be at)
+        print(f"no ledger at {cfg.ledger_path} yet: waiting for the first epoch", file=sys.stderr, flush=True)
+    elif not args.from_start:
         done = committed_epochs(cfg.ledger_path)
         last = done[-1].epoch if done else 0
     seen, started = 0, time.monotonic()
@@ -437,7 +493,7 @@ def _scram_user_arguments(sub) -> None:
                        description="Give --username SCRAM-SHA-256 and -512 credentials (made or replaced) on "
                                    "the pipeline's broker, the password read from a private file, never from "
                                    "the command line; the pipeline logs in with its own Kafka settings.")
-    p.add_argument("--username", required=True, help="the user to give credentials")
+    p.add_argument("--username", required=True, type=not_empty, help="the user to give credentials")
     p.add_argument("--password-file", required=True, help="a private file (mode 0600) holding the user's password")
     add_config_flags(p, COMMAND_SETTINGS["scram-user"])
 
@@ -457,11 +513,13 @@ def _connect_server_arguments(sub) -> None:
                                    "until SIGTERM or SIGINT, as a container's main process; exit code 0 when "
                                    "stopped by a signal. It takes only clients with the token in --token-file. In the "
                                    "lab, `bin/lab spark-connect start` runs one in the background.")
-    p.add_argument("--port", type=positive_int, default=15002, help="the server's port (default 15002)")
-    p.add_argument("--bind", default="127.0.0.1", help="the address it listens on (default 127.0.0.1: it has "
-                                                       "no TLS, so keep it off networks others reach)")
-    p.add_argument("--master", default="local[*]", help="the Spark master of its sessions (default local[*]; "
-                                                        "a standalone cluster: spark://host:7077)")
+    p.add_argument("--port", type=port_number, default=15002, help="the server's port (default 15002)")
+    p.add_argument("--bind", default="127.0.0.1", type=not_empty,
+                   help="the address it listens on (default 127.0.0.1: it has no TLS, so keep it off networks "
+                        "others reach)")
+    p.add_argument("--master", default="local[*]", type=not_empty,
+                   help="the Spark master of its sessions (default local[*]; a standalone cluster: "
+                        "spark://host:7077)")
     p.add_argument("--cores", type=positive_int, default=os.cpu_count() or 2,
                    help="tasks per stage by default (spark.default.parallelism; default: this machine's CPUs)")
     p.add_argument("--token-file", required=True, help="a private file (mode 0600) holding the clients' token")

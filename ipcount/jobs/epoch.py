@@ -33,9 +33,10 @@ from ipcount.rules.ledger import SCHEDULED, EpochPlan, EpochSummary, LedgerState
 from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
                                    read_tasks, reads_in_one_task, skip_deleted, split_at_log_start)
 from ipcount.rules.records import dead_letter_prefix_bytes
+from ipcount.rules.tableset import locations as table_locations
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
-from ipcount.storage.delta import one_epoch_of_tables
+from ipcount.storage.delta import check_writable, one_epoch_of_tables
 from ipcount.storage.ledger import Ledger
 from ipcount.storage.sink import Sink
 from ipcount.storage.spark import read_group_key, task_slots
@@ -308,8 +309,9 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession | None, run_id: str | Non
     the topic on the broker, through ``spark``)."""
     started = time.monotonic()
     with one_epoch_of_tables():
+        source = source if source is not None else KafkaSource(cfg, spark)
+        earliest, latest = check_before_touch(cfg, source)
         runner = EpochRunner.open(cfg, spark, run_id, crash, source)
-        earliest, latest = runner.source.partition_offsets()
         plan, resumed = next_chain_epoch(runner, earliest, latest)
         lost = aged_out(plan, earliest, latest) if plan is not None and resumed and cfg.on_data_loss == "skip" else ()
         if lost:
@@ -318,6 +320,21 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession | None, run_id: str | Non
         if plan is None:
             return None
         return runner.execute(plan, earliest, latest, resumed=resumed, started=started)
+
+
+def check_before_touch(cfg: PipelineConfig, source: Source | None = None) -> tuple[dict[int, int], dict[int, int]]:
+    """What an epoch needs, checked before a JVM starts or a table is made (a misspelt topic
+    must not be recorded in a new table set's manifest): every table is there or can be
+    made where the settings say, and the broker has the topic (a Kafka connection's or password file's problems
+    are found on the way). The log's (earliest, latest) per partition."""
+    check_locations(cfg)
+    return source.partition_offsets() if source is not None else broker.partition_offsets(cfg)
+
+
+def check_locations(cfg: PipelineConfig) -> None:
+    """Each of ``cfg``'s tables is there or can be made where the settings say."""
+    for path in table_locations(cfg).values():
+        check_writable(path)
 
 
 def _rest_of(plan: EpochPlan, earliest: dict[int, int], state: LedgerState) -> tuple[EpochPlan, ...]:

@@ -103,9 +103,12 @@ def commit_times(counts_path: str, first: int,
 
 def measure(cfg: PipelineConfig, last: int | None = None) -> LatencyReport:
     """Read the ledger, the counts table's log and the records' timestamps; the report."""
-    from ipcount.storage.broker import read_range
+    from ipcount.storage.broker import partition_offsets, read_range
     from ipcount.storage.delta import read_rows
+    from ipcount.storage.tableset import existing
 
+    existing(cfg, command="latency")
+    partition_offsets(cfg)  # the broker and the topic answer, or the error says which does not
     rows = read_rows(cfg.ledger_path, columns=("epoch", "partition", "from_offset", "until_offset", "status",
                                                "kind", "sink_version"), filters=[("topic", "=", cfg.topic)])
     # Only the commits of the epochs measured: on object storage each is a read.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ipcount.jobs.crash import PLANNING, Crash, no_crash
-from ipcount.jobs.epoch import EpochRunner, KafkaSource, Source
+from ipcount.jobs.epoch import EpochRunner, KafkaSource, Source, check_locations
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import BadRequestError, DataLossError
 from ipcount.rules.ledger import COMMITTED
@@ -50,6 +50,20 @@ class RebuildReport:
         return text
 
 
+def check_request(cfg: PipelineConfig, into: str, source: str = MAIN_TARGET) -> PipelineConfig:
+    """``source``'s configuration, once the request is one a rebuild can run: ``into`` a
+    fresh replay name, from a source whose ledger exists (before a JVM starts, or anything
+    is written)."""
+    if check_target(into) == MAIN_TARGET or into == check_target(source):
+        raise BadRequestError(f"rebuild needs a fresh replay target to write into, not {into!r} (rebuild into a "
+                              "new name, verify it, then swap it in; see the README)")
+    src_cfg = cfg.for_target(source)
+    if not has_table(src_cfg.ledger_path):
+        raise BadRequestError(f"target {source!r} has no ledger at {src_cfg.ledger_path}; nothing to rebuild")
+    check_locations(cfg.for_target(into))
+    return src_cfg
+
+
 def rebuild(cfg: PipelineConfig, spark: SparkSession | None, into: str, source: str = MAIN_TARGET,
             run_id: str | None = None, crash: Crash = no_crash, log_source: Source | None = None) -> RebuildReport:
     """Replay every committed epoch of ``source``'s ledger into the replay target ``into``:
@@ -58,12 +72,7 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession | None, into: str, source: 
     already committed are skipped, its unfinished one is finished. Refused unless ``into``
     is fresh or this source's earlier rebuild. ``log_source``: the log to read (default the
     topic on the broker, through ``spark``)."""
-    if check_target(into) == MAIN_TARGET or into == check_target(source):
-        raise BadRequestError(f"rebuild needs a fresh replay target to write into, not {into!r} (rebuild into a "
-                              "new name, verify it, then swap it in; see the README)")
-    src_cfg = cfg.for_target(source)
-    if not has_table(src_cfg.ledger_path):
-        raise BadRequestError(f"target {source!r} has no ledger at {src_cfg.ledger_path}; nothing to rebuild")
+    src_cfg = check_request(cfg, into, source)
     # The rebuilt tables mean what the source's mean, whatever today's settings say.
     dst_cfg = cfg.for_target(into).replace(**recorded_settings(tableset_io.recorded(src_cfg)))
     src = Ledger(src_cfg.ledger_path)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import BadRequestError
 from ipcount.rules.ledger import COMMITTED, timestamp_ms
 from ipcount.rules.records import Event, is_late, parse_value, window_start
 from ipcount.rules.requests import format_ms
@@ -40,6 +41,8 @@ class Difference:
 class VerifyReport:
     target: str
     counts_table: str
+    topic: str = ""
+    ranged: bool = False   # only windows in a time range were compared
     epochs: int = 0
     offsets: int = 0
     records: int = 0
@@ -47,11 +50,23 @@ class VerifyReport:
     differences: list[Difference] = field(default_factory=list)
 
     @property
+    def checked(self) -> bool:
+        """Whether there was anything to compare: a verify of nothing is no pass."""
+        return self.offsets > 0 and (self.windows > 0 or not self.ranged)
+
+    @property
     def ok(self) -> bool:
-        return not self.differences
+        return self.checked and not self.differences
 
     def line(self) -> str:
-        verdict = "OK: table matches Kafka" if self.ok else f"MISMATCH: {len(self.differences)} difference(s)"
+        if self.differences:
+            verdict = f"MISMATCH: {len(self.differences)} difference(s)"
+        elif not self.offsets:
+            verdict = f"NOTHING TO VERIFY: the ledger has no committed offsets of topic {self.topic}"
+        elif not self.checked:
+            verdict = "NOTHING TO VERIFY: no counted window starts in the time range"
+        else:
+            verdict = "OK: table matches Kafka"
         return (f"verify {self.target} ({self.counts_table}): recounted {self.records} records from {self.offsets} "
                 f"offsets of {self.epochs} committed epoch(s), compared {self.windows} (window, ip) counts - {verdict}")
 
@@ -86,10 +101,15 @@ def table_counts(counts_path: str) -> Counter:
 def verify(cfg: PipelineConfig, target: str = "main", from_ms: int | None = None,
            until_ms: int | None = None) -> VerifyReport:
     """Compare the target's counts with a recount; only windows starting in
-    ``[from_ms, until_ms)`` when given."""
-    t = cfg.for_target(target)
+    ``[from_ms, until_ms)`` when given. Refused before anything is read when the target's
+    tables do not exist, the range is empty, or the broker or the topic does not answer."""
+    if from_ms is not None and until_ms is not None and until_ms <= from_ms:
+        raise BadRequestError(f"the time range is empty: --until-time ({format_ms(until_ms)}) is not after "
+                              f"--from-time ({format_ms(from_ms)})")
+    t = tableset_io.existing(cfg, target, "verify")
+    broker.partition_offsets(cfg)  # the broker and the topic answer, or the error says which does not
     t = t.replace(**recorded_settings(tableset_io.recorded(t)))  # what the tables mean, not today's settings
-    report = VerifyReport(target, t.counts_path)
+    report = VerifyReport(target, t.counts_path, cfg.topic, ranged=from_ms is not None or until_ms is not None)
     rows = [r for r in read_rows(t.ledger_path, ["epoch", "topic", "partition", "from_offset", "until_offset",
                                                  "status", "watermark_before_ms", "planned_at"])
             if r["status"] == COMMITTED and r["topic"] == cfg.topic]

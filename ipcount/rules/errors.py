@@ -2,12 +2,13 @@
 fails with it, so the CLI maps every error the same way, and a caller that must react to one
 condition catches that one class.
 
-Exit codes: 0 done, 1 failed, 2 bad input (settings, request, flags), 3 data loss,
-4 broker unreachable or topic missing.
+Exit codes: 0 done, 1 failed, 2 bad input (settings, request, flags, no tables where the
+settings point), 3 data loss, 4 broker unreachable or topic missing, 5 object storage
+unreachable or refused.
 """
 from __future__ import annotations
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DATA_LOSS, EXIT_BROKER = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DATA_LOSS, EXIT_BROKER, EXIT_STORAGE = 0, 1, 2, 3, 4, 5
 
 
 class IpcountError(Exception):
@@ -49,6 +50,15 @@ class BrokerUnavailableError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
 
 class UnknownTopicError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
     """The source topic does not exist on the broker."""
+
+
+class MissingTablesError(IpcountError, exit_code=EXIT_USAGE):
+    """A command that reads a table set found none where the settings point."""
+
+
+class StorageUnavailableError(IpcountError, RuntimeError, exit_code=EXIT_STORAGE):
+    """The object storage of the tables did not answer, or refused the request (no or wrong
+    credentials)."""
 
 
 class BrokerStartError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):

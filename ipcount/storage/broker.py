@@ -56,11 +56,15 @@ class _BootstrapFailures(logging.Handler):
     @classmethod
     @contextmanager
     def watching(cls) -> Iterator[_BootstrapFailures]:
+        """Meanwhile kafka-python's lines are kept here, not printed: a failed bootstrap is
+        told once, in the error that names the reason and the setting."""
         handler, logger = cls(), logging.getLogger("kafka")
         logger.addHandler(handler)
+        propagate, logger.propagate = logger.propagate, False
         try:
             yield handler
         finally:
+            logger.propagate = propagate
             logger.removeHandler(handler)
 
 
@@ -349,7 +353,10 @@ def java_tool_config(cfg: PipelineConfig) -> Iterator[Path | None]:
 
 def consumer_groups_command(cfg: PipelineConfig, tool_args: list[str]) -> int:
     """Run Kafka's kafka-consumer-groups against ``cfg``'s broker, logged in as ``cfg`` says;
-    its exit code."""
+    its exit code. The broker must answer first: the tool prints Java's stack trace when it
+    does not, and exits 0."""
+    with admin_client(cfg):
+        pass
     with java_tool_config(cfg) as command_config:
         security = ["--command-config", str(command_config)] if command_config else []
         return subprocess.run([str(REPO_ROOT / "bin" / "kafka-consumer-groups"),

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from ipcount.rules.config import location_scheme
-from ipcount.rules.errors import CommitContention, ConfigError
+from ipcount.rules.errors import CommitContention, ConfigError, StorageUnavailableError
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -37,13 +37,62 @@ _OPERATORS = ("=", "!=", "<", "<=", ">", ">=")
 
 def has_table(path: str | Path) -> bool:
     """Whether a Delta table (its log) is at ``path`` (a missing table is not an empty one):
-    a look at the directory, or on object storage at the log's listing (an unreachable
-    store or a refused login raises)."""
+    a look at the directory, or on object storage at the log's listing. Every command's
+    first look at its tables, so a location that cannot hold them is refused here: a path
+    through a file (:class:`ConfigError`), a store that does not answer or refuses the login
+    (:class:`StorageUnavailableError`, naming the AWS settings)."""
     if location_scheme(str(path)):
         from deltalake import DeltaTable
 
-        return DeltaTable.is_deltatable(str(path))
-    return (Path(path) / "_delta_log").is_dir()
+        try:
+            return DeltaTable.is_deltatable(str(path))
+        except OSError as e:
+            raise StorageUnavailableError(_object_storage_problem(str(path), e)) from None
+    if (Path(path) / "_delta_log").is_dir():
+        return True
+    _nearest_directory(Path(path))
+    return False
+
+
+def _nearest_directory(path: Path) -> Path:
+    """The nearest of ``path`` and the directories above it that exists: it must be a
+    directory (:class:`ConfigError` naming it otherwise)."""
+    for above in (path, *path.parents):
+        if above.exists():
+            if not above.is_dir():
+                raise ConfigError(f"{above} is a file, not a directory, so no table can be at {path}: check "
+                                  "warehouse and the *_table settings")
+            return above
+    return Path("/")
+
+
+def check_writable(path: str) -> None:
+    """A table can be made at ``path``, for a command that makes its tables: on a local
+    file system the nearest existing directory must be writable by this user (a read-only
+    mount, or another user's directory, is refused naming the setting). Object storage
+    says so at the first write."""
+    if location_scheme(path) or has_table(path):
+        return
+    above = _nearest_directory(Path(path))
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot make a table at {path}: {above} is not writable by this user (a read-only file "
+                          "system, or another user's directory): check warehouse and the *_table settings")
+
+
+# Where the AWS SDK finds credentials besides an instance role (which needs none of these).
+_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                         "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
+def _object_storage_problem(path: str, error: OSError) -> str:
+    # delta-rs chains its causes with colour codes and arrows: one plain line of them.
+    said = re.sub(r"\s*\u21b3\s*", "; ", " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(error)).split()))[:200]
+    if not any(os.environ.get(name) for name in _CREDENTIAL_VARIABLES):
+        return (f"no credentials for the object storage of {path}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                f"(or AWS_PROFILE), AWS_REGION, and AWS_ENDPOINT_URL for a store other than AWS's (delta-rs: {said})")
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS's"
+    return (f"the object storage of {path} (endpoint {endpoint}) did not answer or refused the request: check "
+            f"AWS_ENDPOINT_URL, AWS_REGION and the credentials (delta-rs: {said})")
 
 
 def subdirectory_names(location: str) -> list[str]:
@@ -411,10 +460,13 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
                                         commit_properties=CommitProperties(max_commit_retries=0))
             _forget(path, created)
             return
-        except (DeltaError, TableNotFoundError) as e:
+        except (DeltaError, TableNotFoundError, OSError) as e:
             table = open_table(path)
             if table is None:
-                raise
+                if location_scheme(path):
+                    raise StorageUnavailableError(_object_storage_problem(path, e)) from None
+                raise ConfigError(f"cannot make a table at {path}: {' '.join(str(e).split())[:200]} (check "
+                                  "warehouse and the *_table settings)") from None
             log.info("%s was created by a concurrent run (%s)", path, str(e).splitlines()[0][:200])
     have = {f.name for f in table.schema().fields}
     missing = [f for f in schema if f.name not in have]

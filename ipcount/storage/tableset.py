@@ -9,9 +9,10 @@ import logging
 import time
 
 from ipcount.rules import tableset
-from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import TableSetMismatch
-from ipcount.storage.delta import has_table, latest, rs_concurrent_errors, table_metadata
+from ipcount.rules.config import PipelineConfig, join_location
+from ipcount.rules.errors import MissingTablesError, TableSetMismatch
+from ipcount.rules.requests import MAIN_TARGET
+from ipcount.storage.delta import has_table, latest, rs_concurrent_errors, subdirectory_names, table_metadata
 from ipcount.storage.sink import Sink
 
 log = logging.getLogger(__name__)
@@ -72,3 +73,26 @@ def recorded(cfg: PipelineConfig) -> dict[str, str]:
     if not has_table(cfg.counts_path):
         return {}
     return {k: v for k, v in table_metadata(cfg.counts_path)[1].items() if k.startswith(tableset.PREFIX)}
+
+
+def replay_targets(cfg: PipelineConfig) -> list[str]:
+    """``main`` and the replay table sets that exist under the warehouse."""
+    root = join_location(cfg.warehouse, "replays")
+    return [MAIN_TARGET, *(name for name in subdirectory_names(root) if has_table(join_location(root, name, "ledger")))]
+
+
+def existing(cfg: PipelineConfig, target: str = MAIN_TARGET, command: str = "this command") -> PipelineConfig:
+    """``cfg.for_target(target)`` when its ledger and counts table exist; else a
+    :class:`MissingTablesError` saying what is there, for a command that reads them."""
+    t = cfg.for_target(target)
+    missing = [path for path in (t.ledger_path, t.counts_path) if not has_table(path)]
+    if not missing:
+        return t
+    if target != MAIN_TARGET:
+        found = [name for name in replay_targets(cfg) if name != MAIN_TARGET]
+        raise MissingTablesError(f"no replay table set {target!r} under {join_location(cfg.warehouse, 'replays')} "
+                                 f"(replays there: {', '.join(found) or 'none'}; `ipcount rebuild --into {target}` "
+                                 "makes one)")
+    raise MissingTablesError(f"no table set for {command} to read: {' and '.join(missing)} "
+                             f"{'does' if len(missing) == 1 else 'do'} not exist (the first epoch creates them; "
+                             "check warehouse, ledger_table and counts_table)")

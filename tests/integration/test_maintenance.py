@@ -95,8 +95,9 @@ def test_maintenance_racing_epochs_changes_no_row_and_packs_every_table(cfg, spa
 
 
 def test_maintain_without_a_ledger_says_what_is_missing(tmp_path, caplog):
-    assert cli_main(["maintain", f"--warehouse={tmp_path}/nowhere"]) != 0
-    assert f"no ledger at {tmp_path}/nowhere/ledger" in caplog.text
+    assert cli_main(["maintain", f"--warehouse={tmp_path}/nowhere"]) == 2
+    assert (f"no table set for maintain to read: {tmp_path}/nowhere/ledger and {tmp_path}/nowhere/counts do not "
+            "exist") in caplog.text
 
 
 def test_a_vacuum_meets_files_whose_tombstones_a_checkpoint_would_drop(tmp_path):

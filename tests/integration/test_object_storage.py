@@ -17,10 +17,11 @@ import pytest
 from ipcount.jobs import idle
 from ipcount.jobs.rebuild import rebuild
 from ipcount.jobs.verify import verify
-from ipcount.orchestration.monitor.data import PipelineTables, replay_targets
+from ipcount.orchestration.monitor.data import PipelineTables
 from ipcount.rules.config import COMMAND_SETTINGS
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage.delta import DeltaReader
+from ipcount.storage.tableset import replay_targets
 from ipcount_lab.generator import TrafficGenerator, produce
 from ipcount_lab.lossy_proxy import pass_on, reply
 from tests.conftest import free_port, run_until_idle

@@ -12,7 +12,8 @@ def test_each_error_carries_the_exit_code_the_docs_promise():
                      "DataLossError": 3, "BrokerUnavailableError": 4, "UnknownTopicError": 4,
                      "BrokerStartError": 4, "PlanConflict": 1, "CommitContention": 1, "EpochFenced": 1,
                      "MaintenanceFailed": 1, "PublisherFenced": 1, "TableSetMismatch": 2,
-                     "DatabaseStartError": 1, "SparkConnectError": 2, "ServiceStartError": 1}
+                     "DatabaseStartError": 1, "SparkConnectError": 2, "ServiceStartError": 1,
+                     "MissingTablesError": 2, "StorageUnavailableError": 5}
     assert issubclass(errors.ConfigError, ValueError) and issubclass(errors.DataLossError, RuntimeError)
 
 

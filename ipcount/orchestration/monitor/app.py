@@ -23,12 +23,13 @@ from starlette.concurrency import run_in_threadpool
 from ipcount.orchestration.dags import BACKFILL_DAG_ID, EPOCH_DAG_ID, maintenance_schedule
 from ipcount.orchestration.monitor import model
 from ipcount.orchestration.monitor.charts import bar_chart, line_chart, time_chart
-from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, publish_groups, replay_targets
+from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, publish_groups
 from ipcount.orchestration.monitor.runs import failed_since_success, run_states, run_target
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage.delta import DeltaReader
+from ipcount.storage.tableset import replay_targets
 
 log = logging.getLogger(__name__)
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))

@@ -19,13 +19,11 @@ from typing import Any, Callable, Mapping
 
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.monitor.model import epoch_blocks, time_blocks
-from ipcount.rules.config import PipelineConfig, join_location
+from ipcount.rules.config import PipelineConfig
 from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED, Folded, newest_chain_epoch
 from ipcount.rules.ledger_summary import chain_lag, committed_chain
-from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage import broker
-from ipcount.storage.delta import (DeltaReader, has_table, query_table, sql_identifier, sql_literal,
-                                   subdirectory_names, table_metadata)
+from ipcount.storage.delta import DeltaReader, has_table, query_table, sql_identifier, sql_literal, table_metadata
 from ipcount.storage.ledger import SUMMARY_TXN, Ledger, LedgerView
 from ipcount.storage.sink import partition_values
 from ipcount.storage.publisher import committed_cursor, publisher_id
@@ -275,12 +273,6 @@ def _window_filter(start: datetime, until: datetime) -> str:
     def ts(t: datetime) -> str:
         return f"arrow_cast({sql_literal(t.isoformat())}, 'Timestamp(Microsecond, Some(\"UTC\"))')"
     return f"{sql_identifier('window_start')} >= {ts(start)} AND {sql_identifier('window_end')} <= {ts(until)}"
-
-
-def replay_targets(cfg: PipelineConfig) -> list[str]:
-    """``main`` and the replay table sets that exist under the warehouse."""
-    root = join_location(cfg.warehouse, "replays")
-    return [MAIN_TARGET, *(name for name in subdirectory_names(root) if has_table(join_location(root, name, "ledger")))]
 
 
 @dataclass(frozen=True)
