@@ -46,6 +46,8 @@ def stack(broker, spark, tmp_path_factory) -> Iterator[Stack]:
     (root / "a_file").write_text("not a directory\n")
     (root / "a_dir").mkdir()
     (root / "a.toml").write_text('topic = 123\n')
+    (root / "password").write_text("secret\n")
+    (root / "password").chmod(0o644)
     base = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, spark_master="local[2]",
                           kafka_timeout_seconds=3)
     cfg = base.replace(topic="edges", group_id="edges", pipeline_id="edges", warehouse=str(root / "warehouse"))
@@ -200,6 +202,12 @@ EDGES: dict[str, Edge] = {
     **{f"{c} warehouse read-only": Edge(at(read_only_warehouse, c, *extra), EXIT_USAGE,
                                         "is not writable by this user (a read-only file system")
        for c, extra in (("epoch", ()), ("backfill", BACKFILL))},
+    "epoch password file open to others": Edge(own("epoch", kafka_security_protocol="SASL_PLAINTEXT",
+                                                   kafka_sasl_mechanism="PLAIN", kafka_sasl_username="u",
+                                                   kafka_sasl_password_file="../password"), EXIT_USAGE,
+                                               "is open to others (mode 644); make it private"),
+    "epoch --kafka-connection outside Airflow": Edge(own("epoch", kafka_connection="ipcount_kafka"), EXIT_USAGE,
+                                                     "is read by the Airflow tasks and the monitor only"),
     # -- missing tables
     **{f"{c} no tables": Edge(at(missing_warehouse, c, *READERS[c]), EXIT_USAGE, NO_TABLES.format(c))
        for c in READERS},
