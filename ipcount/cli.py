@@ -384,7 +384,7 @@ def _publish(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 
     if not cfg.publish:
         raise ConfigError("publish is off for this pipeline; set publish = true (--publish or IPCOUNT_PUBLISH)")
-    existing(cfg, command="publish")
+    existing(cfg, command="publish", ledger=False)  # (it reads the counts table's versions only)
     report = publish_pending(cfg, _crash_hook(), resync=args.resync)
     print(f"published {len(report.published)} counts version(s), {report.records} record(s), to "
           f"{cfg.publish_topic}; next version {report.cursor.next_version if report.cursor else '-'}")

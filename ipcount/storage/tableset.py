@@ -81,11 +81,12 @@ def replay_targets(cfg: PipelineConfig) -> list[str]:
     return [MAIN_TARGET, *(name for name in subdirectory_names(root) if has_table(join_location(root, name, "ledger")))]
 
 
-def existing(cfg: PipelineConfig, target: str = MAIN_TARGET, command: str = "this command") -> PipelineConfig:
-    """``cfg.for_target(target)`` when its ledger and counts table exist; else a
-    :class:`MissingTablesError` saying what is there, for a command that reads them."""
+def existing(cfg: PipelineConfig, target: str = MAIN_TARGET, command: str = "this command",
+             ledger: bool = True) -> PipelineConfig:
+    """``cfg.for_target(target)`` when its counts table and (``ledger``) its ledger exist;
+    else a :class:`MissingTablesError` saying what is there, for a command that reads them."""
     t = cfg.for_target(target)
-    missing = [path for path in (t.ledger_path, t.counts_path) if not has_table(path)]
+    missing = [path for path in (t.ledger_path if ledger else None, t.counts_path) if path and not has_table(path)]
     if not missing:
         return t
     if target != MAIN_TARGET:

@@ -211,6 +211,10 @@ EDGES: dict[str, Edge] = {
     # -- missing tables
     **{f"{c} no tables": Edge(at(missing_warehouse, c, *READERS[c]), EXIT_USAGE, NO_TABLES.format(c))
        for c in READERS},
+    "publish no counts table": Edge(lambda s: ["publish", *settings(s.cfg, "publish",
+                                                                    counts_table=str(s.root / "no_counts")),
+                                               "--publish"], EXIT_USAGE,
+                                    lambda s: f"no table set for publish to read: {s.root / 'no_counts'} does not exist"),
     "verify unknown replay target": Edge(own("verify", "--target", "nosuch"), EXIT_USAGE,
                                          "no replay table set 'nosuch' under"),
     "rebuild from an unknown source": Edge(own("rebuild", "--into", "r1", "--source", "nosuch"), EXIT_USAGE,
