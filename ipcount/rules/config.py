@@ -292,6 +292,7 @@ class PipelineConfig:
         minimum=1, maximum=10 * YEAR // 3600)
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._check_names()
         self._check_numbers_and_choices()
         self._check_start_position()
@@ -373,6 +374,19 @@ class PipelineConfig:
             raise ConfigError("bootstrap_servers is empty; expected host:port[,host:port...]")
         for hostport in self.bootstrap_servers.split(","):
             parse_host_port(hostport, "bootstrap_servers entry")
+
+    def _check_types(self) -> None:
+        """Each value of its declared type, however the object was made (``_convert`` turns a
+        flag's or a variable's text into it); no text holds a control character."""
+        for s in SETTINGS:
+            value = getattr(self, s.name)
+            if s.type == "str":
+                if not isinstance(value, str):
+                    raise ConfigError(f"{s.name} must be a string; found {value!r} ({type(value).__name__})")
+                if re.search(r"[\x00-\x1f\x7f]", value):
+                    raise ConfigError(f"{s.name} holds a control character (a line break or tab?); found {value!r}")
+            elif s.type == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"{s.name} must be true or false; found {value!r}")
 
     def _check_numbers_and_choices(self) -> None:
         for s in SETTINGS:
@@ -698,8 +712,6 @@ def _convert(name: str, type_name: Any, value: Any) -> Any:
     if not isinstance(value, str):
         raise ConfigError(f"{name} must be a string; found {value!r} ({type(value).__name__}): quote it in a "
                           "config file")
-    if re.search(r"[\x00-\x1f\x7f]", value):
-        raise ConfigError(f"{name} holds a control character (a line break or tab?); found {value!r}")
     return value
 
 

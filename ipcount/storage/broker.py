@@ -7,6 +7,7 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,15 +58,28 @@ class _BootstrapFailures(logging.Handler):
     @contextmanager
     def watching(cls) -> Iterator[_BootstrapFailures]:
         """Meanwhile kafka-python's lines are kept here, not printed: a failed bootstrap is
-        told once, in the error that names the reason and the setting."""
+        told once, in the error that names the reason and the setting. (Process-wide: while
+        any thread watches, other threads' kafka-python lines are not printed either; the
+        last watcher out puts printing back as the first found it.)"""
+        global _watchers, _propagate
         handler, logger = cls(), logging.getLogger("kafka")
         logger.addHandler(handler)
-        propagate, logger.propagate = logger.propagate, False
+        with _WATCHING:
+            if _watchers == 0:
+                _propagate, logger.propagate = logger.propagate, False
+            _watchers += 1
         try:
             yield handler
         finally:
-            logger.propagate = propagate
+            with _WATCHING:
+                _watchers -= 1
+                if _watchers == 0:
+                    logger.propagate = _propagate
             logger.removeHandler(handler)
+
+
+_WATCHING = threading.Lock()
+_watchers, _propagate = 0, True
 
 
 @contextmanager
@@ -355,8 +369,9 @@ def consumer_groups_command(cfg: PipelineConfig, tool_args: list[str]) -> int:
     """Run Kafka's kafka-consumer-groups against ``cfg``'s broker, logged in as ``cfg`` says;
     its exit code. The broker must answer first: the tool prints Java's stack trace when it
     does not, and exits 0."""
-    with admin_client(cfg):
-        pass
+    if not {"--help", "--version"} & set(tool_args):
+        with admin_client(cfg):
+            pass
     with java_tool_config(cfg) as command_config:
         security = ["--command-config", str(command_config)] if command_config else []
         return subprocess.run([str(REPO_ROOT / "bin" / "kafka-consumer-groups"),

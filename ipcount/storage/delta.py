@@ -70,8 +70,9 @@ def check_writable(path: str) -> None:
     """A table can be made at ``path``, for a command that makes its tables: on a local
     file system the nearest existing directory must be writable by this user (a read-only
     mount, or another user's directory, is refused naming the setting). Object storage
-    says so at the first write."""
-    if location_scheme(path) or has_table(path):
+    is asked whether the table is there, which a missing login or an unreachable store
+    fails; whether it may be written, only the first write says."""
+    if has_table(path) or location_scheme(path):  # (object storage: it answered, with the credentials)
         return
     above = _nearest_directory(Path(path))
     if not os.access(above, os.W_OK | os.X_OK):
@@ -84,12 +85,19 @@ _CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_T
                          "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 
-def _object_storage_problem(path: str, error: OSError) -> str:
+def _credentials_given() -> bool:
+    """Whether credentials are set where the AWS SDK looks besides the instance's role."""
+    shared = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or str(Path.home() / ".aws" / "credentials")
+    return any(os.environ.get(name) for name in _CREDENTIAL_VARIABLES) or Path(shared).is_file()
+
+
+def _object_storage_problem(path: str, error: BaseException) -> str:
     # delta-rs chains its causes with colour codes and arrows: one plain line of them.
     said = re.sub(r"\s*\u21b3\s*", "; ", " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(error)).split()))[:200]
-    if not any(os.environ.get(name) for name in _CREDENTIAL_VARIABLES):
-        return (f"no credentials for the object storage of {path}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                f"(or AWS_PROFILE), AWS_REGION, and AWS_ENDPOINT_URL for a store other than AWS's (delta-rs: {said})")
+    if not _credentials_given():
+        return (f"no credentials for the object storage of {path} (none in the AWS_* variables or ~/.aws, and no "
+                "instance role answered): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
+                f"AWS_REGION, and AWS_ENDPOINT_URL for a store other than AWS's (delta-rs: {said})")
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS's"
     return (f"the object storage of {path} (endpoint {endpoint}) did not answer or refused the request: check "
             f"AWS_ENDPOINT_URL, AWS_REGION and the credentials (delta-rs: {said})")
@@ -437,6 +445,17 @@ def rs_concurrent_errors() -> tuple[type[BaseException], ...]:
 CHECKPOINT_EVERY = {"delta.checkpointInterval": "10"}
 
 
+def _cannot_make_directory(error: BaseException) -> bool:
+    """Whether delta-rs failed to make a local table's directory (no such parent, no
+    permission, a read-only file system), not for some other reason."""
+    import errno
+
+    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT,
+                                                      errno.ENOTDIR):
+        return True
+    return "Could not create local directory" in str(error)
+
+
 def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = None,
                     partition_by: list[str] | None = None) -> None:
     """Create an empty Delta table at ``path`` with delta-rs unless one is there; one made
@@ -463,10 +482,12 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
         except (DeltaError, TableNotFoundError, OSError) as e:
             table = open_table(path)
             if table is None:
-                if location_scheme(path):
-                    raise StorageUnavailableError(_object_storage_problem(path, e)) from None
-                raise ConfigError(f"cannot make a table at {path}: {' '.join(str(e).split())[:200]} (check "
-                                  "warehouse and the *_table settings)") from None
+                if location_scheme(path) and isinstance(e, OSError):
+                    raise StorageUnavailableError(_object_storage_problem(path, e)) from e
+                if not location_scheme(path) and _cannot_make_directory(e):
+                    raise ConfigError(f"cannot make a table at {path}: {' '.join(str(e).split())[:200]} (check "
+                                      "warehouse and the *_table settings)") from e
+                raise
             log.info("%s was created by a concurrent run (%s)", path, str(e).splitlines()[0][:200])
     have = {f.name for f in table.schema().fields}
     missing = [f for f in schema if f.name not in have]

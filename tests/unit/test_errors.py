@@ -35,3 +35,21 @@ def test_a_server_that_cannot_start_is_a_message_not_a_traceback(tmp_path, caplo
         code = lab(["spark-connect", "start", "--port", str(port), "--state-dir", str(tmp_path)])
     assert code == errors.EXIT_FAILED
     assert f"port {port} is taken by another process" in caplog.text and "Traceback" not in caplog.text
+
+
+def test_overlapping_bootstrap_watches_put_kafka_pythons_printing_back():
+    """Two threads' admin clients may watch their bootstraps at once (the monitor's pages):
+    kafka-python's lines are kept while any watches, and printed again after the last."""
+    import logging
+
+    from ipcount.storage.broker import _BootstrapFailures
+
+    kafka = logging.getLogger("kafka")
+    assert kafka.propagate
+    first, second = _BootstrapFailures.watching(), _BootstrapFailures.watching()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not kafka.propagate
+    second.__exit__(None, None, None)
+    assert kafka.propagate
