@@ -293,6 +293,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
+        self._absolute_locations()
         self._check_names()
         self._check_numbers_and_choices()
         self._check_start_position()
@@ -319,8 +320,7 @@ class PipelineConfig:
             raise ConfigError(f"maintenance_schedule {self.maintenance_schedule!r} is not a cron expression "
                               "Airflow takes (five fields such as '0 * * * *', or a preset such as '@hourly'), "
                               "nor 'none'")
-        for name in ("warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table",
-                     "maintenance_table"):
+        for name in LOCATION_SETTINGS:
             scheme = location_scheme(getattr(self, name))
             if scheme not in ("", *OBJECT_STORAGE_SCHEMES):
                 raise ConfigError(f"{name} {getattr(self, name)!r}: tables live in a directory or under "
@@ -374,6 +374,17 @@ class PipelineConfig:
             raise ConfigError("bootstrap_servers is empty; expected host:port[,host:port...]")
         for hostport in self.bootstrap_servers.split(","):
             parse_host_port(hostport, "bootstrap_servers entry")
+
+    def _absolute_locations(self) -> None:
+        """A local table location as an absolute path (``~`` expanded): one given relative to
+        where a command was typed must name the same tables for the DAG's tasks, the Spark
+        executors and the next command, wherever they run."""
+        for name in LOCATION_SETTINGS:
+            value = getattr(self, name)
+            if value and not location_scheme(value):
+                absolute = os.path.abspath(os.path.expanduser(value))
+                if absolute != value:
+                    object.__setattr__(self, name, absolute)
 
     def _check_types(self) -> None:
         """Each value of its declared type, however the object was made (``_convert`` turns a
@@ -521,6 +532,10 @@ class PipelineConfig:
         return self.max_event_time_ahead_seconds * 1000
 
 
+# The settings that place tables.
+LOCATION_SETTINGS = ("warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table",
+                     "maintenance_table")
+
 # Every setting, in declaration order, and the views of it the code reads.
 SETTINGS = tuple(Setting(f.name, str(f.type), f.default, **f.metadata["setting"]) for f in fields(PipelineConfig))
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
@@ -534,8 +549,7 @@ PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
 KAFKA_CLIENT_SETTINGS = ("bootstrap_servers", "kafka_timeout_seconds", "kafka_connection",
                          *(s.name for s in SETTINGS
                            if s.name.startswith(("kafka_security", "kafka_sasl", "kafka_ssl"))))
-TABLE_SETTINGS = ("pipeline_id", "warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table",
-                  "maintenance_table")
+TABLE_SETTINGS = ("pipeline_id", *LOCATION_SETTINGS)
 COUNTING_SETTINGS = ("window_seconds", "allowed_lateness_seconds", "event_time", "max_value_bytes",
                      "max_event_time_ahead_seconds")
 COMMAND_SETTINGS = {

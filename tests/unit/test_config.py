@@ -34,6 +34,16 @@ def test_table_paths_follow_the_warehouse_unless_set():
     assert cfg.replace(warehouse="/v").counts_path == "/v/counts"
 
 
+def test_a_relative_table_location_is_made_absolute_where_the_command_runs(tmp_path, monkeypatch):
+    """The DAG's tasks, Spark's executors and the next command must find the same tables."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = PipelineConfig.load(environ={"IPCOUNT_WAREHOUSE": "w"}, counts_table="~/c")
+    assert (cfg.warehouse, cfg.counts_table, cfg.ledger_path) == \
+        (str(tmp_path / "w"), str(tmp_path / "home" / "c"), str(tmp_path / "w" / "ledger"))
+    assert PipelineConfig.load(environ={}, **{k: v for k, v in cfg.to_dict().items()}) == cfg
+
+
 def test_tables_on_object_storage_keep_their_uri():
     cfg = PipelineConfig(warehouse="s3://bucket/prefix/")
     assert (cfg.counts_path, cfg.late_path) == ("s3://bucket/prefix/counts", "s3://bucket/prefix/late_records")
