@@ -158,8 +158,13 @@ def main(argv: Sequence[str] | None = None,
     except KeyboardInterrupt:
         return 130
     except Exception as e:
+        from ipcount.rules.kafka_properties import refused_property
         from ipcount.storage.spark import connect_lost
 
+        if refused := refused_property(str(e)):  # a passed-through value, refused in the JVM
+            log.error("%s %s: %s. Nothing written is lost: the epoch keeps its recorded ranges, and the next run "
+                      "finishes it", prog, args.command, refused)
+            return EXIT_USAGE
         if not connect_lost(e):
             raise
         log.error("%s %s: the Spark Connect server went away under it (%s). Nothing written is lost: an epoch it "

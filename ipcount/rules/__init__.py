@@ -14,6 +14,7 @@ offset range, a plan, a ledger row, a record and a setting mean. Unit-tested on 
 - :mod:`.publish`   what the publisher sends to the sink topic, and its cursor
 - :mod:`.maintenance`  which counts partitions are final, how long a vacuum keeps files, run reports
 - :mod:`.kafka_security`  the Kafka security settings as each client's options
+- :mod:`.kafka_properties`  consumer properties passed through, checked against Kafka's names
 - :mod:`.private_files`   files that hold secrets: private from their first byte
 - :mod:`.lineage`   the datasets' names: Airflow Asset URIs and OpenLineage namespaces
 - :mod:`.alerts`    when the chain lags or is stale enough to alert

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ipcount.rules.errors import ConfigError
+from ipcount.rules.kafka_properties import parse_properties
 from ipcount.rules.requests import MAIN_TARGET, check_target
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -258,6 +259,12 @@ class PipelineConfig:
         True,
         "for SSL and SASL_SSL: check that the broker's certificate names the host connected to (turn off only "
         "for a test broker)")
+    kafka_consumer_properties: str = setting(
+        "",
+        "more properties of the Java Kafka consumer that reads each epoch (Spark's Kafka source takes them as its "
+        "kafka.* options) and of Kafka's Java tools (consumer-groups): 'name=value;name=value' in Kafka's own "
+        "names, e.g. 'fetch.max.bytes=104857600;client.rack=eu-1a'; a name the consumer does not have, or one the "
+        "pipeline sets from its own settings (bootstrap, security, group, deserializers, offsets), is refused")
     kafka_connection: str = setting(
         "",
         "id of an Airflow connection of type kafka whose extra (librdkafka names: bootstrap.servers, "
@@ -326,6 +333,7 @@ class PipelineConfig:
                 raise ConfigError(f"{name} {getattr(self, name)!r}: tables live in a directory or under "
                                   f"{', '.join(s + '://' for s in OBJECT_STORAGE_SCHEMES)}; not {scheme}://")
         self._check_kafka_security()
+        parse_properties(self.kafka_consumer_properties)
 
     @property
     def uses_sasl(self) -> bool:
@@ -546,7 +554,7 @@ PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
 # The settings of the commands that do not take them all (the rest, and every command's
 # --config file and IPCOUNT_* variables, carry every setting): each group is what its
 # command reads, so a flag it would ignore is refused instead.
-KAFKA_CLIENT_SETTINGS = ("bootstrap_servers", "kafka_timeout_seconds", "kafka_connection",
+KAFKA_CLIENT_SETTINGS = ("bootstrap_servers", "kafka_timeout_seconds", "kafka_connection", "kafka_consumer_properties",
                          *(s.name for s in SETTINGS
                            if s.name.startswith(("kafka_security", "kafka_sasl", "kafka_ssl"))))
 TABLE_SETTINGS = ("pipeline_id", *LOCATION_SETTINGS)

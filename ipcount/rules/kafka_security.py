@@ -17,6 +17,7 @@ from typing import Mapping
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
+from ipcount.rules.kafka_properties import parse_properties
 from ipcount.rules.private_files import open_to_others, read_private_file
 
 SCRAM_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -72,10 +73,11 @@ def jaas_config(mechanism: str, username: str, password: str) -> str:
 
 
 def java_client_properties(cfg: PipelineConfig, password: str | None) -> dict[str, str]:
-    """The Java client's security properties (Spark's source adds ``kafka.`` to each)."""
+    """The Java client's properties: ``kafka_consumer_properties``, then the security ones
+    (Spark's source adds ``kafka.`` to each)."""
     check_resolved(cfg)
     check_tls_files(cfg)
-    props = {"security.protocol": cfg.kafka_security_protocol}
+    props = {**parse_properties(cfg.kafka_consumer_properties), "security.protocol": cfg.kafka_security_protocol}
     if cfg.uses_sasl:
         props["sasl.mechanism"] = cfg.kafka_sasl_mechanism
         props["sasl.jaas.config"] = jaas_config(cfg.kafka_sasl_mechanism, cfg.kafka_sasl_username, password or "")

@@ -351,9 +351,10 @@ def group_offsets(cfg: PipelineConfig) -> dict[int, int]:
 @contextmanager
 def java_tool_config(cfg: PipelineConfig) -> Iterator[Path | None]:
     """A private ``--command-config`` file for Kafka's Java tools holding ``cfg``'s security
-    settings (None for PLAINTEXT), removed afterwards: the password is in no command line."""
+    settings and ``kafka_consumer_properties`` (None for PLAINTEXT without them), removed
+    afterwards: the password is in no command line."""
     check_resolved(cfg)
-    if cfg.kafka_security_protocol == "PLAINTEXT":
+    if cfg.kafka_security_protocol == "PLAINTEXT" and not cfg.kafka_consumer_properties.strip():
         yield None
         return
     fd, name = tempfile.mkstemp(prefix="ipcount-kafka-", suffix=".properties")  # mode 0600

@@ -214,6 +214,11 @@ EDGES: dict[str, Edge] = {
                                                    kafka_sasl_mechanism="PLAIN", kafka_sasl_username="u",
                                                    kafka_sasl_password_file="../password"), EXIT_USAGE,
                                                "is open to others (mode 644); make it private"),
+    "epoch consumer property unknown": Edge(own("epoch", kafka_consumer_properties="fetch.max.byte=5"), EXIT_USAGE,
+                                            "'fetch.max.byte' is no property of Kafka's consumer"),
+    "consumer-groups consumer property the pipeline sets": Edge(
+        own("consumer-groups", "--", "--list", kafka_consumer_properties="bootstrap.servers=h:1"), EXIT_USAGE,
+        "bootstrap.servers is set by the pipeline from bootstrap_servers"),
     "epoch --kafka-connection outside Airflow": Edge(own("epoch", kafka_connection="ipcount_kafka"), EXIT_USAGE,
                                                      "is read by the Airflow tasks and the monitor only"),
     # -- missing tables

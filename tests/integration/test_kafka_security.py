@@ -159,3 +159,29 @@ def test_a_certificate_for_another_host_is_named(cfg, tmp_path):
         assert broker_io.tls_handshake_problem(mismatch.replace(kafka_ssl_check_hostname=False)) is None
     finally:
         listener.close()
+
+
+def test_the_consumer_properties_the_pipeline_checks_are_the_jars_own(spark):
+    """kafka_consumer_properties is checked against a list of the consumer's names: the one of
+    the kafka-clients jar Spark's Kafka source runs (an upgrade that changes them fails here)."""
+    from ipcount.rules.kafka_properties import CONSUMER_NAMES
+
+    names = spark._jvm.org.apache.kafka.clients.consumer.ConsumerConfig.configNames()
+    assert CONSUMER_NAMES == {str(n) for n in names}
+
+
+def test_consumer_properties_reach_the_epochs_read(cfg, spark):
+    """Passed through, a property is the Java consumer's: harmless ones leave the counts as
+    the recount says; a value Kafka refuses fails the read naming it, with the plan recorded
+    (write-ahead) and finished by the next run with a good value."""
+    produced = produce_over(cfg, 120, seed=5)
+    bad = cfg.replace(kafka_consumer_properties="client.rack=r1;metadata.max.age.ms=soon")
+    with pytest.raises(Exception, match="metadata.max.age.ms"):
+        epoch_mod.run_epoch(bad, spark)
+    good = cfg.replace(kafka_consumer_properties="client.rack=r1;fetch.max.bytes=1048576")
+    summary = epoch_mod.run_epoch(good, spark)
+    assert summary.resumed and summary.records_read == 120
+    want = Expected()
+    for epochs in lanes(cfg).values():
+        want.counts += expected_tables(produced, epochs).counts
+    assert counts(cfg) == want.counts and sum(want.counts.values()) > 100

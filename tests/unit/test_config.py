@@ -156,6 +156,34 @@ def test_a_toml_file_of_wrongly_typed_values_is_refused(tmp_path):
         PipelineConfig.load(config_file=f, environ={})
 
 
+@pytest.mark.parametrize("text, message", [
+    ("fetch.max.byte=5", "'fetch.max.byte' is no property of Kafka's consumer (did you mean fetch.max.bytes?)"),
+    ("group.id=mine", "group.id is set by the pipeline from the epoch's read"),
+    ("sasl.jaas.config=x", "sasl.jaas.config is set by the pipeline from kafka_sasl_username and"),
+    ("ssl.truststore.password=x", "ssl.truststore.password is set by the pipeline from kafka_ssl_cafile"),
+    ("client.rack", "entry 'client.rack' is not name=value"),
+    ("client.rack=a;client.rack=b", "names client.rack twice"),
+])
+def test_consumer_properties_are_checked_against_kafkas_names(text, message):
+    with pytest.raises(ConfigError) as e:
+        PipelineConfig(kafka_consumer_properties=text)
+    assert message in str(e.value)
+
+
+def test_consumer_properties_reach_the_java_clients_after_the_security_ones_are_set():
+    from ipcount.rules.kafka_properties import refused_property
+    from ipcount.rules.kafka_security import spark_kafka_options
+
+    cfg = PipelineConfig(kafka_consumer_properties=" fetch.max.bytes = 1048576 ; client.rack=eu-1a;")
+    assert spark_kafka_options(cfg, None) == {"kafka.fetch.max.bytes": "1048576", "kafka.client.rack": "eu-1a",
+                                              "kafka.security.protocol": "PLAINTEXT"}
+    said = ("py4j...\nCaused by: org.apache.kafka.common.config.ConfigException: Invalid value soon for "
+            "configuration metadata.max.age.ms: Not a number of type LONG\n\tat org.apache...")
+    assert refused_property(said) == ("Kafka's consumer refused metadata.max.age.ms=soon (Not a number of type "
+                                      "LONG): check kafka_consumer_properties")
+    assert refused_property("java.lang.OutOfMemoryError") is None
+
+
 def test_bad_config_file_is_reported(tmp_path):
     f = tmp_path / "p.toml"
     f.write_text("topic = [unclosed\n")
