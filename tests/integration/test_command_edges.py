@@ -283,6 +283,11 @@ EDGES: dict[str, Edge] = {
                           (("--kafka-nodes", "2"), "--kafka-nodes must be 1 or 3"),
                           (("--airflow-db", "mysql"), "--airflow-db must be sqlite or postgres"),
                           (("--frobnicate",), "unknown option '--frobnicate'"))},
+    "bin/run setting out of range": Edge(lambda s: ["--port", str(s.closed_port)], EXIT_USAGE,
+                                         "window_seconds must be an integer from 1 to 604800; found 0", program="run",
+                                         env=lambda s: clean_env(IPCOUNT_WINDOW_SECONDS="0")),
+    "bin/run warehouse a file": Edge(lambda s: ["--port", str(s.closed_port)], EXIT_USAGE, FILE, program="run",
+                                     env=lambda s: clean_env(IPCOUNT_WAREHOUSE=file_warehouse(s))),
 }
 
 
