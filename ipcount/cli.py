@@ -532,11 +532,12 @@ def _connect_server_arguments(sub) -> None:
 
 def _connect_server(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.rules.private_files import read_private_file
-    from ipcount.storage.connect_server import serve, server_command, server_environment
+    from ipcount.storage.connect_server import check_bindable, serve, server_command, server_environment
 
     token = read_private_file(args.token_file, "--token-file").strip()
     if not token:
         raise ConfigError(f"--token-file {args.token_file} is empty")
+    check_bindable(args.bind, args.port)
     log.info("Spark Connect server on %s:%d (master %s)", args.bind, args.port, args.master)
     return serve(server_command(args.port, args.master, args.cores, args.bind), server_environment(token))
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 from typing import Mapping
 
 from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import ConfigError
 from ipcount.storage.spark import spark_conf, spark_env, spark_home, spark_jars
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,19 @@ TOKEN_VARIABLE = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
 ABANDONED_QUERY_CONF = {"spark.connect.execute.reattachable.senderMaxStreamDuration": "30s",
                         "spark.connect.execute.manager.detachedTimeout": "60s",
                         "spark.connect.execute.manager.maintenanceInterval": "10s"}
+
+
+def check_bindable(bind: str, port: int) -> None:
+    """The server can listen on ``bind:port``: the address is this host's and the port is
+    free (Spark would end in a Java stack trace after its JVM started)."""
+    try:
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((bind, port))
+    except OSError as e:
+        raise ConfigError(f"the Spark Connect server cannot listen on {bind}:{port} ({e.strerror or e}): pick "
+                          "another --port, or a --bind address of this host") from None
 
 
 def server_command(port: int, master: str, cores: int, bind: str = "127.0.0.1") -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class Stack:
     root: Path                # everything the commands could write under
     closed_port: int          # nothing listens there
     read_only: Path | None    # a read-only file system (None: this user may not mount one)
+    taken_port: int           # a port something listens on
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,8 @@ def stack(broker, spark, tmp_path_factory) -> Iterator[Stack]:
     (root / "a.toml").write_text('topic = 123\n')
     (root / "password").write_text("secret\n")
     (root / "password").chmod(0o644)
+    (root / "token").write_text("a-token-of-the-server\n")
+    (root / "token").chmod(0o600)
     base = PipelineConfig(bootstrap_servers=broker.bootstrap_servers, spark_master="local[2]",
                           kafka_timeout_seconds=3)
     cfg = base.replace(topic="edges", group_id="edges", pipeline_id="edges", warehouse=str(root / "warehouse"))
@@ -63,7 +67,10 @@ def stack(broker, spark, tmp_path_factory) -> Iterator[Stack]:
     read_only.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
                              capture_output=True).returncode == 0
-    yield Stack(cfg, empty, root, free_port(), read_only if mounted else None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield Stack(cfg, empty, root, free_port(), read_only if mounted else None, taken.getsockname()[1])
     if mounted:
         subprocess.run(["umount", str(read_only)], check=True)
 
@@ -188,6 +195,19 @@ EDGES: dict[str, Edge] = {
                                         env=lambda s: clean_env(IPCOUNT_CONFIG="")),
     "scram-user --username empty": Edge(own("scram-user", "--username", "", "--password-file", "p"), EXIT_USAGE,
                                         "argument --username: must not be empty"),
+    "connect-server port taken": Edge(lambda s: ["connect-server", "--port", str(s.taken_port), "--token-file",
+                                                 str(s.root / "token")], EXIT_USAGE,
+                                      lambda s: f"cannot listen on 127.0.0.1:{s.taken_port} (Address already in use)"),
+    "connect-server bind address not this host's": Edge(
+        lambda s: ["connect-server", "--bind", "192.0.2.123", "--port", str(s.closed_port), "--token-file",
+                   str(s.root / "token")], EXIT_USAGE, "cannot listen on 192.0.2.123"),
+    "connect-server token file open to others": Edge(
+        lambda s: ["connect-server", "--port", str(s.closed_port), "--token-file", str(s.root / "password")],
+        EXIT_USAGE, "is open to others (mode 644)"),
+    "scram-user broker unreachable": Edge(
+        lambda s: ["scram-user", *settings(s.cfg, "scram-user", bootstrap_servers=f"127.0.0.1:{s.closed_port}",
+                                           kafka_timeout_seconds=2),
+                   "--username", "u", "--password-file", str(s.root / "token")], EXIT_BROKER, NO_BROKER),
     "connect-server --bind empty": Edge(lambda s: ["connect-server", "--bind", "", "--token-file", "t"], EXIT_USAGE,
                                         "argument --bind: must not be empty"),
     "rebuild --into empty": Edge(own("rebuild", "--into", ""), EXIT_USAGE,
