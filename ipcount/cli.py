@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None,
         from ipcount.rules.kafka_properties import refused_property
         from ipcount.storage.spark import connect_lost
 
-        if refused := refused_property(str(e)):  # a passed-through value, refused in the JVM
+        if refused := refused_property(str(e), cfg.kafka_consumer_properties):  # a passed-through value
             log.error("%s %s: %s. Nothing written is lost: the epoch keeps its recorded ranges, and the next run "
                       "finishes it", prog, args.command, refused)
             return EXIT_USAGE

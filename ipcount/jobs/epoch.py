@@ -332,8 +332,9 @@ def check_before_touch(cfg: PipelineConfig, source: Source | None = None) -> tup
 
 
 def check_locations(cfg: PipelineConfig) -> None:
-    """Each of ``cfg``'s tables is there or can be made where the settings say."""
-    for path in table_locations(cfg).values():
+    """Each of ``cfg``'s tables (the maintenance log too) is there or can be made where the
+    settings say."""
+    for path in (*table_locations(cfg).values(), cfg.maintenance_path):
         check_writable(path)
 
 

@@ -389,10 +389,13 @@ class PipelineConfig:
         executors and the next command, wherever they run."""
         for name in LOCATION_SETTINGS:
             value = getattr(self, name)
-            if value and not location_scheme(value):
-                absolute = os.path.abspath(os.path.expanduser(value))
-                if absolute != value:
-                    object.__setattr__(self, name, absolute)
+            if value != value.strip():
+                raise ConfigError(f"{name} {value!r} starts or ends with blanks")
+            if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/(?!/)", value):
+                raise ConfigError(f"{name} {value!r} looks like a URI with one slash after its scheme; expected "
+                                  "scheme://bucket/prefix, or a directory")
+            if value and not location_scheme(value) and not os.path.isabs(value):
+                object.__setattr__(self, name, os.path.abspath(os.path.expanduser(value)))
 
     def _check_types(self) -> None:
         """Each value of its declared type, however the object was made (``_convert`` turns a
@@ -554,7 +557,7 @@ PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
 # The settings of the commands that do not take them all (the rest, and every command's
 # --config file and IPCOUNT_* variables, carry every setting): each group is what its
 # command reads, so a flag it would ignore is refused instead.
-KAFKA_CLIENT_SETTINGS = ("bootstrap_servers", "kafka_timeout_seconds", "kafka_connection", "kafka_consumer_properties",
+KAFKA_CLIENT_SETTINGS = ("bootstrap_servers", "kafka_timeout_seconds", "kafka_connection",
                          *(s.name for s in SETTINGS
                            if s.name.startswith(("kafka_security", "kafka_sasl", "kafka_ssl"))))
 TABLE_SETTINGS = ("pipeline_id", *LOCATION_SETTINGS)
@@ -569,7 +572,7 @@ COMMAND_SETTINGS = {
                  "allowed_lateness_seconds", "vacuum_retention_hours", "log_retention_hours"),
     "create-topic": ("pipeline_id", "topic", *KAFKA_CLIENT_SETTINGS),
     "scram-user": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),
-    "consumer-groups": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),
+    "consumer-groups": ("pipeline_id", *KAFKA_CLIENT_SETTINGS, "kafka_consumer_properties"),
     "generate": ("pipeline_id", "topic", *KAFKA_CLIENT_SETTINGS),
     # Spark's server with the epochs' own Spark settings, which are no pipeline settings:
     # it reads no file or IPCOUNT_* variable, so none meant for the pipeline can stop it.

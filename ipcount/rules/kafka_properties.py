@@ -1,6 +1,7 @@
 """Kafka consumer properties passed through to the Java consumer that reads each epoch
 (Spark's Kafka source takes them as ``kafka.<name>`` options) and to Kafka's Java tools:
-``name=value;name=value``, with Kafka's own names, checked against the consumer's.
+``name=value;name=value``, with Kafka's own names, checked against the consumer's (a value
+cannot hold ';').
 
 The properties the pipeline sets from its own settings are refused here, naming the
 setting: a second way to set them would disagree with the first.
@@ -47,18 +48,13 @@ CONSUMER_NAMES = frozenset("""
     ssl.truststore.password ssl.truststore.type value.deserializer
 """.split())
 
-# What the pipeline sets itself, and from which setting (or why).
+# What the pipeline sets itself, and from which setting (or why). Every security property
+# (ssl.*, sasl.*, security.*) comes from the kafka_* settings alone, so that every client of
+# the pipeline, Java or Python, connects and logs in alike.
+SECURITY_PREFIXES = ("ssl.", "sasl.", "security.")
+SECURITY_SETTINGS = "the kafka_security_protocol, kafka_sasl_* and kafka_ssl_* settings"
 OWNED = {
     "bootstrap.servers": "bootstrap_servers",
-    "security.protocol": "kafka_security_protocol",
-    "sasl.mechanism": "kafka_sasl_mechanism",
-    "sasl.jaas.config": "kafka_sasl_username and kafka_sasl_password_file",
-    "ssl.truststore.location": "kafka_ssl_cafile", "ssl.truststore.type": "kafka_ssl_cafile",
-    "ssl.truststore.certificates": "kafka_ssl_cafile", "ssl.truststore.password": "kafka_ssl_cafile",
-    "ssl.keystore.location": "kafka_ssl_client_pem", "ssl.keystore.type": "kafka_ssl_client_pem",
-    "ssl.keystore.key": "kafka_ssl_client_pem", "ssl.keystore.certificate.chain": "kafka_ssl_client_pem",
-    "ssl.keystore.password": "kafka_ssl_client_pem", "ssl.key.password": "kafka_ssl_client_pem",
-    "ssl.endpoint.identification.algorithm": "kafka_ssl_check_hostname",
     "group.id": "the epoch's read (a group of its own per read)",
     "isolation.level": "the epoch's read (read_committed)",
     "key.deserializer": "Spark's Kafka source", "value.deserializer": "Spark's Kafka source",
@@ -79,20 +75,21 @@ def parse_properties(text: str, setting: str = "kafka_consumer_properties") -> d
             close = difflib.get_close_matches(name, sorted(CONSUMER_NAMES), n=1)
             raise ConfigError(f"{setting}: {name!r} is no property of Kafka's consumer"
                               + (f" (did you mean {close[0]}?)" if close else ""))
-        if name in OWNED:
-            raise ConfigError(f"{setting}: {name} is set by the pipeline from {OWNED[name]}; it cannot be "
-                              "passed through")
+        owner = SECURITY_SETTINGS if name.startswith(SECURITY_PREFIXES) else OWNED.get(name)
+        if owner:
+            raise ConfigError(f"{setting}: {name} is set by the pipeline from {owner}; it cannot be passed through")
         if name in out:
             raise ConfigError(f"{setting} names {name} twice")
         out[name] = value
     return out
 
 
-def refused_property(error_text: str) -> str | None:
-    """What Kafka's consumer said of a property value it refused, found in the text of a
-    Spark error (the JVM's ConfigException); None if it is not that."""
+def refused_property(error_text: str, passed: str) -> str | None:
+    """What Kafka's consumer said of a value it refused, found in the text of a Spark error
+    (the JVM's ConfigException), when the property is one of ``passed`` (the setting's
+    text); None otherwise."""
     m = re.search(r"ConfigException: Invalid value (.*?) for configuration ([\w.-]+)(?::\s*([^\n]*))?", error_text)
-    if not m:
+    if not m or m[2] not in parse_properties(passed):
         return None
     return (f"Kafka's consumer refused {m[2]}={m[1]}" + (f" ({m[3].strip()})" if m[3] else "")
             + ": check kafka_consumer_properties")

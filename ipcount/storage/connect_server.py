@@ -41,10 +41,11 @@ def check_bindable(bind: str, port: int) -> None:
     """The server can listen on ``bind:port``: the address is this host's and the port is
     free (Spark would end in a Java stack trace after its JVM started)."""
     try:
-        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((bind, port))
+        family, kind, proto, _, address = socket.getaddrinfo(bind.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the JVM's: TIME_WAIT is no taker
+            probe.bind(address)
     except OSError as e:
         raise ConfigError(f"the Spark Connect server cannot listen on {bind}:{port} ({e.strerror or e}): pick "
                           "another --port, or a --bind address of this host") from None

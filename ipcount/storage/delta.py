@@ -48,9 +48,13 @@ def has_table(path: str | Path) -> bool:
             return DeltaTable.is_deltatable(str(path))
         except OSError as e:
             raise StorageUnavailableError(_object_storage_problem(str(path), e)) from None
-    if (Path(path) / "_delta_log").is_dir():
-        return True
-    _nearest_directory(Path(path))
+    try:
+        if (Path(path) / "_delta_log").is_dir():
+            return True
+        _nearest_directory(Path(path))
+    except PermissionError as e:
+        raise ConfigError(f"cannot look at {e.filename or path}: permission denied (check warehouse and the "
+                          "*_table settings)") from None
     return False
 
 

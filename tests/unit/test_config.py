@@ -44,6 +44,19 @@ def test_a_relative_table_location_is_made_absolute_where_the_command_runs(tmp_p
     assert PipelineConfig.load(environ={}, **{k: v for k, v in cfg.to_dict().items()}) == cfg
 
 
+@pytest.mark.parametrize("value, message", [
+    ("s3:/bucket/w", "looks like a URI with one slash after its scheme"),
+    ("  ", "starts or ends with blanks"), ("/w ", "starts or ends with blanks")])
+def test_a_table_location_that_is_a_typo_is_refused(value, message):
+    with pytest.raises(ConfigError, match=message):
+        PipelineConfig(warehouse=value)
+
+
+def test_an_absolute_location_is_kept_as_written():
+    """(Its Asset URI must not change with an upgrade.)"""
+    assert PipelineConfig(counts_table="/data/counts/").counts_table == "/data/counts/"
+
+
 def test_tables_on_object_storage_keep_their_uri():
     cfg = PipelineConfig(warehouse="s3://bucket/prefix/")
     assert (cfg.counts_path, cfg.late_path) == ("s3://bucket/prefix/counts", "s3://bucket/prefix/late_records")
@@ -159,8 +172,9 @@ def test_a_toml_file_of_wrongly_typed_values_is_refused(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("fetch.max.byte=5", "'fetch.max.byte' is no property of Kafka's consumer (did you mean fetch.max.bytes?)"),
     ("group.id=mine", "group.id is set by the pipeline from the epoch's read"),
-    ("sasl.jaas.config=x", "sasl.jaas.config is set by the pipeline from kafka_sasl_username and"),
-    ("ssl.truststore.password=x", "ssl.truststore.password is set by the pipeline from kafka_ssl_cafile"),
+    ("sasl.jaas.config=x", "sasl.jaas.config is set by the pipeline from the kafka_security_protocol, kafka_sasl_*"),
+    ("ssl.cipher.suites=x", "ssl.cipher.suites is set by the pipeline from the kafka_security_protocol"),
+    ("security.providers=x", "security.providers is set by the pipeline from"),
     ("client.rack", "entry 'client.rack' is not name=value"),
     ("client.rack=a;client.rack=b", "names client.rack twice"),
 ])
@@ -179,9 +193,11 @@ def test_consumer_properties_reach_the_java_clients_after_the_security_ones_are_
                                               "kafka.security.protocol": "PLAINTEXT"}
     said = ("py4j...\nCaused by: org.apache.kafka.common.config.ConfigException: Invalid value soon for "
             "configuration metadata.max.age.ms: Not a number of type LONG\n\tat org.apache...")
-    assert refused_property(said) == ("Kafka's consumer refused metadata.max.age.ms=soon (Not a number of type "
-                                      "LONG): check kafka_consumer_properties")
-    assert refused_property("java.lang.OutOfMemoryError") is None
+    passed = "metadata.max.age.ms=soon"
+    assert refused_property(said, passed) == ("Kafka's consumer refused metadata.max.age.ms=soon (Not a number of "
+                                              "type LONG): check kafka_consumer_properties")
+    assert refused_property(said, "") is None  # not a value the setting passed
+    assert refused_property("java.lang.OutOfMemoryError", passed) is None
 
 
 def test_bad_config_file_is_reported(tmp_path):
