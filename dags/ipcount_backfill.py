@@ -14,14 +14,15 @@ skipped. Trigger it from the form, or:
    before anything is written, with a message that says what to fix.
 2. `run_backfill` - in this task's own process on the Spark Connect server of
    `spark_connect_connection` when that is set, else spark-submit of
-   `spark_jobs/epoch_job.py backfill`.
+   `spark_jobs/epoch_job.py` with the run as its one argument.
 3. `publish_counts` - when `publish` is on, send the main counts rows the backfill changed to
    `publish_topic` (kind `backfill`), exactly once; replay targets are never published.
 4. `publish_summary` - log the epochs, return them to XCom (and, for the main target, put
    them in the counts Asset event).
 
-A failed run can simply be cleared and re-run: the same request finishes its unfinished
-epoch and continues where it stopped.
+A permanent error (a bad request or settings, data loss under `on_data_loss = fail`) fails
+its task at once; a transient one is retried. A failed run can simply be cleared and re-run:
+the same request finishes its unfinished epoch and continues where it stopped.
 """
 from __future__ import annotations
 
@@ -29,12 +30,11 @@ import pendulum
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 
-from ipcount.cli import run_in_session
-from ipcount.orchestration.dags import (BACKFILL_DAG_ID, REQUEST_BACKFILL_ARGS, backfill_params, check_backfill_request,
-                                        dagrun_timeout, epoch_summary, task_defaults)
+from ipcount.orchestration.dags import (BACKFILL_DAG_ID, backfill_params, check_backfill_request, dagrun_timeout,
+                                        epoch_summary, request_run, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import counts_asset, sink_assets, source_asset, table_assets
-from ipcount.orchestration.operators import epoch_operator, lineage_task
+from ipcount.orchestration.operators import epoch_operator, fails_fast, lineage_task
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -56,14 +56,15 @@ with DAG(
     params=backfill_params(CFG),
 ):
     @task(retries=0)
+    @fails_fast
     def check_request(params: dict | None = None) -> dict:
         """The request, parsed and checked against the broker (fails before any write)."""
         return check_backfill_request(CFG, params)
 
-    run_backfill = epoch_operator(CFG, "run_backfill", "backfill", REQUEST_BACKFILL_ARGS, run_params=False,
-                                  run_in_session=run_in_session, inlets=[SOURCE])
+    run_backfill = epoch_operator(CFG, "run_backfill", request_run, inlets=[SOURCE])
 
     @lineage_task(inlets=[COUNTS], outlets=SINK)
+    @fails_fast
     def publish_counts() -> dict:
         """The main counts' versions not published yet (this backfill's, as kind backfill) ->
         the sink topic, exactly once (when publish is on). Replay targets are never published."""
@@ -73,6 +74,7 @@ with DAG(
             return publish_step(cfg)
 
     @lineage_task(outlets=[COUNTS, *TABLES])
+    @fails_fast
     def publish_summary(run_id: str | None = None, params: dict | None = None, outlet_events=None) -> dict:
         """The epochs this run committed, to the log, XCom and (main target) the counts Asset."""
         summary = epoch_summary(CFG, run_id, params["target"])

@@ -9,9 +9,9 @@ Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
    delta-rs, the log ends asked of the broker: no JVM is started for nothing).
 2. `run_epoch` - with `spark_connect_connection` set, in this task's own process on that
    Spark Connect server (a warm Spark session: no JVM start per run), else spark-submit of
-   `spark_jobs/epoch_job.py` (connection `spark_default`): plan from the ledger (or finish an
-   unfinished epoch with its recorded ranges), read, count, merge into the counts table,
-   commit the ledger.
+   `spark_jobs/epoch_job.py` with the run as its one argument (connection `spark_default`):
+   plan from the ledger (or finish an unfinished epoch with its recorded ranges), read,
+   count, merge into the counts table, commit the ledger.
    A run made by `airflow backfill create` takes `backfill_interval` instead: it counts the
    records whose Kafka timestamps fall in the run's data interval and that the ledger does
    not own yet (an interval the chain already counted is a no-op, and says so).
@@ -23,6 +23,9 @@ Delta Lake idempotently, with the ranges recorded in the Delta offset ledger.
 5. `publish_summary` - log the epoch, return it to XCom and put it in the counts Asset event.
 6. `check_freshness` (with `alert_lag_records` or `alert_stale_seconds` set) - fail, so that
    Airflow's failure alerts fire, when the chain lags or is stale past them.
+
+A permanent error (bad settings, a refused table set, data loss under `on_data_loss = fail`)
+fails its task at once; a transient one (a service away, a lost commit race) is retried.
 
 Configuration: `IPCOUNT_*` environment variables or the file named by `IPCOUNT_CONFIG`
 (see docs/configuration.md). `max_active_runs=1`: scheduled epochs never overlap (and backfills that
@@ -36,15 +39,14 @@ import pendulum
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from ipcount.cli import run_in_session
 from ipcount.jobs import idle
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
 from ipcount.orchestration.alerts import alerts_on, freshness_breaches, run_deadline
-from ipcount.orchestration.dags import (EPOCH_DAG_ID, INTERVAL_BACKFILL_ARGS, dag_params, dagrun_timeout,
-                                        epoch_summary, epoch_timetable, run_config, task_defaults)
+from ipcount.orchestration.dags import (EPOCH_DAG_ID, dag_params, dagrun_timeout, epoch_run, epoch_summary,
+                                        epoch_timetable, interval_run, run_config, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import counts_asset, sink_assets, source_asset, table_assets
-from ipcount.orchestration.operators import epoch_operator, lineage_task
+from ipcount.orchestration.operators import epoch_operator, fails_fast, lineage_task
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -68,6 +70,7 @@ with DAG(
     params=dag_params(CFG),  # per-run overrides (trigger form / --conf), validated by JSON schema
 ):
     @task.branch
+    @fails_fast
     def choose_path(dag_run=None, params: dict | None = None) -> str | None:
         """Scheduled and manual runs advance the chain, unless it is at the log end (checked
         without Spark: then the run skips the rest); `airflow backfill create` runs count
@@ -81,20 +84,20 @@ with DAG(
         return "run_epoch" if verdict.run else None
 
     # (OpenLineage: the epoch also writes the counts, whose Asset event publish_summary sends)
-    run_epoch = epoch_operator(CFG, "run_epoch", "epoch", ("--skip-offset-commit", "--skip-publish"),
-                               run_in_session=run_in_session, inlets=[SOURCE], outlets=TABLES,
+    run_epoch = epoch_operator(CFG, "run_epoch", epoch_run, inlets=[SOURCE], outlets=TABLES,
                                lineage_outputs=[COUNTS, *TABLES])
-    backfill_interval = epoch_operator(CFG, "backfill_interval", "backfill", INTERVAL_BACKFILL_ARGS,
-                                       run_in_session=run_in_session, inlets=[SOURCE], outlets=TABLES,
+    backfill_interval = epoch_operator(CFG, "backfill_interval", interval_run, inlets=[SOURCE], outlets=TABLES,
                                        lineage_outputs=[COUNTS, *TABLES])
 
     @task(trigger_rule="none_failed_min_one_success")
+    @fails_fast
     def commit_offsets(params: dict | None = None) -> bool:
         """Ledger positions -> consumer group (warns, never fails, when the broker refuses)."""
         with resolved(run_config(CFG, params)) as cfg:
             return commit_group_offsets_from_ledger(cfg)
 
     @lineage_task(inlets=[COUNTS], outlets=SINK)
+    @fails_fast
     def publish_counts(params: dict | None = None) -> dict:
         """Counts versions not published yet -> the sink topic, one Kafka transaction each with
         the publisher's cursor (when publish is on; fails, and is retried, when Kafka refuses)."""
@@ -104,6 +107,7 @@ with DAG(
             return publish_step(cfg)
 
     @lineage_task(outlets=[COUNTS])
+    @fails_fast
     def publish_summary(run_id: str | None = None, outlet_events=None) -> dict:
         """The committed epoch to the log, XCom and the counts Asset event."""
         summary = epoch_summary(CFG, run_id)
@@ -117,6 +121,7 @@ with DAG(
 
     if alerts_on(CFG):
         @task(trigger_rule="all_done", retries=0)
+        @fails_fast
         def check_freshness(params: dict | None = None) -> None:
             """Fails (so Airflow's failure alerts fire) when the chain lags or is stale past
             alert_lag_records / alert_stale_seconds; runs after a failed epoch too."""

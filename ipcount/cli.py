@@ -132,10 +132,7 @@ def build_parser(commands: Mapping[str, tuple[Callable[[Any], None], Command]] |
     return parser
 
 
-def main(argv: Sequence[str] | None = None,
-         commands: Mapping[str, tuple[Callable[[Any], None], Command]] | None = None, prog: str = "ipcount",
-         doc: str | None = None) -> int:
-    """Run a command of ``commands`` (default: the product's; the lab's CLI passes its own)."""
+def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     for noisy in ("kafka", "py4j"):
@@ -143,6 +140,13 @@ def main(argv: Sequence[str] | None = None,
     # delta-rs logs each credentials provider the AWS SDK tries as a WARN line of its own; the
     # error a command reports says what failed and what to set.
     os.environ.setdefault("RUST_LOG", "error")
+
+
+def main(argv: Sequence[str] | None = None,
+         commands: Mapping[str, tuple[Callable[[Any], None], Command]] | None = None, prog: str = "ipcount",
+         doc: str | None = None) -> int:
+    """Run a command of ``commands`` (default: the product's; the lab's CLI passes its own)."""
+    _logging()
     commands = COMMANDS if commands is None else commands
     parser = build_parser(commands, prog, doc)
     args = parser.parse_args(argv)
@@ -151,45 +155,40 @@ def main(argv: Sequence[str] | None = None,
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"{prog} {args.command}: error: {e}\n")
     _, command = commands[args.command]
+    return _exit_code(lambda: command(args, cfg), f"{prog} {args.command}")
+
+
+def _exit_code(work: Callable[[], int], what: str) -> int:
+    """``work``'s exit code, or its error's (logged in one line)."""
     try:
-        return command(args, cfg)
+        return work()
     except IpcountError as e:  # every pipeline error carries its exit code and a message
         log.error("%s", e)
         return e.exit_code
     except KeyboardInterrupt:
         return 130
     except Exception as e:
-        from ipcount.rules.kafka_properties import refused_property
         from ipcount.storage.spark import connect_lost
 
-        if refused := refused_property(str(e), cfg.kafka_consumer_properties):  # a passed-through value
-            log.error("%s %s: %s. Nothing written is lost: the epoch keeps its recorded ranges, and the next run "
-                      "finishes it", prog, args.command, refused)
-            return EXIT_USAGE
         if not connect_lost(e):
             raise
-        log.error("%s %s: the Spark Connect server went away under it (%s). Nothing written is lost: an epoch it "
-                  "left unfinished keeps its recorded ranges, and the next run finishes it", prog, args.command,
+        log.error("%s: the Spark Connect server went away under it (%s). Nothing written is lost: an epoch it "
+                  "left unfinished keeps its recorded ranges, and the next run finishes it", what,
                   " ".join(str(e).split())[:160])
         return EXIT_FAILED
 
 
-def run_in_session(args: Sequence[str], spark=None) -> None:
-    """``ipcount ARGS`` in this process on ``spark``: an Airflow task's Spark Connect session,
-    made by its operator from the task's connection. An error when the command fails (its log
-    says why)."""
-    from ipcount.storage.spark import given_session
+def run_main(run_json: str) -> int:
+    """spark-submit's application as the DAGs submit it: one argument, the run as JSON
+    (:meth:`ipcount.jobs.runs.Run.to_json`); its exit code says how it ended."""
+    from ipcount.jobs.runs import Run, execute
 
-    with given_session(spark):
-        code = main([str(a) for a in args])
-    if code != EXIT_OK:
-        raise RuntimeError(f"`ipcount {args[0]}` failed with exit code {code} (see the log above)")
+    def work() -> int:
+        execute(Run.from_json(run_json))
+        return EXIT_OK
 
-
-def _crash_hook():
-    from ipcount.jobs.crash import crash_hook
-
-    return crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
+    _logging()
+    return _exit_code(work, "ipcount run")
 
 
 # -- epoch ---------------------------------------------------------------------------------
@@ -214,35 +213,21 @@ def _epoch_arguments(sub) -> None:
 
 
 def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.jobs.epoch import check_before_touch, run_epoch
-    from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
-    from ipcount.jobs.publish import publish_step
-    from ipcount.rules.ledger import EpochSummary
-    from ipcount.storage.spark import get_spark
+    from ipcount.jobs.runs import EPOCH, Run, execute
 
-    crash = _crash_hook()
-    check_before_touch(cfg)  # before the JVM's 10-15 s (run_epoch checks again before any table)
-    spark = get_spark(cfg)
-    # Several epochs in one session (catching up after downtime) pay the JVM and Spark
-    # start once; each is still a whole epoch, exactly as if run on its own.
-    for _ in range(args.epochs):
-        started = time.monotonic()
-        summary = run_epoch(cfg, spark, run_id=args.run_id, crash=crash)
-        if summary is None:
-            summary = EpochSummary(None, seconds=time.monotonic() - started)
-        print(summary.line(), flush=True)
-        if not args.skip_offset_commit:
-            crash("before_kafka_commit")
-            started = time.monotonic()
-            commit_group_offsets_from_ledger(cfg)
-            summary = summary.with_stages(kafka_commit=time.monotonic() - started)
-        if args.summary_json:
-            print(json.dumps(summary.to_dict()), flush=True)
-        if cfg.publish and not args.skip_publish:  # after the summary: a failed publish undoes no epoch
-            publish_step(cfg, crash)
-        if summary.plan is None:
-            break
+    run = Run(EPOCH, cfg, run_id=args.run_id, epochs=args.epochs, commit_offsets=not args.skip_offset_commit,
+              publish=not args.skip_publish)
+    execute(run, report=_reporter(args.summary_json))
     return EXIT_OK
+
+
+def _reporter(as_json: bool):
+    """Print each result's line, and its JSON too when asked."""
+    def report(result) -> None:
+        print(result.line(), flush=True)
+        if as_json:
+            print(json.dumps(result.to_dict()), flush=True)
+    return report
 
 
 # -- backfill ------------------------------------------------------------------------------
@@ -292,18 +277,10 @@ def _backfill_request(args: argparse.Namespace, cfg: PipelineConfig):
 
 
 def _backfill(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.jobs.backfill import resolve, run_backfill
-    from ipcount.jobs.epoch import check_locations
-    from ipcount.storage.spark import get_spark
+    from ipcount.jobs.runs import BACKFILL, Run, execute
 
-    crash = _crash_hook()
-    request = _backfill_request(args, cfg)
-    check_locations(cfg.for_target(request.target))
-    resolved = resolve(cfg, request)  # checked, with the broker, before Spark starts
-    report = run_backfill(cfg, get_spark(cfg), request, run_id=args.run_id, crash=crash, resolved=resolved)
-    print(report.line(), flush=True)
-    if args.summary_json:
-        print(json.dumps(report.to_dict()), flush=True)
+    execute(Run(BACKFILL, cfg, run_id=args.run_id, request=_backfill_request(args, cfg)),
+            report=_reporter(args.summary_json))
     return EXIT_OK
 
 
@@ -355,14 +332,9 @@ def _rebuild_arguments(sub) -> None:
 
 
 def _rebuild(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.jobs.rebuild import check_request, rebuild
-    from ipcount.storage.broker import partition_offsets
-    from ipcount.storage.spark import get_spark
+    from ipcount.jobs.runs import REBUILD, Run, execute
 
-    check_request(cfg, args.into, args.source)  # the request, the tables' locations and the broker, before
-    partition_offsets(cfg)                      # the JVM starts (rebuild checks the offsets again)
-    report = rebuild(cfg, get_spark(cfg), args.into, args.source, run_id=args.run_id)
-    print(report.line(), flush=True)
+    execute(Run(REBUILD, cfg, run_id=args.run_id, into=args.into, source=args.source))
     return EXIT_OK
 
 
@@ -385,13 +357,14 @@ def _publish_arguments(sub) -> None:
 
 
 def _publish(args: argparse.Namespace, cfg: PipelineConfig) -> int:
+    from ipcount.jobs.crash import crash_hook
     from ipcount.jobs.publish import publish_pending
     from ipcount.storage.tableset import existing
 
     if not cfg.publish:
         raise ConfigError("publish is off for this pipeline; set publish = true (--publish or IPCOUNT_PUBLISH)")
     existing(cfg, command="publish", ledger=False)  # (it reads the counts table's versions only)
-    report = publish_pending(cfg, _crash_hook(), resync=args.resync)
+    report = publish_pending(cfg, crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None), resync=args.resync)
     print(f"published {len(report.published)} counts version(s), {report.records} record(s), to "
           f"{cfg.publish_topic}; next version {report.cursor.next_version if report.cursor else '-'}")
     return EXIT_OK

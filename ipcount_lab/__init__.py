@@ -4,6 +4,7 @@ Connect server, Airflow's environment), the traffic generator, chaos, and the be
 its peers (Spark Structured Streaming, Flink SQL).
 
 - :mod:`.cli`                ``bin/lab``: the lab's commands
+- :mod:`.errors`             the lab's errors: a service of the embedded stack that did not start
 - :mod:`.service`            what the services share: pid files, logs, readiness, stopping (Kafka, s3proxy,
                              Spark, the Connect server; PostgreSQL keeps pg_ctl's own)
 - :mod:`.embedded_kafka`     a real KRaft broker (or three) on 127.0.0.1
@@ -20,6 +21,7 @@ its peers (Spark Structured Streaming, Flink SQL).
 - :mod:`.chaos_maintenance`  maintenance racing the rounds, in a thread of the chaos process
 - :mod:`.model_run`          ``bin/lab model``: the model test of the ledger as a long run, with figures
 - :mod:`.benchmark`          ``bin/benchmark``
+- :mod:`.bench_job`          the benchmark's Spark application (spark-submit): the peer, the limits, the rounds
 - :mod:`.bench_rounds`       warm against warm: the contenders round after round
 - :mod:`.bench_stats`        medians, spreads and round-by-round ratios
 - :mod:`.bench_profile`      where an epoch's read stage spends its time

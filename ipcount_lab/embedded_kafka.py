@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ipcount.rules.config import STATE_DIR
-from ipcount.rules.errors import BrokerStartError
+from ipcount_lab.errors import BrokerStartError
 from ipcount.rules.kafka_security import JAAS_MODULES, SCRAM_MECHANISMS, jaas_quoted, property_value
 from ipcount.rules.private_files import read_private_file, write_private_file
 from ipcount_lab.dev_tls import DevTls

@@ -30,7 +30,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ipcount.rules.config import STATE_DIR
-from ipcount.rules.errors import DatabaseStartError
+from ipcount_lab.errors import DatabaseStartError
 from ipcount.rules.private_files import read_private_file, write_private_file
 from ipcount_lab.service import log_tail, proc_stat
 

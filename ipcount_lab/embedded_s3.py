@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ipcount.rules.config import STATE_DIR
-from ipcount.rules.errors import ServiceStartError
+from ipcount_lab.errors import ServiceStartError
 from ipcount.rules.private_files import read_private_file, write_private_file
 from ipcount_lab.service import Processes
 

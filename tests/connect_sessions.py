@@ -55,14 +55,17 @@ def clear_of_half_hour_edge(seconds: float) -> None:
 # with the SIGTERM handler Airflow's task runner installs.
 _TASK = """
 import signal, sys
+from ipcount.jobs.runs import EPOCH, Run
 from ipcount.orchestration.operators import EpochConnectOperator
+from ipcount.rules.config import PipelineConfig
 
-def command(args, spark=None):
-    print("querying", spark.session_id, flush=True)
-    spark.range(10 ** 13).where("id % 9 = 4").count()   # hours on two cores
+class EndlessQuery(EpochConnectOperator):
+    def execute_run(self, run, spark):
+        print("querying", spark.session_id, flush=True)
+        spark.range(10 ** 13).where("id % 9 = 4").count()   # hours on two cores
 
-task = EpochConnectOperator(task_id="run_epoch", python_callable=command, conn_id=sys.argv[1],
-                            pipeline_id=sys.argv[2], command_args=["epoch"])
+task = EndlessQuery(task_id="run_epoch", pipeline=PipelineConfig(pipeline_id=sys.argv[2]), conn_id=sys.argv[1],
+                    run_of=lambda cfg, context: Run(EPOCH, cfg))
 signal.signal(signal.SIGTERM, lambda *_: task.on_kill())
 task.execute({})
 """

@@ -1,5 +1,7 @@
 """What each command does, composed from the rules and the storage layer.
 
+- :mod:`.runs`          a typed run (epochs, a backfill, a rebuild): what the CLI, the DAGs'
+                        tasks and spark-submit's application execute
 - :mod:`.epoch`         one checkpoint epoch: plan, record, read, sink, ledger commit
 - :mod:`.group_commit`  step 7, optional: ledger positions -> the Kafka consumer group
 - :mod:`.backfill`      count an offset or time range the ledger does not own yet

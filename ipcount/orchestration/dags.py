@@ -7,13 +7,13 @@ from datetime import timedelta
 from difflib import get_close_matches
 from typing import Any, Mapping
 
+from ipcount.jobs.runs import BACKFILL, EPOCH, Run
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import source_asset
-from ipcount.rules.config import (ON_DATA, REPO_ROOT, RUN, SETTINGS, SETTINGS_BY_NAME, SETTINGS_HELP, PipelineConfig,
-                                  Setting, flag, negated_flag)
+from ipcount.rules.config import (MEANING, ON_DATA, REPO_ROOT, RUN, SETTINGS, SETTINGS_BY_NAME, SETTINGS_HELP, PipelineConfig,
+                                  Setting)
 from ipcount.rules.errors import BadRequestError, ConfigError
-from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, request_from_fields
-from ipcount.rules.tableset import MEANING
+from ipcount.rules.requests import MAIN_TARGET, REQUEST_FIELDS, BackfillRequest, request_from_fields
 from ipcount.storage.ledger import committed_epochs
 from ipcount.storage.spark import DRIVER_ENV, spark_conf, spark_jars
 
@@ -106,17 +106,6 @@ def _refuse_unknown(params: dict[str, Any] | None, known: Mapping[str, Any],
         raise error(f"unknown run parameter(s) {', '.join(hints)}; this DAG takes {', '.join(known)}")
 
 
-def _param_args() -> list[str]:
-    """CLI flags rendered from the run's Params (they follow, and so override, the base flags)."""
-    args: list[str] = []
-    for name, (schema, _) in RUN_PARAMS.items():
-        if schema["type"] == "boolean":
-            args.append(f"{{{{ '{flag(name)}' if params.{name} else '{negated_flag(name)}' }}}}")
-        else:
-            args.append(f"{flag(name)}={{{{ params.{name} }}}}")
-    return args
-
-
 # The manual backfill DAG's trigger form: what to count and where.
 BACKFILL_PARAMS: dict[str, tuple[dict[str, Any], str, str]] = {
     "target": ({"type": "string", "pattern": r"^[a-z][a-z0-9_]{0,62}$"}, "Target",
@@ -170,40 +159,37 @@ def dagrun_timeout(cfg: PipelineConfig) -> timedelta:
     return timedelta(seconds=cfg.dagrun_timeout_seconds)
 
 
-def spark_submit_kwargs(cfg: PipelineConfig, command: str = "epoch", task_args: tuple[str, ...] = (),
-                        run_params: bool = True) -> dict[str, Any]:
-    """Arguments of the epoch operator (a SparkSubmitOperator) running ``ipcount <command>``.
-    The master comes from the ``spark_default`` connection; ``{{ ... }}`` is rendered by
-    Airflow. ``run_params``: pass the epoch DAG's per-run Params on as flags."""
-    return {
-        "kafka_connection": cfg.kafka_connection,
-        "bootstrap_servers": cfg.bootstrap_servers,
-        "application": EPOCH_APPLICATION,
-        "conn_id": "spark_default",
-        "name": f"{cfg.pipeline_id}-{command}",
-        "jars": ",".join(spark_jars()),
-        "conf": spark_conf(cfg),
-        "application_args": command_args(cfg, command, task_args, run_params),
-        "env_vars": dict(DRIVER_ENV),
-    }
+def spark_submit_kwargs(cfg: PipelineConfig, task_id: str) -> dict[str, Any]:
+    """The spark-submit settings of an epoch task (its run, the one argument, is added when
+    the task runs). The master comes from the ``spark_default`` connection."""
+    return {"application": EPOCH_APPLICATION, "conn_id": "spark_default", "name": f"{cfg.pipeline_id}-{task_id}",
+            "jars": ",".join(spark_jars()), "conf": spark_conf(cfg), "env_vars": dict(DRIVER_ENV)}
 
 
-def command_args(cfg: PipelineConfig, command: str, task_args: tuple[str, ...] = (),
-                 run_params: bool = True) -> list[str]:
-    """``ipcount <command>``'s arguments in a DAG task: every setting, the run's Params (when
-    ``run_params``), the run id and the task's own; ``{{ ... }}`` is rendered by Airflow."""
-    return [command, *cfg.to_args(), *(_param_args() if run_params else []), "--run-id", "{{ run_id }}",
-            *task_args]
+# The runs of the DAGs' Spark tasks, built when each runs from the pipeline's settings and
+# the task's context (ipcount.orchestration.operators.epoch_operator).
+
+def epoch_run(cfg: PipelineConfig, context: Mapping[str, Any]) -> Run:
+    """The epoch DAG's ``run_epoch``: one epoch with the run's Params; the group offset commit
+    and publishing are tasks of their own."""
+    return Run(EPOCH, run_config(cfg, context["params"]), run_id=context["run_id"], commit_offsets=False,
+               publish=False)
 
 
-# Each backfill run of the epoch DAG (`airflow backfill create`) counts the records whose
-# Kafka timestamps fall in its data interval - only what the ledger does not own yet.
-INTERVAL_BACKFILL_ARGS = ("--from-time", "{{ data_interval_start.isoformat() }}",
-                          "--until-time", "{{ data_interval_end.isoformat() }}")
-# The manual backfill DAG hands its checked form over as one JSON argument.
-REQUEST_BACKFILL_ARGS = ("--request-json", "{{ {'target': params.target, 'offsets': params.offsets, "
-                         "'from_time': params.from_time, 'until_time': params.until_time} | tojson }}",
-                         "--max-records-per-epoch", "{{ params.max_records_per_epoch }}")
+def interval_run(cfg: PipelineConfig, context: Mapping[str, Any]) -> Run:
+    """A run of ``airflow backfill create`` (``backfill_interval``): the records whose Kafka
+    timestamps fall in the run's data interval - only what the ledger does not own yet."""
+    start, end = (round(context[name].timestamp() * 1000) for name in ("data_interval_start", "data_interval_end"))
+    return Run(BACKFILL, run_config(cfg, context["params"]), run_id=context["run_id"],
+               request=BackfillRequest(from_ms=start, until_ms=end))
+
+
+def request_run(cfg: PipelineConfig, context: Mapping[str, Any]) -> Run:
+    """The backfill DAG's ``run_backfill``: the request of its form (checked by ``check_request``)."""
+    params = context["params"]
+    request = request_from_fields({k: params.get(k) for k in REQUEST_FIELDS}, cfg.topic)
+    return Run(BACKFILL, cfg.replace(max_records_per_epoch=params["max_records_per_epoch"]),
+               run_id=context["run_id"], request=request)
 
 
 def epoch_summary(cfg: PipelineConfig, run_id: str, target: str = MAIN_TARGET) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ipcount.rules.config import PipelineConfig, setting_arg
+from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.kafka_security import ConnectionSettings, connection_settings
 from ipcount.rules.private_files import write_private_file
@@ -47,8 +47,7 @@ def resolved(cfg: PipelineConfig) -> Iterator[PipelineConfig]:
         return
     conn = read_connection(cfg.kafka_connection)
     with tempfile.TemporaryDirectory(prefix="ipcount-kafka-") as private:  # mode 0700
-        # The connection alone decides (what it leaves out takes the default), as it does for
-        # the Spark command, which starts from defaults (kafka_args).
+        # The connection alone decides: what it leaves out takes the default.
         fresh = PipelineConfig()
         settings = {n: getattr(fresh, n) for n in RESOLVED_SETTINGS if n != "bootstrap_servers"}
         settings.update(conn.settings, kafka_connection="")
@@ -67,9 +66,3 @@ def resolved(cfg: PipelineConfig) -> Iterator[PipelineConfig]:
         elif conn.client_cert:
             settings["kafka_ssl_client_pem"] = conn.client_cert
         yield cfg.replace(**settings)
-
-
-def kafka_args(cfg: PipelineConfig) -> list[str]:
-    """The resolved Kafka settings of ``cfg`` as CLI flags, to follow the DAG's own flags
-    (the last of a repeated flag wins), so the Spark command needs no Airflow."""
-    return [setting_arg(name, getattr(cfg, name)) for name in RESOLVED_SETTINGS]

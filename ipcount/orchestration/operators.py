@@ -1,83 +1,117 @@
-"""The Airflow operators of the pipeline's tasks: those that run its Spark commands, and
-``@lineage_task``, Airflow's ``@task`` naming its Assets to OpenLineage."""
+"""The Airflow operators of the pipeline's tasks: those that run its Spark work (a typed
+:class:`~ipcount.jobs.runs.Run`, built when the task runs), ``@lineage_task``, Airflow's
+``@task`` naming its Assets to OpenLineage, and how an error ends a task: a permanent one
+(:mod:`ipcount.rules.errors`) fails it at once, a transient one is left to its retries."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 import uuid
-from typing import Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
 
 from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.providers.standard.decorators.python import _PythonDecoratedOperator
-from airflow.providers.standard.operators.python import PythonOperator
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from ipcount.orchestration.dags import command_args, spark_submit_kwargs
-from ipcount.orchestration.kafka_connection import kafka_args, resolved
+from ipcount.jobs.runs import Run, execute
+from ipcount.orchestration.dags import spark_submit_kwargs
+from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import LineageMixin
 from ipcount.orchestration.monitor.links import EpochPageLink
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import ConfigError
+from ipcount.rules.errors import PERMANENT_EXIT_CODES, ConfigError, IpcountError
 from ipcount.storage.spark import connect_session
 
+# Builds a task's run from the pipeline's settings and the task's context (its Params, run
+# id and data interval): ipcount.orchestration.dags.epoch_run and the like.
+RunOf = Callable[[PipelineConfig, Mapping[str, Any]], Run]
 
-class EpochSubmitOperator(LineageMixin, SparkSubmitOperator):
-    """``spark-submit spark_jobs/epoch_job.py <command>``: the task fails when the command
-    does, and carries the link to its epochs' monitoring page."""
+
+@contextmanager
+def failing_fast() -> Iterator[None]:
+    """Within, a permanent pipeline error fails the task at once (the same work would fail
+    the same way on every retry); a transient one is raised as it is, for the retries."""
+    try:
+        yield
+    except IpcountError as e:
+        if not e.permanent:
+            raise
+        raise AirflowFailException(f"{type(e).__name__}: {e} (not retried: running it again cannot end otherwise)") \
+            from e
+
+
+def fails_fast(function: Callable) -> Callable:
+    """``function`` (a ``@task``'s) under :func:`failing_fast`."""
+    @functools.wraps(function)
+    def task_function(*args, **kwargs):
+        with failing_fast():
+            return function(*args, **kwargs)
+    return task_function
+
+
+class _RunsEpochs(LineageMixin):
+    """What both epoch operators share: the run, built when the task runs, with the Kafka
+    settings of the pipeline's ``kafka_connection`` (its secrets in private files until the
+    run is done)."""
 
     operator_extra_links = (EpochPageLink(),)
 
-    def __init__(self, *, kafka_connection: str = "", bootstrap_servers: str = "", lineage_outputs: list | None = None,
+    @contextmanager
+    def task_run(self, context: Mapping[str, Any]) -> Iterator[Run]:
+        run = self.run_of(self.pipeline, context)
+        with resolved(run.config) as cfg:
+            if run.config.kafka_connection:
+                self.log.info("Kafka settings from connection %r: %s over %s", run.config.kafka_connection,
+                              cfg.bootstrap_servers, cfg.kafka_security_protocol)
+            yield dataclasses.replace(run, config=cfg)
+
+
+class EpochSubmitOperator(_RunsEpochs, SparkSubmitOperator):
+    """``spark-submit spark_jobs/epoch_job.py RUN_JSON``: the task fails when the run does,
+    at once when its exit code says the error is permanent."""
+
+    def __init__(self, *, pipeline: PipelineConfig, run_of: RunOf, lineage_outputs: list | None = None,
                  **kwargs) -> None:
         super().__init__(**kwargs)
-        self.kafka_connection = kafka_connection
-        self.bootstrap_servers = bootstrap_servers
-        self.lineage_outputs = lineage_outputs
+        self.pipeline, self.run_of, self.lineage_outputs = pipeline, run_of, lineage_outputs
 
     def execute(self, context):
-        if not self.kafka_connection:
-            return super().execute(context)
-        # The connection's settings follow the DAG's flags (the last flag wins); its secrets
-        # are in private files until the command is done.
-        cfg = PipelineConfig(bootstrap_servers=self.bootstrap_servers, kafka_connection=self.kafka_connection)
-        with resolved(cfg) as kafka:
-            self.log.info("Kafka settings from connection %r: %s over %s", self.kafka_connection,
-                          kafka.bootstrap_servers, kafka.kafka_security_protocol)
-            own = list(self.application_args)
-            self.application_args = [*own, *kafka_args(kafka)]
+        with failing_fast(), self.task_run(context) as run:
+            self.application_args = [run.to_json()]
             try:
                 return super().execute(context)
-            finally:
-                self.application_args = own
+            except AirflowException as e:
+                code = getattr(getattr(self._hook, "_submit_sp", None), "returncode", None)
+                if code in PERMANENT_EXIT_CODES:
+                    raise AirflowFailException(f"`ipcount {run.command}` exited with code {code} (bad settings or "
+                                               "request, or data loss; see the log above): not retried") from e
+                raise
 
 
-class EpochConnectOperator(LineageMixin, PythonOperator):
-    """``ipcount <command>`` in this task's own process, on the pipeline's session
+class EpochConnectOperator(_RunsEpochs, BaseOperator):
+    """The run in this task's own process, on the pipeline's session
     (:func:`ipcount.storage.spark.connect_session`) of the Spark Connect server of the
     ``spark_connect`` connection ``conn_id`` (its URL from the Spark provider's hook):
     planning and every Delta commit happen here, the Kafka read and the aggregation on the
     server. The session stays open for the pipeline's next tasks (the provider's
     PySparkOperator would stop it, and with it the session another task is using). A task
-    that dies takes its epoch with it: nothing of it runs on elsewhere. ``python_callable``
-    runs the command (:func:`ipcount.cli.run_in_session`, handed over by the DAG file: the
-    CLI sits above this layer); ``command_args`` are templated."""
+    that dies takes its epoch with it: nothing of it runs on elsewhere."""
 
-    operator_extra_links = (EpochPageLink(),)
-    template_fields = ("conn_id", *PythonOperator.template_fields, "command_args")
+    template_fields = ("conn_id",)
 
-    def __init__(self, *, conn_id: str, pipeline_id: str, command_args: list[str], kafka_connection: str = "",
-                 bootstrap_servers: str = "", timeout_seconds: int = 30, lineage_outputs: list | None = None,
+    def __init__(self, *, pipeline: PipelineConfig, run_of: RunOf, conn_id: str, lineage_outputs: list | None = None,
                  **kwargs) -> None:
         super().__init__(**kwargs)
-        self.lineage_outputs = lineage_outputs
-        self.conn_id = conn_id
-        self.pipeline_id = pipeline_id
-        self.command_args = command_args
-        self.kafka_connection = kafka_connection
-        self.bootstrap_servers = bootstrap_servers
-        self.timeout_seconds = timeout_seconds
-        self._running: tuple | None = None   # (session, tag) while the command runs
+        self.pipeline, self.run_of, self.conn_id, self.lineage_outputs = pipeline, run_of, conn_id, lineage_outputs
+        self._running: tuple | None = None   # (session, tag) while the run runs
 
-    def execute_callable(self):
+    def session(self):
+        """The pipeline's session on the connection's server (refusing a connection that
+        is no Spark Connect server's, or would change the session others share)."""
         hook = SparkConnectHook(self.conn_id)
         conn = hook.get_connection(self.conn_id)
         if conn.conn_type != SparkConnectHook.conn_type:
@@ -88,19 +122,25 @@ class EpochConnectOperator(LineageMixin, PythonOperator):
         if settings := sorted(set(conn.extra_dejson) - {SparkConnectHook.PARAM_USE_SSL}):
             raise ConfigError(f"spark_connect_connection {self.conn_id!r} has {', '.join(settings)} in its extra, which "
                               f"may hold only {SparkConnectHook.PARAM_USE_SSL}: set Spark settings on the server")
-        spark = connect_session(hook.get_connection_url(), f"connection {self.conn_id!r} ({conn.host}:{conn.port})",
-                                self.pipeline_id, self.timeout_seconds)
-        self.op_kwargs = {**self.op_kwargs, "spark": spark}
-        # Tags are the client's, per thread (the epoch's queries run on this one), and match
-        # within the session, which other tasks share: so one of this task's own.
-        tag = f"ipcount-task-{uuid.uuid4().hex}"
-        spark.addTag(tag)
-        self._running = (spark, tag)
-        try:
-            return super().execute_callable()
-        finally:
-            self._running = None
-            spark.removeTag(tag)
+        return connect_session(hook.get_connection_url(), f"connection {self.conn_id!r} ({conn.host}:{conn.port})",
+                               self.pipeline.pipeline_id, self.pipeline.kafka_timeout_seconds)
+
+    def execute(self, context) -> None:
+        with failing_fast(), self.task_run(context) as run:
+            spark = self.session()
+            # Tags are the client's, per thread (the run's queries run on this one), and match
+            # within the session, which other tasks share: so one of this task's own.
+            tag = f"ipcount-task-{uuid.uuid4().hex}"
+            spark.addTag(tag)
+            self._running = (spark, tag)
+            try:
+                self.execute_run(run, spark)
+            finally:
+                self._running = None
+                spark.removeTag(tag)
+
+    def execute_run(self, run: Run, spark) -> None:
+        execute(run, spark)
 
     def on_kill(self) -> None:
         """On SIGTERM (a cleared run, a run marked failed elsewhere; Airflow's SIGKILL follows
@@ -124,17 +164,6 @@ class EpochConnectOperator(LineageMixin, PythonOperator):
         asking.start()
         asking.join(3)
 
-    def execute(self, context):
-        if not self.kafka_connection:
-            self.op_args = [self.command_args]
-            return super().execute(context)
-        cfg = PipelineConfig(bootstrap_servers=self.bootstrap_servers, kafka_connection=self.kafka_connection)
-        with resolved(cfg) as kafka:  # (its secrets in private files until the command is done)
-            self.log.info("Kafka settings from connection %r: %s over %s", self.kafka_connection,
-                          kafka.bootstrap_servers, kafka.kafka_security_protocol)
-            self.op_args = [[*self.command_args, *kafka_args(kafka)]]
-            return super().execute(context)
-
 
 class LineageTaskOperator(LineageMixin, _PythonDecoratedOperator):
     """The operator ``@task`` builds (the standard provider's, whose class name is private),
@@ -153,20 +182,13 @@ def lineage_task(python_callable: Callable | None = None, **kwargs):
                                   **kwargs)
 
 
-def epoch_operator(cfg: PipelineConfig, task_id: str, command: str, task_args: tuple[str, ...] = (),
-                   run_params: bool = True, run_in_session: Callable | None = None, **task_kwargs):
-    """The task running ``ipcount <command>``: in the task's own process on the Spark Connect
-    server of ``spark_connect_connection`` when that is set (``run_in_session`` runs it:
-    :func:`ipcount.cli.run_in_session`), else spark-submit (:func:`spark_submit_kwargs`).
-    Chosen by configuration, never by probing. ``task_kwargs`` (inlets, outlets,
-    ``lineage_outputs``) go to the operator."""
+def epoch_operator(cfg: PipelineConfig, task_id: str, run_of: RunOf, **task_kwargs) -> BaseOperator:
+    """The task executing ``run_of``'s run: in the task's own process on the Spark Connect
+    server of ``spark_connect_connection`` when that is set, else spark-submit
+    (:func:`spark_submit_kwargs`). Chosen by configuration, never by probing.
+    ``task_kwargs`` (inlets, outlets, ``lineage_outputs``) go to the operator."""
     if not cfg.spark_connect_connection:
-        return EpochSubmitOperator(task_id=task_id, **spark_submit_kwargs(cfg, command, task_args, run_params),
+        return EpochSubmitOperator(task_id=task_id, pipeline=cfg, run_of=run_of, **spark_submit_kwargs(cfg, task_id),
                                    **task_kwargs)
-    if run_in_session is None:
-        raise ConfigError("spark_connect_connection is set, but the DAG file gave no command runner")
-    args = command_args(cfg, command, task_args, run_params)   # (no Spark jars needed on this host)
-    return EpochConnectOperator(task_id=task_id, python_callable=run_in_session, conn_id=cfg.spark_connect_connection,
-                                pipeline_id=cfg.pipeline_id, command_args=args, kafka_connection=cfg.kafka_connection,
-                                bootstrap_servers=cfg.bootstrap_servers, timeout_seconds=cfg.kafka_timeout_seconds,
+    return EpochConnectOperator(task_id=task_id, pipeline=cfg, run_of=run_of, conn_id=cfg.spark_connect_connection,
                                 **task_kwargs)

@@ -5,10 +5,17 @@ condition catches that one class.
 Exit codes: 0 done, 1 failed, 2 bad input (settings, request, flags, no tables where the
 settings point), 3 data loss, 4 broker unreachable or topic missing, 5 object storage
 unreachable or refused.
+
+An error is *permanent* when running the same work again cannot end otherwise (bad settings,
+a bad request, a refused table set, data loss under ``on_data_loss = "fail"``): an Airflow
+task fails at once on it instead of being retried. The others (a service away, a commit that
+lost its race) are retried. A spark-submitted task sees only its exit code, so permanence
+follows the code (:data:`PERMANENT_EXIT_CODES`), the same for the class and the code.
 """
 from __future__ import annotations
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DATA_LOSS, EXIT_BROKER, EXIT_STORAGE = 0, 1, 2, 3, 4, 5
+PERMANENT_EXIT_CODES = frozenset({EXIT_USAGE, EXIT_DATA_LOSS})
 
 
 class IpcountError(Exception):
@@ -21,6 +28,11 @@ class IpcountError(Exception):
         super().__init_subclass__(**kwargs)
         if exit_code is not None:
             cls.exit_code = exit_code
+
+    @property
+    def permanent(self) -> bool:
+        """Whether the same work, run again, must fail the same way (see the module's doc)."""
+        return self.exit_code in PERMANENT_EXIT_CODES
 
 
 class ConfigError(IpcountError, ValueError, exit_code=EXIT_USAGE):
@@ -36,7 +48,7 @@ class StartPositionError(IpcountError, ValueError, exit_code=EXIT_USAGE):
 
 
 class MissingJarsError(IpcountError, exit_code=EXIT_USAGE):
-    """Spark's Kafka source or Delta jars, or the parse's, are not where bin/setup puts them (or
+    """Spark's Kafka source jars, or the parse's, are not where the installation puts them (or
     not in the Spark that runs the epoch)."""
 
 
@@ -61,17 +73,7 @@ class StorageUnavailableError(IpcountError, RuntimeError, exit_code=EXIT_STORAGE
     credentials)."""
 
 
-class BrokerStartError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
-    """The embedded broker did not start."""
 
-
-class DatabaseStartError(IpcountError, RuntimeError):
-    """The embedded PostgreSQL server is not installed or did not start (the message says why)."""
-
-
-class ServiceStartError(IpcountError, RuntimeError):
-    """An embedded server (Spark Connect, s3proxy) did not start: its port is taken, or it
-    exited or was not ready in time (the message says which, with its log's tail)."""
 
 
 class PlanConflict(IpcountError, RuntimeError):
@@ -101,5 +103,7 @@ class TableSetMismatch(IpcountError, exit_code=EXIT_USAGE):
     """A run's settings, or one of its tables, do not belong to the table set it would write."""
 
 
-class SparkConnectError(IpcountError, RuntimeError, exit_code=EXIT_USAGE):
-    """The Spark Connect server of ``spark_remote`` could not be reached or refused the token."""
+class SparkConnectError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
+    """The Spark Connect server of ``spark_remote`` (or of a task's connection) did not
+    answer: retried, a server restarting being the common case. (One that refuses the
+    token, or an address that is none, is a ConfigError.)"""

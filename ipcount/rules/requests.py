@@ -150,13 +150,14 @@ def request_from_fields(fields: Mapping[str, Any] | str, topic: str,
     unknown = sorted(set(fields) - set(REQUEST_FIELDS))
     if unknown:
         raise BadRequestError(f"unknown request field(s) {unknown}; known: {', '.join(REQUEST_FIELDS)}")
-    target = fields.get("target") or MAIN_TARGET
-    offsets, start, until = fields.get("offsets"), fields.get("from_time"), fields.get("until_time")
-    if offsets and (start or until):
+    # (0 is a time: epoch ms 0)
+    target, offsets, start, until = (None if fields.get(k) in (None, "") else fields[k] for k in REQUEST_FIELDS)
+    target = target or MAIN_TARGET
+    if offsets is not None and (start is not None or until is not None):
         raise BadRequestError("give either offsets or from_time/until_time, not both")
-    if offsets:
+    if offsets is not None:
         return BackfillRequest(target=target, offsets=parse_offsets(offsets, topic))
-    if start and until:
+    if start is not None and until is not None:
         return BackfillRequest(target=target, from_ms=parse_time(start, time_names[0]),
                                until_ms=parse_time(until, time_names[1]))
     raise BadRequestError("give offsets ('partition:from-until,...') or both from_time and until_time")

@@ -327,6 +327,48 @@ def test_dag_test_runs_the_epoch_in_its_task_on_a_spark_connect_server(airflow_e
     assert counts(cfg) == expected.counts and dead_letters(cfg) == expected.dead
 
 
+def _last_run_tasks(airflow_environ, dag_id: str = "ipcount_epoch") -> dict[str, tuple[str, int]]:
+    """The last run's tasks: task id -> (state, tries)."""
+    rows = metadata_rows(airflow_environ, "SELECT task_id, state, try_number FROM task_instance WHERE dag_id = :dag "
+                         "AND run_id = (SELECT run_id FROM dag_run WHERE dag_id = :dag ORDER BY id DESC LIMIT 1)",
+                         dag=dag_id)
+    return {task: (state, tries) for task, state, tries in rows}
+
+
+def test_a_permanent_error_fails_its_task_at_once_and_a_transient_one_is_retried(airflow_environ, cfg, connect):
+    """Errors keep their type from the run to Airflow: a table set that counts 5 s windows
+    refuses a run counting 10 s ones (TableSetMismatch), in the task's own process on Spark
+    Connect and spark-submitted (exit code 2) alike, in one try; a Connect server that is
+    not there is a service away, and the task is tried again (retries 2: three tries)."""
+    gen = TrafficGenerator(seed=38, events_per_second=50)
+    produced = produce(cfg.bootstrap_servers, cfg.topic, gen.records(120, 1_795_255_200_000),
+                       partition_of=lambda i, r: i % 3)
+    on_connect = cfg.replace(spark_connect_connection="ipcount_connect")
+    connect_env = {**airflow_environ, **connect_connection(connect), **NO_SPARK_MASTER}
+    proc = _airflow(connect_env, "dags", "test", "ipcount_epoch", cfg=on_connect)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    produce(cfg.bootstrap_servers, cfg.topic, gen.records(30, 1_795_255_300_000), partition_of=lambda i, r: i % 3)
+
+    other_window = {"window_seconds": cfg.window_seconds * 2}
+    for env, run_cfg, said in [(connect_env, on_connect.replace(**other_window), "TableSetMismatch: table set of"),
+                               (airflow_environ, cfg.replace(**other_window), "exited with code 2")]:
+        proc = _airflow(env, "dags", "test", "ipcount_epoch", cfg=run_cfg)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and said in out and "not retried" in out, out[-5000:]
+        assert _last_run_tasks(airflow_environ)["run_epoch"] == ("failed", 1)
+
+    nobody = {"AIRFLOW_CONN_IPCOUNT_CONNECT": json.dumps({"conn_type": "spark_connect", "host": "127.0.0.1",
+                                                           "port": free_port()})}
+    proc = _airflow({**airflow_environ, **NO_SPARK_MASTER, **nobody}, "dags", "test", "ipcount_epoch", cfg=on_connect)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and out.count("no Spark Connect server answers at") >= 3, out[-5000:]
+    assert _last_run_tasks(airflow_environ)["run_epoch"] == ("failed", 3)
+
+    # None of it wrote anything: the tables hold the first epoch alone.
+    assert [e.epoch for e in committed_epochs(cfg.ledger_path)] == [1]
+    assert counts(cfg) == expected_tables(produced, epoch_ranges(cfg)).counts
+
+
 def test_openlineage_events_name_the_datasets_of_the_assets(airflow_environ, cfg, connect, tmp_path):
     pytest.importorskip("airflow.providers.openlineage", reason="the optional provider: bin/setup --lineage")
     cfg = cfg.replace(spark_connect_connection="ipcount_connect", publish=True, publish_topic=f"sink_{cfg.topic}")

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 
-from ipcount.rules.errors import EXIT_FAILED, EXIT_USAGE
+from ipcount.rules.errors import EXIT_BROKER, EXIT_FAILED, EXIT_USAGE
 from ipcount.rules.private_files import write_private_file
 from ipcount_lab.generator import TrafficGenerator, produce
 from ipcount_lab.service import listening
@@ -78,7 +78,7 @@ def test_a_server_gone_mid_epoch_is_one_line_and_the_next_run_finishes_the_epoch
 
 def test_a_server_that_is_not_there_or_refuses_the_token_is_a_clear_error(cfg, connect, tmp_path):
     gone = ipcount(cfg.replace(spark_remote=f"sc://localhost:{free_port()}"), "epoch")
-    assert gone.returncode == EXIT_USAGE and "no Spark Connect server answers at sc://localhost:" in gone.stderr
+    assert gone.returncode == EXIT_BROKER and "no Spark Connect server answers at sc://localhost:" in gone.stderr
     wrong = write_private_file(tmp_path / "wrong-token", "not-the-token\n")
     refused = ipcount(cfg.replace(spark_remote=connect.url, spark_remote_token_file=str(wrong)), "epoch")
     assert refused.returncode == EXIT_USAGE, refused.stderr[-2000:]

@@ -43,6 +43,7 @@ def test_the_task_refuses_a_connection_it_cannot_share_a_session_on(monkeypatch)
     pipeline's processes share; a connection of another type is no Spark Connect server.
     Both are refused before anything connects."""
     from ipcount.orchestration.operators import EpochConnectOperator
+    from ipcount.rules.config import PipelineConfig
     from ipcount.rules.errors import ConfigError
 
     for conn_id, connection, message in [
@@ -51,22 +52,22 @@ def test_the_task_refuses_a_connection_it_cannot_share_a_session_on(monkeypatch)
              "has spark.sql.shuffle.partitions in its extra, which may hold only use_ssl"),
             ("of_spark", {"conn_type": "spark", "host": "local[2]"}, "a connection of type 'spark', not 'spark_connect'")]:
         monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(connection))
-        task = EpochConnectOperator(task_id="run_epoch", python_callable=lambda args, spark=None: None,
-                                    conn_id=conn_id, pipeline_id="p", command_args=["epoch"])
+        task = EpochConnectOperator(task_id="run_epoch", pipeline=PipelineConfig(), conn_id=conn_id,
+                                    run_of=lambda cfg, context: None)
         with pytest.raises(ConfigError, match=message):
-            task.execute_callable()
+            task.session()
 
 
 def test_a_server_address_is_read_as_a_url_ipv6_included():
     """The reachability check reads host and port as a URL does ([::1]:port too); a port that
     is no number is a clear error, not a traceback."""
-    from ipcount.rules.errors import SparkConnectError
+    from ipcount.rules.errors import ConfigError, SparkConnectError
     from ipcount.storage.spark import connect_session
 
     for url in ("sc://[::1]:1", "sc://127.0.0.1:1/;token=a"):
         with pytest.raises(SparkConnectError, match="no Spark Connect server answers at"):
             connect_session(url, "the server", "p", 2)
-    with pytest.raises(SparkConnectError, match="the server: not a Spark Connect address"):
+    with pytest.raises(ConfigError, match="the server: not a Spark Connect address"):
         connect_session("sc://localhost:port", "the server", "p", 2)
 
 

@@ -1,6 +1,6 @@
 """An Airflow connection of type kafka as the source of the Kafka settings: resolved where a
 task runs, its password in a private file for the block only, and passed on to the Spark
-command as flags that the CLI reads back to the same settings. (Airflow reads the
+job in its run, which reads back the same settings. (Airflow reads the
 connection from an AIRFLOW_CONN_* variable here, as any secrets backend would give it.)"""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ipcount.cli import build_parser, load_config
-from ipcount.orchestration.kafka_connection import kafka_args, resolved
+from ipcount.jobs.runs import EPOCH, Run
+from ipcount.orchestration.kafka_connection import resolved
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
 
@@ -40,9 +40,8 @@ def test_the_connection_decides_and_its_password_lives_only_as_long_as_the_block
         assert password_file.read_text() == 'p"w d\n'
         assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
         assert stat.S_IMODE(password_file.parent.stat().st_mode) == 0o700
-        # The Spark command reads the flags back to the same settings (the last flag wins).
-        args = build_parser().parse_args(["epoch", *cfg.to_args(), *kafka_args(kafka)])
-        assert load_config(args) == kafka
+        # The Spark job reads its run back to the same settings.
+        assert Run.from_json(Run(EPOCH, kafka).to_json()).config == kafka
     assert not password_file.exists() and not password_file.parent.exists()
 
 

@@ -1,0 +1,170 @@
+"""A run of the pipeline's Spark work, typed: up to N epochs of the chain, a backfill, or a
+rebuild, with its settings and its caller's choices. The command line, the Airflow tasks
+(in their own process on Spark Connect) and spark-submit's application (one argument: the
+run as JSON) all execute a :class:`Run`, so a task's settings cross no argv and its errors
+keep their type (:mod:`ipcount.rules.errors`)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from ipcount.jobs.crash import Crash, crash_hook
+from ipcount.rules.config import PipelineConfig
+from ipcount.rules.errors import BadRequestError, ConfigError
+from ipcount.rules.requests import MAIN_TARGET, BackfillRequest, request_from_fields
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+EPOCH, BACKFILL, REBUILD = "epoch", "backfill", "rebuild"
+COMMANDS = (EPOCH, BACKFILL, REBUILD)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What to run. ``epoch``: up to ``epochs`` epochs, stopping at the first with nothing
+    new, each followed by the group offset commit (``commit_offsets``) and publishing
+    (``publish``) when the settings turn them on (the DAG runs both in tasks of their own);
+    ``backfill``: ``request``; ``rebuild``: ``source``'s ledger into the replay target ``into``.
+    ``run_id`` is recorded in the ledger (an Airflow run's id)."""
+
+    command: str
+    config: PipelineConfig = field(default_factory=PipelineConfig)
+    run_id: str | None = None
+    epochs: int = 1
+    commit_offsets: bool = True
+    publish: bool = True
+    request: BackfillRequest | None = None
+    into: str = ""
+    source: str = MAIN_TARGET
+
+    def __post_init__(self) -> None:
+        if self.command not in COMMANDS:
+            raise BadRequestError(f"a run's command is one of {', '.join(COMMANDS)}, not {self.command!r}")
+        if not isinstance(self.config, PipelineConfig):
+            raise BadRequestError("a run's config must be a PipelineConfig")
+        if type(self.epochs) is not int or self.epochs < 1:
+            raise BadRequestError(f"a run's epochs must be a whole number of at least 1, not {self.epochs!r}")
+        if (self.request is not None) != (self.command == BACKFILL):
+            raise BadRequestError("a backfill run needs its request, and only a backfill run has one")
+        # (a rebuild's into and source are checked with the tables, by jobs.rebuild.check_request)
+
+    def to_json(self) -> str:
+        out: dict[str, Any] = {k: v for k, v in asdict(self).items() if k not in ("config", "request")}
+        out["settings"] = self.config.to_dict()
+        out["request"] = None if self.request is None else request_fields(self.request)
+        return json.dumps(out, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Run:
+        """The run :meth:`to_json` wrote; every part checked as the CLI checks its own."""
+        try:
+            given = json.loads(text)
+        except ValueError as e:
+            raise BadRequestError(f"a run is a JSON object; this is not JSON: {e}") from None
+        if not isinstance(given, dict):
+            raise BadRequestError("a run is a JSON object")
+        known = {"command", "settings", "run_id", "epochs", "commit_offsets", "publish", "request", "into", "source"}
+        if unknown := sorted(set(given) - known):
+            raise BadRequestError(f"unknown field(s) {', '.join(unknown)} in the run; known: {', '.join(sorted(known))}")
+        if not isinstance(settings := given.pop("settings", {}), dict):
+            raise ConfigError("a run's settings are a JSON object")
+        cfg = PipelineConfig.from_mapping(settings)
+        request = given.pop("request", None)
+        return cls(config=cfg, request=None if request is None else request_from_fields(request, cfg.topic), **given)
+
+
+def request_fields(request: BackfillRequest) -> dict[str, Any]:
+    """``request`` as the fields :func:`request_from_fields` reads."""
+    offsets = ",".join(f"{r.partition}:{r.from_offset}-{r.until_offset}" for r in request.offsets) or None
+    return {"target": request.target, "offsets": offsets, "from_time": request.from_ms,
+            "until_time": request.until_ms}
+
+
+Report = Callable[[Any], None]  # takes each epoch's summary, or the backfill's or rebuild's report
+
+
+def say_line(result: Any) -> None:
+    print(result.line(), flush=True)
+
+
+def execute(run: Run, spark: SparkSession | None = None, report: Report = say_line,
+            crash: Crash | None = None) -> list:
+    """Run ``run`` on ``spark`` (default: the session its settings name, started here) and
+    return its summaries (epochs) or its report. Every check that needs no Spark happens
+    before a JVM starts; ``crash`` defaults to ``IPCOUNT_CRASH_AT``'s."""
+    crash = crash or crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
+    try:
+        return {EPOCH: _epochs, BACKFILL: _backfill, REBUILD: _rebuild}[run.command](run, spark, report, crash)
+    except Exception as e:
+        from ipcount.rules.kafka_properties import refused_property
+
+        if refused := refused_property(str(e), run.config.kafka_consumer_properties):
+            raise ConfigError(f"{refused}. Nothing written is lost: the epoch keeps its recorded ranges, and the "
+                              "next run finishes it") from None
+        raise
+
+
+def _session(run: Run, spark: SparkSession | None) -> SparkSession:
+    from ipcount.storage.spark import get_spark
+
+    return spark if spark is not None else get_spark(run.config)
+
+
+def _epochs(run: Run, spark: SparkSession | None, report: Report, crash: Crash) -> list:
+    from ipcount.jobs.epoch import check_before_touch, run_epoch
+    from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
+    from ipcount.jobs.publish import publish_step
+    from ipcount.rules.ledger import EpochSummary
+
+    cfg = run.config
+    check_before_touch(cfg)  # before the JVM's 10-15 s (run_epoch checks again before any table)
+    spark = _session(run, spark)
+    summaries = []
+    # Several epochs in one session (catching up after downtime) pay the JVM and Spark
+    # start once; each is still a whole epoch, exactly as if run on its own.
+    for _ in range(run.epochs):
+        started = time.monotonic()
+        summary = run_epoch(cfg, spark, run_id=run.run_id, crash=crash)
+        summary = summary or EpochSummary(None, seconds=time.monotonic() - started)
+        if run.commit_offsets:
+            crash("before_kafka_commit")
+            started = time.monotonic()
+            commit_group_offsets_from_ledger(cfg)
+            summary = summary.with_stages(kafka_commit=time.monotonic() - started)
+        report(summary)
+        summaries.append(summary)
+        if cfg.publish and run.publish:  # after the summary: a failed publish undoes no epoch
+            publish_step(cfg, crash)
+        if summary.plan is None:
+            break
+    return summaries
+
+
+def _backfill(run: Run, spark: SparkSession | None, report: Report, crash: Crash) -> list:
+    from ipcount.jobs.backfill import resolve, run_backfill
+    from ipcount.jobs.epoch import check_locations
+
+    check_locations(run.config.for_target(run.request.target))
+    resolved = resolve(run.config, run.request)  # checked, with the broker, before Spark starts
+    done = run_backfill(run.config, _session(run, spark), run.request, run_id=run.run_id, crash=crash,
+                        resolved=resolved)
+    report(done)
+    return [done]
+
+
+def _rebuild(run: Run, spark: SparkSession | None, report: Report, crash: Crash) -> list:
+    from ipcount.jobs.rebuild import check_request, rebuild
+    from ipcount.storage.broker import partition_offsets
+
+    check_request(run.config, run.into, run.source)  # the request, the tables' locations and the broker,
+    partition_offsets(run.config)                    # before the JVM starts (rebuild checks the offsets again)
+    done = rebuild(run.config, _session(run, spark), run.into, run.source, run_id=run.run_id)
+    report(done)
+    return [done]
