@@ -1,5 +1,5 @@
 """One measurement of ``bin/benchmark`` (the peer or a read-only limit), as a Spark
-application: ``spark-submit spark_jobs/bench_job.py {peer,spark_count} ...``; the
+application: ``spark-submit ipcount_lab/bench_job.py {peer,spark_count} ...``; the
 kafka-python limit runs it with plain Python. Prints one JSON line."""
 from __future__ import annotations
 

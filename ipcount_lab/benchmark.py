@@ -3,7 +3,7 @@ and with the read-only limits, on the same data and the same Spark settings, war
 warm and cold against cold.
 
 * **warm** (:mod:`ipcount_lab.bench_rounds`): one ``spark-submit`` of
-  ``spark_jobs/bench_job.py rounds``, one JVM and Spark session for every contender, rounds
+  ``ipcount_lab/bench_job.py rounds``, one JVM and Spark session for every contender, rounds
   of [read-only count, peer, pipeline (and both again in several epochs)] in a rotated
   order; round 1 is the cold session, the rounds after it are warm. Then series of small
   epochs through both, for the per-epoch cost and its growth with history.
@@ -70,7 +70,7 @@ WARM_RATIOS = (("pipeline / peer", "pipeline", "peer"), ("pipeline / read limit"
                ("parse floor / peer (the ceiling)", "parse_floor", "peer"),
                ("pipeline_epochs / peer_epochs", "pipeline_epochs", "peer_epochs"),
                ("pipeline_epochs / read limit", "pipeline_epochs", "spark_count"))
-BENCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "bench_job.py")
+BENCH_APPLICATION = str(Path(__file__).with_name("bench_job.py"))
 # The line bench_job.py prints once a round's pipeline run is done (bench_rounds.warm_rounds):
 # how far a session that failed got.
 PIPELINE_ROUND_DONE = re.compile(r"^\[benchmark\]\s+round \d+ pipeline: ", re.MULTILINE)
@@ -167,15 +167,17 @@ def run_process(command: Sequence[str], log_path: Path, env: dict | None = None,
 
 
 def spark_submit(cfg: PipelineConfig, application: str, args: Sequence[str], name: str,
-                 driver_memory: str | None = None, conf: dict[str, str] | None = None) -> list[str]:
+                 driver_memory: str | None = None, conf: dict[str, str] | None = None, delta: bool = True) -> list[str]:
     """The spark-submit command line the DAG's SparkSubmitOperator builds (same master,
-    jars and settings), with ``conf``'s settings added (a measurement's own)."""
+    jars and settings), with ``conf``'s settings added (a measurement's own), and with
+    ``delta`` Delta's jars and settings for the peer (the pipeline's own sessions load none)."""
     from ipcount.storage.spark import spark_conf, spark_jars
+    from ipcount_lab.peer import DELTA_CONF, delta_jars
 
     command = [str(Path(sys.executable).parent / "spark-submit"), "--master", cfg.spark_master,
-               "--name", name, "--jars", ",".join(spark_jars()),
+               "--name", name, "--jars", ",".join([*spark_jars(), *(delta_jars() if delta else ())]),
                *(("--driver-memory", driver_memory) if driver_memory else ())]
-    for key, value in {**spark_conf(cfg), **(conf or {})}.items():
+    for key, value in {**spark_conf(cfg), **(DELTA_CONF if delta else {}), **(conf or {})}.items():
         command += ["--conf", f"{key}={value}"]
     return [*command, application, *args]
 
@@ -193,7 +195,7 @@ def submit_epoch(cfg: PipelineConfig, logs: Path, name: str, *extra: str
     JVM MB, the summary JSON of each epoch attempted)."""
     command = spark_submit(cfg, str(REPO_ROOT / "spark_jobs" / "epoch_job.py"),
                            ["epoch", *cfg.to_args(), "--run-id", f"benchmark-{name}", "--summary-json", *extra],
-                           f"bench-{name}")
+                           f"bench-{name}", delta=False)
     wall, peak, out = run_process(command, logs / f"{name}.log", DRIVER_ENV)
     summaries = summaries_in(out)
     if not summaries:
@@ -588,7 +590,7 @@ def measure_year(cfg: PipelineConfig, args: argparse.Namespace, logs: Path, work
 
 
 def job_main(argv: Sequence[str] | None = None) -> int:
-    """The peer, the limits and the warm rounds as jobs (``spark_jobs/bench_job.py``);
+    """The peer, the limits and the warm rounds as jobs (``ipcount_lab/bench_job.py``);
     prints a JSON line."""
     p = argparse.ArgumentParser(prog="bench_job.py", description="one benchmark measurement (used by bin/benchmark)")
     p.add_argument("job", choices=("peer", "spark_count", "kafka_python", "idle_check", "rounds", "profile",

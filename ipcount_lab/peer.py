@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pyspark.sql import functions as F
@@ -24,6 +25,21 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 PEER_APP_ID = "ipcount-peer"
+# The peer writes with delta-spark, which the pipeline's sessions do not load: a session it
+# runs in gets Delta's jars (fetched by bin/setup beside the Kafka source's) and these.
+DELTA_CONF = {"spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+              "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+              "spark.databricks.delta.snapshotPartitions": "2"}
+
+
+def delta_jars() -> list[str]:
+    """Delta's jars for a Spark session (spark.jars), beside the pipeline's own."""
+    from ipcount.storage.spark import SPARK_JARS_DIR
+
+    jars = sorted(str(p) for p in SPARK_JARS_DIR.glob("delta-*.jar"))
+    if not any(Path(j).name.startswith("delta-spark") for j in jars):
+        raise FileNotFoundError(f"no delta-spark jar in {SPARK_JARS_DIR}: run bin/setup")
+    return jars
 
 
 @dataclass

@@ -56,9 +56,13 @@ def broker(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def spark(broker):
+    """The pipeline's session, with delta-spark too: some tests make tables as older versions
+    of the pipeline did, with delta-spark, or read them with it as a second reader."""
     from ipcount.storage.spark import get_spark
+    from ipcount_lab.peer import DELTA_CONF, delta_jars
 
-    session = get_spark(PipelineConfig(spark_master="local[2]"), app_name="ipcount-tests")
+    session = get_spark(PipelineConfig(spark_master="local[2]"), app_name="ipcount-tests", more_jars=delta_jars(),
+                        more_conf=DELTA_CONF)
     yield session
     session.stop()
 

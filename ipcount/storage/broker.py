@@ -118,7 +118,7 @@ def _unreachable(cfg: PipelineConfig, failure: BaseException | None) -> str:
                 f"kafka_sasl_password_file and kafka_sasl_mechanism, and that the port's listener is "
                 f"{cfg.kafka_security_protocol} (kafka_security_protocol)")
     return (f"no Kafka broker answered at {cfg.bootstrap_servers} (setting bootstrap_servers / "
-            "IPCOUNT_BOOTSTRAP_SERVERS); is it running? The embedded one starts with `bin/lab kafka start`"
+            "IPCOUNT_BOOTSTRAP_SERVERS); is it running, and is that its address?"
             + (f" (last error: {failure})" if failure is not None else ""))
 
 

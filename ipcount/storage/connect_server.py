@@ -1,6 +1,6 @@
 """The Spark Connect server that epochs run on (``spark_remote``): Spark's own
 SparkConnectServer, started with ``spark-submit`` from the pinned pyspark, with the Kafka and
-Delta jars and the settings of an epoch's own session (:func:`ipcount.storage.spark.spark_conf`),
+parse jars and the settings of an epoch's own session (:func:`ipcount.storage.spark.spark_conf`),
 so an epoch counts the same on it as in a session of its own.
 
 It takes only clients that send its token, which it reads from its environment (so the token

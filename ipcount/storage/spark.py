@@ -9,13 +9,12 @@ import sys
 import time
 import uuid
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Mapping, Sequence
 from urllib.parse import quote, unquote, urlsplit
 
 from ipcount.rules.config import STATE_DIR, PipelineConfig
-from ipcount.rules.errors import MissingJarsError, SparkConnectError
+from ipcount.rules.errors import ConfigError, MissingJarsError, SparkConnectError
 from ipcount.rules.private_files import read_private_file
 
 if TYPE_CHECKING:
@@ -50,16 +49,19 @@ def spark_env() -> dict[str, str]:
 
 
 def spark_jars(jars_dir: Path = SPARK_JARS_DIR, parse_jar: Path = PARSE_JAR) -> list[str]:
-    """The Kafka connector and Delta jars, which pyspark's own jars do not include, and the
-    record parse's."""
-    jars = sorted(str(p) for p in jars_dir.glob("*.jar"))
-    needed = ("spark-sql-kafka", "delta-spark", "kafka-clients")
+    """The Kafka connector's jars, which pyspark's own jars do not include, and the record
+    parse's. (Delta's jars beside them are the lab's, for the benchmark's peer: the pipeline
+    writes its tables with delta-rs, and its sessions load no Delta.)"""
+    jars = sorted(str(p) for p in jars_dir.glob("*.jar") if not p.name.startswith("delta-"))
+    needed = ("spark-sql-kafka", "kafka-clients")
     missing = [n for n in needed if not any(Path(j).name.startswith(n) for j in jars)]
     if missing:
         raise MissingJarsError(
-            f"no {', '.join(missing)} jar in {jars_dir}; run bin/setup to fetch them from Maven Central")
+            f"no {', '.join(missing)} jar in {jars_dir}: this installation is incomplete (in a checkout, "
+            "bin/setup fetches them from Maven Central)")
     if not parse_jar.is_file():
-        raise MissingJarsError(f"no {parse_jar}; run bin/setup to build it from jars/ipcount-parse")
+        raise MissingJarsError(f"no {parse_jar}: this installation is incomplete (in a checkout, bin/setup "
+                               "builds it from jars/ipcount-parse)")
     return [*jars, str(parse_jar)]
 
 
@@ -76,12 +78,9 @@ SESSION_CONF = {
 def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
     """Spark settings shared by the in-process session and spark-submit (the DAG's path)."""
     return {
-        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
-        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
         **SESSION_CONF,
-        "spark.databricks.delta.snapshotPartitions": "2",
         "spark.ui.showConsoleProgress": "false",
-        # Only path-based Delta tables are used; keep Spark's catalog directory out of the cwd.
+        # Keep Spark's catalog directory out of the cwd (the pipeline uses no catalog tables).
         "spark.sql.warehouse.dir": str(STATE_DIR / "spark-warehouse"),
         # 4 MB thread stacks: room for Spark's JSON functions, which recurse once per nesting
         # level (the parse no longer uses them; a StackOverflowError kills the executor).
@@ -94,18 +93,18 @@ def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
     }
 
 
-def get_spark(cfg: PipelineConfig, app_name: str = "ipcount-epoch") -> SparkSession:
-    """A session with Delta and the Kafka source.
+def get_spark(cfg: PipelineConfig, app_name: str = "ipcount-epoch", more_jars: Sequence[str] = (),
+              more_conf: Mapping[str, str] | None = None) -> SparkSession:
+    """A session with the Kafka source and the record parse (and ``more_jars`` and
+    ``more_conf``: the lab's Delta, for sessions its peer runs in).
 
     With ``spark_remote`` set, a Spark Connect session of the server there (which has the
-    jars and settings of :func:`spark_conf`: ``bin/lab spark-connect start``). Under
+    jars and settings of :func:`spark_conf`: ``ipcount connect-server``). Under
     spark-submit (the DAG's path) the JVM is already running with the master, jars and
     settings that were submitted, so they are used as they are.
     """
     from pyspark.sql import SparkSession
 
-    if _GIVEN:
-        return _GIVEN[-1]
     if cfg.spark_remote:
         return remote_session(cfg)
     builder = SparkSession.builder.appName(app_name)
@@ -113,8 +112,8 @@ def get_spark(cfg: PipelineConfig, app_name: str = "ipcount-epoch") -> SparkSess
     # one with pyarrow and this package, as this one (pyspark's default is any python3).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
-        builder = builder.master(cfg.spark_master).config("spark.jars", ",".join(spark_jars()))
-        for key, value in spark_conf(cfg).items():
+        builder = builder.master(cfg.spark_master).config("spark.jars", ",".join([*spark_jars(), *more_jars]))
+        for key, value in {**spark_conf(cfg), **(more_conf or {})}.items():
             builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
@@ -172,12 +171,12 @@ def connect_session(url: str, where: str, pipeline_id: str, timeout_seconds: flo
     try:
         address = (parts.hostname, parts.port or 15002)
     except ValueError:  # (a port that is no number)
-        raise SparkConnectError(f"{where}: not a Spark Connect address (sc://host:port)") from None
+        raise ConfigError(f"{where}: not a Spark Connect address (sc://host:port)") from None
     try:
         socket.create_connection(address, timeout=timeout_seconds).close()
     except OSError as e:
         raise SparkConnectError(f"no Spark Connect server answers at {where} ({e.strerror or e}); start "
-                                "one (bin/lab spark-connect start) or leave spark_remote empty") from None
+                                "one (ipcount connect-server) or leave spark_remote empty") from None
     key = (url, pipeline_id)
     if (earlier := _SESSIONS.get(key)) is not None:
         try:
@@ -241,7 +240,7 @@ def _first_request(spark: SparkSession, where: str) -> None:
             raise _SessionClosed() from e
         if "UNAUTHENTICATED" not in str(e):
             raise
-        raise SparkConnectError(f"the Spark Connect server at {where} refused this client's token: "
+        raise ConfigError(f"the Spark Connect server at {where} refused this client's token: "
                                 f"{' '.join(str(e).split())[:200]} (the token is the server's: "
                                 "spark_remote_token_file, or the connection's password)") from None
 
@@ -258,21 +257,6 @@ def configured(spark: SparkSession) -> SparkSession:
     for key, value in {**SESSION_CONF, **CONNECT_SESSION_CONF}.items():
         spark.conf.set(key, value)
     return spark
-
-
-_GIVEN: list[SparkSession] = []
-
-
-@contextmanager
-def given_session(spark: SparkSession) -> Iterator[SparkSession]:
-    """Within, :func:`get_spark` returns ``spark``: a session the caller made (an Airflow
-    task's, from its ``spark_connect`` connection by :func:`connect_session`, which
-    configures it)."""
-    _GIVEN.append(spark)
-    try:
-        yield spark
-    finally:
-        _GIVEN.pop()
 
 
 def is_remote(spark: SparkSession) -> bool:
