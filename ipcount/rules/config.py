@@ -40,6 +40,11 @@ LAST_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the last time Python 
 # Who may set a setting. PIPELINE: the pipeline's settings. RUN: one run may set it differently
 # (the epoch DAG's Params).
 PIPELINE, RUN = "pipeline", "run"
+# What a setting is for. identity: whose tables (the manifest's owner); location: where a
+# table is; meaning: what the rows mean, fixed when a table set is created (its manifest);
+# kafka: the Kafka client's connection; epochs: how epochs plan and read; spark: where they
+# run; airflow: the DAGs' schedules, limits and alerts; publishing; maintenance.
+USES = ("identity", "location", "meaning", "kafka", "epochs", "spark", "airflow", "publishing", "maintenance")
 START_OFFSETS_PATTERN = r"^\s*(\d+\s*:\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*)*)?$"
 
 
@@ -59,6 +64,11 @@ class Setting:
     scope: str = PIPELINE
     title: str = ""                  # scope RUN: the trigger form's label
     param: Mapping[str, Any] = field(default_factory=dict)  # scope RUN: JSON schema besides type, minimum, choices
+    use: str = ""                    # what it is for, one of USES: the commands and checks that read it follow
+
+    def __post_init__(self) -> None:
+        if self.use not in USES:  # (a setting nobody classified would be left out of some check, silently)
+            raise TypeError(f"setting {self.name} must declare its use, one of {', '.join(USES)}; not {self.use!r}")
 
     @property
     def env(self) -> str:
@@ -101,202 +111,213 @@ class PipelineConfig:
     table elsewhere.
     """
 
-    pipeline_id: str = setting("ipcount", "name of the pipeline; the Delta txnAppId prefix of its writes")
-    bootstrap_servers: str = setting("127.0.0.1:9092", "Kafka bootstrap servers, host:port[,host:port]")
-    topic: str = setting("ip_count_source", "source topic")
+    pipeline_id: str = setting(
+        "ipcount", "name of the pipeline; the Delta txnAppId prefix of its writes", use="identity")
+    bootstrap_servers: str = setting("127.0.0.1:9092", "Kafka bootstrap servers, host:port[,host:port]", use="kafka")
+    topic: str = setting("ip_count_source", "source topic", use="meaning")
     warehouse: str = setting(
         str(STATE_DIR / "warehouse"),
         "directory or object-storage URI (s3://bucket/prefix) holding the Delta tables (counts, ledger, "
-        "dead_letters, late_records)")
-    counts_table: str = setting("", "location of the counts table (default <warehouse>/counts)")
-    ledger_table: str = setting("", "location of the offset ledger (default <warehouse>/ledger)")
-    dead_letter_table: str = setting("", "location of the dead-letter table (default <warehouse>/dead_letters)")
-    late_table: str = setting("", "location of the late-records table (default <warehouse>/late_records)")
+        "dead_letters, late_records)", use="location")
+    counts_table: str = setting("", "location of the counts table (default <warehouse>/counts)", use="location")
+    ledger_table: str = setting("", "location of the offset ledger (default <warehouse>/ledger)", use="location")
+    dead_letter_table: str = setting(
+        "", "location of the dead-letter table (default <warehouse>/dead_letters)", use="location")
+    late_table: str = setting(
+        "", "location of the late-records table (default <warehouse>/late_records)", use="location")
     maintenance_table: str = setting(
-        "", "location of the maintenance log, a row per table and maintenance run (default <warehouse>/maintenance)")
-    window_seconds: int = setting(5, "tumbling event-time window size", minimum=1, maximum=WEEK)
+        "", "location of the maintenance log, a row per table and maintenance run (default <warehouse>/maintenance)",
+        use="location")
+    window_seconds: int = setting(5, "tumbling event-time window size", minimum=1, maximum=WEEK, use="meaning")
     allowed_lateness_seconds: int = setting(
         5,
         "a window accepts records until the watermark passes its end plus this",
-        minimum=0, maximum=WEEK)
+        minimum=0, maximum=WEEK, use="meaning")
     event_time: str = setting(
         "payload",
         "where event time comes from: payload (the record's JSON ts or NGINX [time]) or kafka (the Kafka record "
         "timestamp; the payload's time is then neither required nor checked)",
-        choices=EVENT_TIME_SOURCES)
+        choices=EVENT_TIME_SOURCES, use="meaning")
     max_records_per_epoch: int = setting(
         500_000,
         "cap on the offsets one epoch (or one backfill chunk) reads, split across partitions by backlog (no "
         "partition with a backlog is starved)",
-        minimum=1, maximum=1_000_000_000, scope=RUN, title="Max records in this epoch")
+        minimum=1, maximum=1_000_000_000, scope=RUN, title="Max records in this epoch", use="epochs")
     max_driver_tally_rows: int = setting(
         250_000,
         "an epoch's tally (a row per window and client counted, and per bad or late record) of at "
         "most this many rows is merged by the epoch's own process; a larger one is written by Spark's executors "
         "into the tables, and only the files' metadata reaches the process that commits (0: always the executors)",
-        minimum=0, maximum=INT32_MAX)
+        minimum=0, maximum=INT32_MAX, use="epochs")
     start_position: str = setting(
         "earliest",
         "where a pipeline with an empty ledger starts: earliest, latest, timestamp, group-offsets or specific; "
         "ignored (and logged) once the ledger has entries",
-        choices=START_POSITIONS, scope=RUN, title="Start position (only while the ledger is empty)")
+        choices=START_POSITIONS, scope=RUN, title="Start position (only while the ledger is empty)", use="epochs")
     start_timestamp_ms: int = setting(
         -1,
         "for start_position timestamp: per partition, the first offset whose record timestamp is at or after "
         "this epoch-ms time (the end if none)",
-        scope=RUN, title="Start timestamp, epoch ms (start_position timestamp)", minimum=-1, maximum=LAST_MS)
+        scope=RUN, title="Start timestamp, epoch ms (start_position timestamp)", minimum=-1, maximum=LAST_MS,
+        use="epochs")
     start_offsets: str = setting(
         "",
         "for start_position specific: 'partition:offset,...'; partitions not named start at earliest; offsets "
         "outside the log are refused",
         scope=RUN, title="Start offsets 'partition:offset,...' (start_position specific)",
-        param={"pattern": START_OFFSETS_PATTERN})
+        param={"pattern": START_OFFSETS_PATTERN}, use="epochs")
     group_offsets_reset: str = setting(
         "earliest",
         "for start_position group-offsets: partitions where the group has no committed offset start at earliest "
         "or latest, or the epoch fails (none)",
         choices=RESET_POLICIES, scope=RUN,
-        title="Reset for partitions without group offsets (start_position group-offsets)")
+        title="Reset for partitions without group offsets (start_position group-offsets)", use="epochs")
     on_data_loss: str = setting(
         "fail",
         "offsets deleted before they were counted: fail the epoch (naming partition and offsets), or skip them "
         "and record the gap in the ledger as status 'lost'",
-        choices=DATA_LOSS_POLICIES, scope=RUN, title="On offsets deleted before counted")
-    group_id: str = setting("ipcount", "Kafka consumer group that receives the committed offsets (monitoring only)")
+        choices=DATA_LOSS_POLICIES, scope=RUN, title="On offsets deleted before counted", use="epochs")
+    group_id: str = setting(
+        "ipcount", "Kafka consumer group that receives the committed offsets (monitoring only)", use="epochs")
     commit_offsets: bool = setting(
         True,
         "commit the ledger's positions to the consumer group after each epoch",
-        scope=RUN, title="Commit offsets to the consumer group")
+        scope=RUN, title="Commit offsets to the consumer group", use="epochs")
     max_value_bytes: int = setting(65_536, "larger record values go to the dead-letter table as too_large",
-                                   minimum=1, maximum=INT32_MAX)
+                                   minimum=1, maximum=INT32_MAX, use="meaning")
     max_event_time_ahead_seconds: int = setting(
         3_600,
         "records whose event time is further than this past their Kafka timestamp (or the time their epoch was "
         "planned) go to the dead-letter table as event_time_ahead, so that one bad clock cannot move the "
         "watermark into the future (Kafka 4's message.timestamp.after.max.ms defaults to an hour too)",
-        minimum=0, maximum=10 * YEAR)
+        minimum=0, maximum=10 * YEAR, use="meaning")
     spark_master: str = setting(
         "local[*]",
         "master of the in-process Spark session (bin/ipcount epoch); the DAGs' spark-submit uses Airflow's "
-        "spark_default connection")
+        "spark_default connection", use="spark")
     spark_remote: str = setting(
         "",
-        "Spark Connect URL of a Spark Connect server (sc://host:port; `ipcount connect-server` runs one, "
-        "`bin/lab spark-connect start` one in the lab): set, the epoch runs in this process with a remote "
+        "Spark Connect URL of a Spark Connect server (sc://host:port; `ipcount connect-server` runs one): "
+        "set, the epoch runs in this process with a remote "
         "session (planning and every Delta commit here, the read and aggregation on the server) and "
-        "spark_master is not used")
+        "spark_master is not used", use="spark")
     spark_remote_token_file: str = setting(
         "",
         "file holding the Spark Connect server's token (mode 0600), sent with every request (use the host name "
-        "localhost for a server on this machine: pyspark asks for TLS whenever a token goes elsewhere)")
+        "localhost for a server on this machine: pyspark asks for TLS whenever a token goes elsewhere)", use="spark")
     spark_connect_connection: str = setting(
         "",
         "id of an Airflow connection of type spark_connect (host, port, password: the server's token, extra "
         "use_ssl): set, the DAGs' Spark tasks run their command in the task's own process on that Spark Connect "
-        "server (not spark-submit)")
-    kafka_timeout_seconds: int = setting(30, "timeout of broker requests", minimum=1, maximum=HOUR)
+        "server (not spark-submit)", use="spark")
+    kafka_timeout_seconds: int = setting(30, "timeout of broker requests", minimum=1, maximum=HOUR, use="kafka")
     schedule: str = setting(
         "* * * * *",
         "the epoch DAG's schedule, read when Airflow parses the DAG: a cron expression or preset, as data "
         "intervals [previous tick, tick) (a run made by airflow backfill create counts the records whose Kafka "
         "timestamps fall in its interval), @continuous: each run starts as the last one ends, or on-data: a run "
         "starts within on_data_poll_seconds of new records, none while the log is idle (an asset watcher in "
-        "Airflow's triggerer compares the log ends with the ledger; on_data_fallback runs it on a clock too)")
+        "Airflow's triggerer compares the log ends with the ledger; on_data_fallback runs it on a clock too)",
+        use="airflow")
     on_data_fallback: str = setting(
         "@hourly",
         "with schedule on-data, the clock that also starts runs (a cron expression or preset, as data intervals: "
         "it bounds the delay after a lost event or a stopped triggerer, and gives airflow backfill create its "
-        "intervals), or none: new data alone starts runs")
+        "intervals), or none: new data alone starts runs", use="airflow")
     on_data_poll_seconds: int = setting(
         2, "with schedule on-data, how often the watcher compares the log ends with the ledger",
-        minimum=1, maximum=HOUR)
+        minimum=1, maximum=HOUR, use="airflow")
     alert_lag_records: int = setting(
         0,
         "after each epoch DAG run, its check_freshness task fails (so the failure alerts configured in Airflow "
         "fire) when more than this many offsets wait past the chain; 0: off",
-        minimum=0, maximum=INT64_MAX)
+        minimum=0, maximum=INT64_MAX, use="airflow")
     alert_stale_seconds: int = setting(
         0,
         "after each epoch DAG run, check_freshness fails when records wait and the chain's last commit is older "
         "than this; 0: off",
-        minimum=0, maximum=MONTH)
+        minimum=0, maximum=MONTH, use="airflow")
     alert_run_seconds: int = setting(
         0,
         "a Deadline Alert on each epoch DAG run: when the run is not done this long after it was queued, its "
         "callback (ipcount.orchestration.alerts.run_overdue) logs an error; 0: off",
-        minimum=0, maximum=MONTH)
+        minimum=0, maximum=MONTH, use="airflow")
     metrics_token_file: str = setting(
         "",
         "file (mode 0600) holding a token of at least 32 characters that a scraper sends as Authorization: "
-        "Bearer to read the monitor's /ipcount/metrics (Airflow logins may read it too); empty: Airflow logins only")
+        "Bearer to read the monitor's /ipcount/metrics (Airflow logins may read it too); empty: Airflow logins only",
+        use="airflow")
     command_timeout_seconds: int = setting(
         3_600,
         "the longest one Spark command of a DAG run (epoch, backfill, rebuild) may take: the tasks' "
         "execution_timeout (a task past it fails and is retried; its epoch stays planned and the retry finishes "
         "it)",
-        minimum=1, maximum=MONTH)
+        minimum=1, maximum=MONTH, use="airflow")
     dagrun_timeout_seconds: int = setting(
         7_200,
         "a DAG run still running after this fails (Airflow's dagrun_timeout), so one stuck run cannot hold the "
         "DAG's one active run for good",
-        minimum=1, maximum=MONTH)
+        minimum=1, maximum=MONTH, use="airflow")
     kafka_security_protocol: str = setting(
         "PLAINTEXT",
         "how the pipeline talks to Kafka: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL (SASL login over TLS)",
-        choices=SECURITY_PROTOCOLS)
-    kafka_sasl_mechanism: str = setting("", "for SASL_*: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512")
-    kafka_sasl_username: str = setting("", "for SASL_*: the user name")
+        choices=SECURITY_PROTOCOLS, use="kafka")
+    kafka_sasl_mechanism: str = setting("", "for SASL_*: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512", use="kafka")
+    kafka_sasl_username: str = setting("", "for SASL_*: the user name", use="kafka")
     kafka_sasl_password_file: str = setting(
         "",
         "for SASL_*: a file holding the password (mode 0600; the password is never a setting, so it is in no "
-        "command line, environment, ledger or log)")
-    kafka_ssl_cafile: str = setting("", "for SSL and SASL_SSL: PEM file of the CA(s) to trust (default: the system's)")
+        "command line, environment, ledger or log)", use="kafka")
+    kafka_ssl_cafile: str = setting(
+        "", "for SSL and SASL_SSL: PEM file of the CA(s) to trust (default: the system's)", use="kafka")
     kafka_ssl_client_pem: str = setting(
         "",
         "for SSL and SASL_SSL with client certificates: one PEM file holding the unencrypted private key and the "
-        "certificate chain (mode 0600)")
+        "certificate chain (mode 0600)", use="kafka")
     kafka_ssl_check_hostname: bool = setting(
         True,
         "for SSL and SASL_SSL: check that the broker's certificate names the host connected to (turn off only "
-        "for a test broker)")
+        "for a test broker)", use="kafka")
     kafka_consumer_properties: str = setting(
         "",
         "more properties of the Java Kafka consumer that reads each epoch (Spark's Kafka source takes them as its "
         "kafka.* options) and of Kafka's Java tools (consumer-groups): 'name=value;name=value' in Kafka's own "
         "names, e.g. 'fetch.max.bytes=104857600;client.rack=eu-1a'; a name the consumer does not have, or one the "
-        "pipeline sets from its own settings (bootstrap, security, group, deserializers, offsets), is refused")
+        "pipeline sets from its own settings (bootstrap, security, group, deserializers, offsets), is refused",
+        use="epochs")
     kafka_connection: str = setting(
         "",
         "id of an Airflow connection of type kafka whose extra (librdkafka names: bootstrap.servers, "
         "security.protocol, sasl.mechanism, sasl.username, sasl.password, ssl.ca.location, "
         "ssl.certificate.location, ssl.key.location, ssl.endpoint.identification.algorithm) gives the Kafka "
         "settings to the DAGs' tasks and the monitor; they write its password to a private file for the task's "
-        "run")
+        "run", use="kafka")
     publish: bool = setting(
         False,
         "after each epoch, publish the counts rows it changed to publish_topic, exactly once (one Kafka "
         "transaction per counts-table version, with the publisher's cursor); turns on the counts table's change "
-        "data feed")
+        "data feed", use="publishing")
     publish_topic: str = setting(
         "ip_count_sink",
         "the Kafka topic the counts are published to, made if missing; an existing one must have "
-        "cleanup.policy=compact only (keyed by window and IP; read it with isolation.level=read_committed)")
+        "cleanup.policy=compact only (keyed by window and IP; read it with isolation.level=read_committed)",
+        use="publishing")
     maintenance_schedule: str = setting(
         "@hourly",
         "the maintenance DAG's schedule (a cron expression or preset), or none: it then runs only when triggered; "
         "each run compacts, checkpoints and vacuums every table of the set (every epoch adds a file to the counts "
-        "table, which the next run packs)")
+        "table, which the next run packs)", use="maintenance")
     vacuum_retention_hours: int = setting(
         168,
         "maintenance deletes a data file once no table version has referenced it for this long (Delta's VACUUM "
         "retention; a reader of an older version needs its files)",
-        minimum=1, maximum=10 * YEAR // 3600)
+        minimum=1, maximum=10 * YEAR // 3600, use="maintenance")
     log_retention_hours: int = setting(
         1,
         "every table's commits older than this are deleted from its _delta_log, below its last checkpoint (Delta's "
         "delta.logRetentionDuration): time travel and streaming readers of a table reach back this far, and every "
         "commit lists the log, so a longer one costs each epoch; versions not yet published are kept",
-        minimum=1, maximum=10 * YEAR // 3600)
+        minimum=1, maximum=10 * YEAR // 3600, use="maintenance")
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -543,12 +564,17 @@ class PipelineConfig:
         return self.max_event_time_ahead_seconds * 1000
 
 
-# The settings that place tables.
-LOCATION_SETTINGS = ("warehouse", "counts_table", "ledger_table", "dead_letter_table", "late_table",
-                     "maintenance_table")
-
 # Every setting, in declaration order, and the views of it the code reads.
 SETTINGS = tuple(Setting(f.name, str(f.type), f.default, **f.metadata["setting"]) for f in fields(PipelineConfig))
+
+
+def used_for(use: str) -> tuple[str, ...]:
+    """The settings declared with ``use``, in declaration order."""
+    return tuple(s.name for s in SETTINGS if s.use == use)
+
+
+LOCATION_SETTINGS = used_for("location")  # the settings that place tables
+MEANING = used_for("meaning")             # what the rows mean: recorded in a table set's manifest
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 SETTINGS_HELP = {s.name: s.help for s in SETTINGS}
 CHOICES = {s.name: s.choices for s in SETTINGS if s.choices}
@@ -557,12 +583,9 @@ PER_RUN_SETTINGS = tuple(s.name for s in SETTINGS if s.scope == RUN)
 # The settings of the commands that do not take them all (the rest, and every command's
 # --config file and IPCOUNT_* variables, carry every setting): each group is what its
 # command reads, so a flag it would ignore is refused instead.
-KAFKA_CLIENT_SETTINGS = ("bootstrap_servers", "kafka_timeout_seconds", "kafka_connection",
-                         *(s.name for s in SETTINGS
-                           if s.name.startswith(("kafka_security", "kafka_sasl", "kafka_ssl"))))
-TABLE_SETTINGS = ("pipeline_id", *LOCATION_SETTINGS)
-COUNTING_SETTINGS = ("window_seconds", "allowed_lateness_seconds", "event_time", "max_value_bytes",
-                     "max_event_time_ahead_seconds")
+KAFKA_CLIENT_SETTINGS = used_for("kafka")
+TABLE_SETTINGS = (*used_for("identity"), *LOCATION_SETTINGS)
+COUNTING_SETTINGS = tuple(name for name in MEANING if name != "topic")
 COMMAND_SETTINGS = {
     "watch": TABLE_SETTINGS,
     "latency": (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS),

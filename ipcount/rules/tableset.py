@@ -18,17 +18,12 @@ today's settings. A rebuild's target also records which ledger it rebuilds
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from ipcount.rules.config import MEANING, PipelineConfig  # (MEANING: the settings declared with use "meaning")
 from ipcount.rules.errors import TableSetMismatch
 
-if TYPE_CHECKING:
-    from ipcount.rules.config import PipelineConfig
-
 PREFIX = "ipcount."
-# The settings that decide what the rows mean.
-MEANING = ("topic", "window_seconds", "allowed_lateness_seconds", "event_time", "max_value_bytes",
-           "max_event_time_ahead_seconds")
 # The record format's version: 2 counts IPs in canonical form, bounds event times against
 # the Kafka timestamp and reads time-zone offsets as java.time does.
 RECORD_FORMAT = "2"

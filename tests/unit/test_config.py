@@ -322,3 +322,19 @@ def test_the_cron_check_agrees_with_airflow(expression):
     except AirflowTimetableInvalid:
         taken = False
     assert is_cron(expression) == taken
+
+
+def test_every_setting_declares_its_use_and_the_checks_follow_it():
+    """What a setting is for is declared with it: one left unclassified fails at import, and
+    a setting declared as meaning is recorded in (and checked against) a table set's manifest."""
+    from ipcount.rules.config import MEANING, SETTINGS, USES, Setting
+    from ipcount.rules.tableset import manifest
+
+    assert all(s.use in USES for s in SETTINGS) and set(USES) == {s.use for s in SETTINGS}
+    with pytest.raises(TypeError, match="setting x must declare its use"):
+        Setting("x", "str", "", "a setting nobody classified")
+    props = manifest(PipelineConfig(), {name: "id" for name in ("ledger_table_id", "counts_table_id",
+                                                               "dead_letter_table_id", "late_table_id")})
+    recorded = {key.removeprefix("ipcount.") for key in props}
+    assert set(MEANING) == {"topic", "window_seconds", "allowed_lateness_seconds", "event_time", "max_value_bytes",
+                            "max_event_time_ahead_seconds"} <= recorded

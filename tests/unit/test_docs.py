@@ -25,9 +25,9 @@ def default_text(value: object) -> str:
 
 def settings_table() -> list[str]:
     """The table docs/configuration.md must hold, one row per setting, in field order."""
-    rows = ["| setting | default | meaning |", "|---|---|---|"]
+    rows = ["| setting | use | default | meaning |", "|---|---|---|---|"]
     for s in SETTINGS:
-        rows.append(f"| `{s.name}` | `{default_text(s.default)}` | {s.help} |")
+        rows.append(f"| `{s.name}` | {s.use} | `{default_text(s.default)}` | {s.help} |")
     return rows
 
 
