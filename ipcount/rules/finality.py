@@ -91,3 +91,31 @@ def finalized_below(chain: Sequence[ChainCommit], latest_version: int | None,
     if any(v not in neutral for v in gap_versions(chain, latest_version) if v != newest.version):
         return None
     return newest.watermark_ms
+
+
+# -- what a counts merge does to a row ------------------------------------------------------
+# Stated once, as SQL both of the sink's writers evaluate: delta-rs's MERGE (DataFusion) and
+# the executors' rewrite of the files an epoch touches (Spark SQL). t is the table's row, s
+# the epoch's; the parity tests (tests/integration/test_executor_writes.py) compare them.
+
+def merged_row(epoch: int, final_until: str | None, finalize_untouched: bool, *, new: bool | str, touched: str,
+               end: str) -> dict[str, str]:
+    """The counts row after the merge, column by column. ``count`` adds the epoch's;
+    ``first_epoch``/``last_epoch`` are the least/greatest epoch counted into the row, so
+    epochs committed out of order leave the same row; ``is_final`` (also the row's
+    partition) turns true, and never back, once the window's ``end`` is at or before
+    ``final_until`` (SQL: the watermark less the allowed lateness; None, nothing is final
+    yet), for rows the epoch counted into (``touched``, a SQL predicate) and, where
+    ``finalize_untouched`` (a scheduled epoch: a backfill leaves that to the chain's
+    watermark), for the others too. ``new``: True for a row the table lacks (its values
+    come from s alone), False for one it holds, or a SQL predicate saying which."""
+    e = f"CAST({epoch} AS BIGINT)"
+    final = "false" if final_until is None else f"({end} <= {final_until})"
+    if new is True:
+        return {"count": "s.count", "first_epoch": e, "last_epoch": e, "is_final": final}
+    new = "false" if new is False else new
+    ripe = f"({final} AND ({touched} OR {str(finalize_untouched).lower()}))"
+    return {"count": "coalesce(t.count, 0) + coalesce(s.count, 0)",
+            "first_epoch": f"CASE WHEN {new} OR ({touched} AND t.first_epoch > {e}) THEN {e} ELSE t.first_epoch END",
+            "last_epoch": f"CASE WHEN {new} OR ({touched} AND t.last_epoch < {e}) THEN {e} ELSE t.last_epoch END",
+            "is_final": f"CASE WHEN {new} THEN {final} ELSE coalesce(t.is_final, false) OR {ripe} END"}

@@ -80,19 +80,9 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
         partitions = _final_partitions(cfg) if role == "counts" else None
         if role == "counts" and partitions is None:
             notes.append("no counts partition final yet (or an unpartitioned older table): not compacted")
-        retention: int | None = retention_hours
-        unsent: int | None = None   # the counts log keeps the commits from this version on
-        if role == "counts" and next_unpublished is None and is_published(path):
-            unsent = 0   # a published table, and no publisher's position to go by: keep its log
-        if role == "counts" and next_unpublished is not None:
-            try:
-                unsent = next_unpublished()
-                retention = vacuum_retention_hours(retention_hours, now_ms, _commit_ms_from(path, unsent))
-            except Exception as e:  # noqa: BLE001 - (the broker, say): what the publisher needs is unknown
-                retention, unsent = None, 0
-                notes.append(f"not vacuumed, log kept: the publisher's position is unknown ({_first_line(e)})")
-            if retention is not None and retention > retention_hours:
-                notes.append(f"vacuum kept {retention} h of files for the publisher")
+        retention, unsent = retention_hours, None
+        if role == "counts":
+            retention, unsent = _kept_for_publisher(path, retention_hours, now_ms, next_unpublished, notes)
         try:
             done = _maintain_table(role, path, partitions, retention, retention_hours + TOMBSTONE_MARGIN_HOURS,
                                    notes, unsent)
@@ -107,6 +97,25 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
         raise MaintenanceFailed(f"maintenance {run.run_id} failed in part (logged to {cfg.maintenance_path}): "
                                 + "; ".join(failed))
     return run
+
+
+def _kept_for_publisher(path: str, retention_hours: int, now_ms: int, next_unpublished: Callable[[], int] | None,
+                        notes: list[str]) -> tuple[int | None, int | None]:
+    """(vacuum retention in hours, None: no vacuum; the version from which the counts log
+    keeps its commits, None: as its retention says) for the counts table at ``path``: what
+    its publisher has yet to read stays."""
+    if next_unpublished is None:
+        # a published table, and no publisher's position to go by: keep its log
+        return retention_hours, 0 if is_published(path) else None
+    try:
+        unsent = next_unpublished()
+        retention = vacuum_retention_hours(retention_hours, now_ms, _commit_ms_from(path, unsent))
+    except Exception as e:  # noqa: BLE001 - (the broker, say): what the publisher needs is unknown
+        notes.append(f"not vacuumed, log kept: the publisher's position is unknown ({_first_line(e)})")
+        return None, 0
+    if retention is not None and retention > retention_hours:
+        notes.append(f"vacuum kept {retention} h of files for the publisher")
+    return retention, unsent
 
 
 def _first_line(e: BaseException) -> str:

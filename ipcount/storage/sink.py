@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import EpochFenced
-from ipcount.rules.finality import ChainCommit, adds_no_rows, finalized_below, gap_versions
+from ipcount.rules.finality import ChainCommit, adds_no_rows, finalized_below, gap_versions, merged_row
 from ipcount.rules.publish import CHANGE_DATA_FEED, has_change_feed
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, PartitionMetrics
 from ipcount.rules.maintenance import COUNTS_PARTITIONS, DAY_MS, log_properties, partition_value
@@ -285,17 +285,13 @@ class Sink:
                                   f"epoch={epoch}", floor=self.floor_id)
 
     def _merge_counts_in_spark(self, epoch: int, counts: DataFrame, windows_ms: tuple[int, int],
-                               watermark_ms: int | None,
-                               finalize_untouched: bool, chain: Sequence[ChainCommit] = (),
+                               watermark_ms: int | None, finalize_untouched: bool, chain: Sequence[ChainCommit] = (),
                                watermark_after_ms: int | None = None,
                                before_commit: Callable[[], None] = lambda: None) -> int | None:
         """:meth:`_merge_counts` done by Spark's executors: they read the files the epoch's
-        rows can change, at exactly the snapshot the commit follows, merge the counts into
-        them and write the merged rows as new files; the commit removes the files read and
-        adds those written. Those are the open partitions (``is_final=false``: all of them
-        where untouched rows are to be finalized, else the epoch's days) and any final file
-        holding a row the epoch counts into (a backfill correcting a closed window; the
-        files' statistics rule out the rest without reading them). Another commit first means
+        rows can change (:func:`_read_by_merge`), at exactly the snapshot the commit follows,
+        merge the counts into them and write the merged rows as new files; the commit removes
+        the files read and adds those written. Another commit first means
         a new snapshot and a new merge (the lost one's files are never referenced: vacuum
         removes them), unless the commits that came first changed none of the files the merge
         read or would read (a fence, a retirement, a backfill's commit to closed windows of
@@ -310,16 +306,12 @@ class Sink:
         lo_ms, hi_ms = windows_ms
         days = {partition_value("window_day", ms) for ms in range(lo_ms - lo_ms % DAY_MS, hi_ms + 1, DAY_MS)}
 
-        def may_read(f: TableFile) -> bool:  # a file the merge reads, or reads to rule it out
-            if f.partition_values["is_final"] == "false":
-                return finalize_untouched or f.partition_values["window_day"] in days
-            return f.partition_values["window_day"] in days and _may_hold(f, lo_ms, hi_ms)
+        def may_read(f: TableFile) -> bool:
+            return _read_by_merge(f, days, lo_ms, hi_ms, finalize_untouched)
 
         attempt: dict = {}  # the last attempt's snapshot (its files' paths), files read and written, columns
 
         def merge(table, properties) -> None:
-            import pyarrow as pa
-
             _check_executors_may_write(table, COUNTS_COLUMNS)
             if not has_open_partitions(table):
                 raise _NotForExecutors(f"{path} version {table.version()} predates the (window_day, is_final) "
@@ -336,12 +328,7 @@ class Sink:
                 rewrite += self._files_with_rows_of(spark, closed, counts)
                 log.info("epoch %d: merging counts into windows %s..%s in Spark: rewriting %d of %d files", epoch,
                          sql_timestamp(lo_ms), sql_timestamp(hi_ms), len(rewrite), len(files))
-                old = self._read_counts(spark, rewrite, extra=extra) if rewrite else None
-                merged = _merged_counts(old, counts, epoch, watermark_ms, self.cfg.allowed_lateness_ms,
-                                        finalize_untouched, extra)
-                schema = arrow_schema(_unpartitioned(COUNTS_COLUMNS))
-                written = write_files(merged, path, pa.schema([*schema, *(f for f, _ in extra)]),
-                                      partition_by=COUNTS_PARTITION_BY, tag=f"epoch-{epoch}")
+                written = self._rewrite(rewrite, counts, epoch, watermark_ms, finalize_untouched, extra)
                 attempt.update(files={f.path for f in files}, rewrite=rewrite, written=written, extra=extra)
             rewrite, written = attempt["rewrite"], attempt["written"]
             before_commit()
@@ -357,6 +344,20 @@ class Sink:
                         "know", epoch, why)
             return self._merge_counts(epoch, counts.toArrow(), watermark_ms, finalize_untouched, chain,
                                       watermark_after_ms)
+
+    def _rewrite(self, files: Sequence[TableFile], counts: DataFrame, epoch: int, watermark_ms: int | None,
+                 finalize_untouched: bool, extra: Sequence[tuple[pa.Field, str]]) -> list[WrittenFile]:
+        """The counts table's ``files`` with the epoch's ``counts`` merged in, written by
+        Spark's executors as new files (not yet committed)."""
+        import pyarrow as pa
+
+        spark = counts.sparkSession
+        old = self._read_counts(spark, files, extra=extra) if files else None
+        merged = _merged_counts(old, counts, epoch, watermark_ms, self.cfg.allowed_lateness_ms, finalize_untouched,
+                                extra)
+        schema = pa.schema([*arrow_schema(_unpartitioned(COUNTS_COLUMNS)), *(f for f, _ in extra)])
+        return write_files(merged, self.cfg.counts_path, schema, partition_by=COUNTS_PARTITION_BY,
+                           tag=f"epoch-{epoch}")
 
     def _read_counts(self, spark: SparkSession, files: Sequence[TableFile], with_path: bool = False,
                      extra: Sequence[tuple[pa.Field, str]] = ()) -> DataFrame:
@@ -412,21 +413,16 @@ class Sink:
 
     def _merge_counts(self, epoch: int, counts: pa.Table, watermark_ms: int | None, finalize_untouched: bool,
                       chain: Sequence[ChainCommit] = (), watermark_after_ms: int | None = None) -> int | None:
-        """Add the epoch's counts and mark windows final, in one idempotent commit: its
-        version, or None if the table holds the epoch's transaction already.
+        """Add the epoch's counts and mark windows final (the rules of
+        :func:`~ipcount.rules.finality.merged_row`) in one idempotent commit: its version, or
+        None if the table holds the epoch's transaction already.
 
-        A window is final once the watermark has passed its end plus the allowed lateness:
-        no later record of the live stream can be counted in it. Being final only ever goes
-        from false to true. A scheduled epoch also finalizes rows it does not touch; a
-        backfill does not (that is the chain's watermark to move). Where the chain's last
-        commits allow (:func:`ipcount.rules.finality.finalized_below`), those rows are found
+        A scheduled epoch also finalizes rows it does not touch. Where the chain's last
+        commits allow (:func:`~ipcount.rules.finality.finalized_below`), those rows are found
         by a read bounded by the last watermark and merged as extra source rows that add
         nothing; otherwise through the NOT MATCHED BY SOURCE clause, which reads the whole
         table. The ON clause bounds the target's windows by the source's, so the MERGE reads
-        only the files that can hold them. ``first_epoch``/``last_epoch`` take the
-        least/greatest epoch of the rows an epoch counts into, so epochs that commit out of
-        order leave the same row.
-        """
+        only the files that can hold them."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -434,9 +430,9 @@ class Sink:
         touched = _conform(_with_partitions(counts).append_column("touched", pa.repeat(True, counts.num_rows)),
                            MERGE_SOURCE_COLUMNS)
         final_until = None if watermark_ms is None else sql_timestamp(watermark_ms - lateness_ms)
-
-        def final(col: str) -> str:  # end + lateness <= watermark
-            return "false" if final_until is None else f"({col} <= {final_until})"
+        matched = merged_row(epoch, final_until, finalize_untouched, new=False, touched="s.touched", end="t.window_end")
+        inserted = merged_row(epoch, final_until, finalize_untouched, new=True, touched="true", end="s.window_end")
+        untouched = merged_row(epoch, final_until, finalize_untouched, new=False, touched="false", end="t.window_end")
 
         def merge(table, properties) -> None:
             check_fillable(table, (c[0] for c in COUNTS_COLUMNS))
@@ -459,21 +455,14 @@ class Sink:
             merger = (table.merge(source, f"{same_partition}t.window_start = s.window_start AND t.ip = s.ip AND "
                                   f"t.window_start BETWEEN {lo} AND {hi}", source_alias="s", target_alias="t",
                                   streamed_exec=False, commit_properties=properties)
-                      .when_matched_update({
-                          "count": "t.count + s.count",
-                          "first_epoch": f"CASE WHEN s.touched AND t.first_epoch > {epoch} THEN {epoch} "
-                                         "ELSE t.first_epoch END",
-                          "last_epoch": f"CASE WHEN s.touched AND t.last_epoch < {epoch} THEN {epoch} "
-                                        "ELSE t.last_epoch END",
-                          "is_final": f"coalesce(t.is_final, false) OR {final('t.window_end')}"})
-                      .when_not_matched_insert({
-                          "window_start": "s.window_start", "window_end": "s.window_end", "ip": "s.ip",
-                          "count": "s.count", "first_epoch": str(epoch), "last_epoch": str(epoch),
-                          "is_final": final("s.window_end"),
-                          **{c: f"s.{c}" for c in COUNTS_PARTITIONS}}, predicate="s.touched"))
-            if full_pass:
+                      .when_matched_update(matched)
+                      .when_not_matched_insert({"window_start": "s.window_start", "window_end": "s.window_end",
+                                                "ip": "s.ip", **inserted, **{c: f"s.{c}" for c in COUNTS_PARTITIONS}},
+                                               predicate="s.touched"))
+            if full_pass:  # (only the rows it turns final: the others' files stay as they are)
                 merger = merger.when_not_matched_by_source_update(
-                    {"is_final": "true"}, predicate=f"NOT coalesce(t.is_final, false) AND {final('t.window_end')}")
+                    {"is_final": untouched["is_final"]},
+                    predicate=f"NOT coalesce(t.is_final, false) AND {untouched['is_final']}")
             merger.execute()
         return rs_commit_once(path, self.txn_app_id(epoch), epoch, f"epoch={epoch}", merge,
                               markers=lambda version: self._facts(epoch, version, watermark_after_ms),
@@ -711,41 +700,45 @@ def _unpartitioned(columns: Columns) -> Columns:
     return tuple(c for c in columns if c[0] not in COUNTS_PARTITION_BY)
 
 
+def _read_by_merge(f: TableFile, days: set[str], lo_ms: int, hi_ms: int, finalize_untouched: bool) -> bool:
+    """Whether the executors' merge of an epoch whose windows start in [lo_ms, hi_ms], on
+    ``days``, reads counts file ``f``, or reads it to rule it out: the open partitions
+    (``is_final=false``: all of them where untouched rows are to be finalized, else the
+    epoch's days) and a final file that may hold a row the epoch counts into (a backfill
+    correcting a closed window: the files' statistics rule out the rest without reading)."""
+    if f.partition_values["is_final"] == "false":
+        return finalize_untouched or f.partition_values["window_day"] in days
+    return f.partition_values["window_day"] in days and _may_hold(f, lo_ms, hi_ms)
+
+
 def _merged_counts(old: DataFrame | None, counts: DataFrame, epoch: int, watermark_ms: int | None,
                    lateness_ms: int, finalize_untouched: bool,
                    extra: Sequence[tuple[pa.Field, str]] = ()) -> DataFrame:
-    """The rows of ``old`` (counts rows) with the epoch's ``counts`` merged in, as the MERGE
-    of :meth:`Sink._merge_counts` leaves them: counts added, ``first_epoch``/``last_epoch``
-    the least/greatest epoch counted into the row, final once the watermark passed the
-    window's end plus the lateness (untouched rows too, if ``finalize_untouched``); new rows
-    for windows and clients not in ``old``. Partition columns from ``window_start``. No
-    ``old`` (no file to rewrite): the epoch's rows as new ones, with no join. The ``extra``
-    columns (:func:`_carried_columns`) as ``old`` has them, NULL in new rows."""
+    """The rows of ``old`` (counts rows) with the epoch's ``counts`` merged in by the rules
+    of :func:`~ipcount.rules.finality.merged_row`, as the MERGE of :meth:`Sink._merge_counts`
+    leaves them; new rows for windows and clients not in ``old``. Partition columns from
+    ``window_start``. No ``old`` (no file to rewrite): the epoch's rows as new ones, with no
+    join. The ``extra`` columns (:func:`_carried_columns`) as ``old`` has them, NULL in new
+    rows."""
     from pyspark.sql import functions as F
 
+    final_until = None if watermark_ms is None else f"timestamp_millis(CAST({watermark_ms - lateness_ms} AS BIGINT))"
     s = counts.alias("s")
     if old is None:  # every row new: what the join would leave, without it
         joined, t = s, (lambda name: F.lit(None))
+        row = merged_row(epoch, final_until, finalize_untouched, new=True, touched="true", end="s.window_end")
     else:
         joined = old.alias("t").join(
             s, (F.col("t.window_start") == F.col("s.window_start")) & (F.col("t.ip") == F.col("s.ip")), "full_outer")
         t = (lambda name: F.col(f"t.{name}"))
-    had, touched = t("count").isNotNull(), F.col("s.count").isNotNull()
+        row = merged_row(epoch, final_until, finalize_untouched, new="t.count IS NULL", touched="s.count IS NOT NULL",
+                         end="coalesce(t.window_end, s.window_end)")
     start = F.coalesce(t("window_start"), F.col("s.window_start"))
-    end = F.coalesce(t("window_end"), F.col("s.window_end"))
-    final_now = F.lit(False) if watermark_ms is None else \
-        end <= F.timestamp_millis(F.lit(watermark_ms - lateness_ms).cast("long"))
-    was_final = F.coalesce(t("is_final"), F.lit(False))
-    epoch_lit = F.lit(epoch).cast("long")
     return joined.select(
-        start.alias("window_start"), end.alias("window_end"), F.coalesce(t("ip"), F.col("s.ip")).alias("ip"),
-        (F.coalesce(t("count"), F.lit(0)) + F.coalesce(F.col("s.count"), F.lit(0))).cast("long").alias("count"),
-        F.when(~had | (touched & (t("first_epoch") > epoch_lit)), epoch_lit)
-         .otherwise(t("first_epoch")).alias("first_epoch"),
-        F.when(~had | (touched & (t("last_epoch") < epoch_lit)), epoch_lit)
-         .otherwise(t("last_epoch")).alias("last_epoch"),
-        F.when(~had, final_now).otherwise(was_final | (final_now if finalize_untouched else touched & final_now))
-         .alias("is_final"),
+        start.alias("window_start"), F.coalesce(t("window_end"), F.col("s.window_end")).alias("window_end"),
+        F.coalesce(t("ip"), F.col("s.ip")).alias("ip"),
+        *(F.expr(row[name]).cast(kind).alias(name) for name, kind in (
+            ("count", "long"), ("first_epoch", "long"), ("last_epoch", "long"), ("is_final", "boolean"))),
         F.date_format(start, "yyyy-MM-dd'T'HH").alias("window_hour"),
         F.date_format(start, "yyyy-MM-dd").alias("window_day"),
         *((F.lit(None).cast(kind) if old is None else t(f.name)).alias(f.name) for f, kind in extra))
