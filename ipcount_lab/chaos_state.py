@@ -1,6 +1,6 @@
 """A chaos run's state between sittings (``bin/lab chaos --pause`` / ``--resume``).
 
-A long run takes longer than one sitting (docs/operations.md has the figures), so it can
+A long run takes longer than one sitting (docs/exactly-once.md has the figures), so it can
 pause and go on later on the same topic, warehouse and broker: this file holds what the next
 sitting needs. Randomness is drawn per round (:func:`round_rng`), so no generator state is saved and
 a resumed run makes the same choices an unpaused one would. What retention rounds deleted is

@@ -183,7 +183,7 @@ def one_epoch_of_tables() -> Iterator[None]:
     version, as a fresh load would. Nested scopes share the outer one's tables; other
     threads load their own. A table deleted in the scope is seen as gone; one deleted and
     created again at the same path within it is not told apart (replace tables only with
-    the pipeline paused, as docs/operations.md says)."""
+    the pipeline paused, as docs/backfill.md says)."""
     if _OPENED.get() is not None:
         yield
         return

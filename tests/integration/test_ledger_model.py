@@ -31,7 +31,7 @@ After every step the tables are checked against a plain model of the log:
 * a run that was not killed leaves no unfinished epoch of its kind behind.
 
 No JVM and no broker: the suite's budget is a few minutes (``IPCOUNT_MODEL_EXAMPLES`` and
-``IPCOUNT_MODEL_STEPS`` raise it for a long run; docs/operations.md).
+``IPCOUNT_MODEL_STEPS`` raise it for a long run; docs/exactly-once.md).
 """
 from __future__ import annotations
 
@@ -677,7 +677,7 @@ def _quiet():
 
 LedgerModel.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
                                          suppress_health_check=list(HealthCheck))
-# A long run (docs/operations.md) outlasts the suite's per-test timeout: its own scales with it.
+# A long run (docs/exactly-once.md) outlasts the suite's per-test timeout: its own scales with it.
 test_ledger_model = pytest.mark.timeout(max(900, EXAMPLES * STEPS))(LedgerModel.TestCase)
 
 
