@@ -135,11 +135,9 @@ def build_parser(commands: Mapping[str, tuple[Callable[[Any], None], Command]] |
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    for noisy in ("kafka", "py4j"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # delta-rs logs each credentials provider the AWS SDK tries as a WARN line of its own; the
-    # error a command reports says what failed and what to set.
-    os.environ.setdefault("RUST_LOG", "error")
+    from ipcount.jobs.runs import quiet_clients
+
+    quiet_clients()
 
 
 def main(argv: Sequence[str] | None = None,
@@ -155,10 +153,10 @@ def main(argv: Sequence[str] | None = None,
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"{prog} {args.command}: error: {e}\n")
     _, command = commands[args.command]
-    return _exit_code(lambda: command(args, cfg), f"{prog} {args.command}")
+    return _exit_code(lambda: command(args, cfg))
 
 
-def _exit_code(work: Callable[[], int], what: str) -> int:
+def _exit_code(work: Callable[[], int]) -> int:
     """``work``'s exit code, or its error's (logged in one line)."""
     try:
         return work()
@@ -167,15 +165,6 @@ def _exit_code(work: Callable[[], int], what: str) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
-    except Exception as e:
-        from ipcount.storage.spark import connect_lost
-
-        if not connect_lost(e):
-            raise
-        log.error("%s: the Spark Connect server went away under it (%s). Nothing written is lost: an epoch it "
-                  "left unfinished keeps its recorded ranges, and the next run finishes it", what,
-                  " ".join(str(e).split())[:160])
-        return EXIT_FAILED
 
 
 def run_main(run_json: str) -> int:
@@ -188,7 +177,7 @@ def run_main(run_json: str) -> int:
         return EXIT_OK
 
     _logging()
-    return _exit_code(work, "ipcount run")
+    return _exit_code(work)
 
 
 # -- epoch ---------------------------------------------------------------------------------
@@ -201,7 +190,7 @@ def _epoch_arguments(sub) -> None:
                                    "the offsets to the consumer group (if commit_offsets). Exit codes: 0 done "
                                    "or nothing to read, 2 bad settings, 3 data loss, 4 broker unreachable.")
     add_config_flags(p)
-    p.add_argument("--run-id", help="Airflow run id recorded in the ledger (set by the DAG)")
+    p.add_argument("--run-id", help="a run id to record in the ledger (a DAG run records its own)")
     p.add_argument("--skip-offset-commit", action="store_true",
                    help="stop after the ledger commit; the DAG commits offsets in its own task")
     p.add_argument("--skip-publish", action="store_true",
@@ -222,9 +211,8 @@ def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 
 
 def _reporter(as_json: bool):
-    """Print each result's line, and its JSON too when asked."""
+    """Print each result's JSON after its line, when asked."""
     def report(result) -> None:
-        print(result.line(), flush=True)
         if as_json:
             print(json.dumps(result.to_dict()), flush=True)
     return report
@@ -247,13 +235,13 @@ def _backfill_arguments(sub) -> None:
                       help="start of a time range (ISO 8601, e.g. 2026-11-21T10:00:00Z, or epoch ms); "
                            "resolved per partition with the broker's offsets-for-times lookup")
     what.add_argument("--request-json", metavar="JSON",
-                      help='the request as one JSON object, as the backfill DAG passes it: {"target": ..., '
+                      help='the request as one JSON object, the backfill form\'s fields: {"target": ..., '
                            '"offsets": ... | "from_time": ..., "until_time": ...} (empty values are ignored)')
     p.add_argument("--until-time", metavar="TIME", help="end of the time range (exclusive); needs --from-time")
     p.add_argument("--target", type=not_empty,
                    help="'main' (the pipeline's tables, default) or a replay table name: a plain identifier; "
                         "its tables and ledger live under <warehouse>/replays/<name>/")
-    p.add_argument("--run-id", help="Airflow run id recorded in the ledger (set by the DAG)")
+    p.add_argument("--run-id", help="a run id to record in the ledger (a DAG run records its own)")
     p.add_argument("--summary-json", action="store_true", help="print the backfill report as JSON")
     add_config_flags(p)
 
@@ -487,11 +475,11 @@ def _scram_user(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 
 def _connect_server_arguments(sub) -> None:
     p = sub.add_parser("connect-server", help="run the Spark Connect server epochs use, in the foreground",
-                       description="Run Spark's Connect server with the Kafka and Delta jars and the Spark "
-                                   "settings epochs use (what spark_remote points epochs at) in the foreground "
-                                   "until SIGTERM or SIGINT, as a container's main process; exit code 0 when "
-                                   "stopped by a signal. It takes only clients with the token in --token-file. In the "
-                                   "lab, `bin/lab spark-connect start` runs one in the background.")
+                       description="Run Spark's Connect server with the Kafka source's and the parse's jars "
+                                   "and the Spark settings epochs use (what spark_remote points epochs at) in "
+                                   "the foreground until SIGTERM or SIGINT, as a container's main process; exit "
+                                   "code 0 when stopped by a signal. It takes only clients with the token in "
+                                   "--token-file.")
     p.add_argument("--port", type=port_number, default=15002, help="the server's port (default 15002)")
     p.add_argument("--bind", default="127.0.0.1", type=not_empty,
                    help="the address it listens on (default 127.0.0.1: it has no TLS, so keep it off networks "

@@ -253,8 +253,8 @@ def _spark_cluster(args: argparse.Namespace, cfg: PipelineConfig) -> int:
 def _spark_connect_arguments(sub) -> None:
     p = sub.add_parser("spark-connect", help="manage a local Spark Connect server that epochs can run on",
                        description="Start, stop or inspect a Spark Connect server on 127.0.0.1 from the pinned "
-                                   "pyspark, with the Kafka and Delta jars and an epoch's Spark settings (the "
-                                   "product's `bin/ipcount connect-server`, in the background); it takes only "
+                                   "pyspark, with the Kafka source's and the parse's jars and an epoch's Spark "
+                                   "settings (the product's `bin/ipcount connect-server`, in the background); it takes only "
                                    "clients with its token (a private file it makes). Point the pipeline at it "
                                    "with spark_remote and spark_remote_token_file, which `start` prints; epochs "
                                    "then run in the calling process with a remote session.")

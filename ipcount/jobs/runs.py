@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ipcount.jobs.crash import Crash, crash_hook
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import BadRequestError, ConfigError
+from ipcount.rules.errors import BadRequestError, ConfigError, SparkConnectLost
 from ipcount.rules.requests import MAIN_TARGET, BackfillRequest, request_from_fields
 
 if TYPE_CHECKING:
@@ -51,6 +51,11 @@ class Run:
             raise BadRequestError("a run's config must be a PipelineConfig")
         if type(self.epochs) is not int or self.epochs < 1:
             raise BadRequestError(f"a run's epochs must be a whole number of at least 1, not {self.epochs!r}")
+        for name, kinds in (("run_id", (str, type(None))), ("commit_offsets", bool), ("publish", bool),
+                            ("into", str), ("source", str)):
+            if not isinstance(getattr(self, name), kinds):
+                raise BadRequestError(f"a run's {name} must be a {'string' if kinds is not bool else 'boolean'}, "
+                                      f"not {getattr(self, name)!r}")
         if (self.request is not None) != (self.command == BACKFILL):
             raise BadRequestError("a backfill run needs its request, and only a backfill run has one")
         # (a rebuild's into and source are checked with the tables, by jobs.rebuild.check_request)
@@ -72,9 +77,10 @@ class Run:
             raise BadRequestError("a run is a JSON object")
         known = {"command", "settings", "run_id", "epochs", "commit_offsets", "publish", "request", "into", "source"}
         if unknown := sorted(set(given) - known):
-            raise BadRequestError(f"unknown field(s) {', '.join(unknown)} in the run; known: {', '.join(sorted(known))}")
-        if not isinstance(settings := given.pop("settings", {}), dict):
-            raise ConfigError("a run's settings are a JSON object")
+            raise BadRequestError(f"unknown field(s) {', '.join(unknown)} in the run; known: "
+                                  f"{', '.join(sorted(known))}")
+        if not isinstance(settings := given.pop("settings", None), dict):
+            raise ConfigError("a run's settings are a JSON object, and a run has them")
         cfg = PipelineConfig.from_mapping(settings)
         request = given.pop("request", None)
         return cls(config=cfg, request=None if request is None else request_from_fields(request, cfg.topic), **given)
@@ -87,27 +93,39 @@ def request_fields(request: BackfillRequest) -> dict[str, Any]:
             "until_time": request.until_ms}
 
 
-Report = Callable[[Any], None]  # takes each epoch's summary, or the backfill's or rebuild's report
+# Called with each epoch's summary once its offsets are committed (after its line is
+# printed), or with the backfill's or the rebuild's report.
+Report = Callable[[Any], None]
 
 
-def say_line(result: Any) -> None:
-    print(result.line(), flush=True)
+def quiet_clients() -> None:
+    """kafka-python's and py4j's INFO lines off, and delta-rs's WARN line per AWS
+    credentials provider it tries: the error a run ends with says what failed and what to set."""
+    for noisy in ("kafka", "py4j"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("RUST_LOG", "error")
 
 
-def execute(run: Run, spark: SparkSession | None = None, report: Report = say_line,
+def execute(run: Run, spark: SparkSession | None = None, report: Report = lambda result: None,
             crash: Crash | None = None) -> list:
-    """Run ``run`` on ``spark`` (default: the session its settings name, started here) and
-    return its summaries (epochs) or its report. Every check that needs no Spark happens
-    before a JVM starts; ``crash`` defaults to ``IPCOUNT_CRASH_AT``'s."""
+    """Run ``run`` on ``spark`` (default: the session its settings name, started here),
+    printing a line per epoch (or the backfill's or rebuild's), and return its summaries or
+    its report. Every check that needs no Spark happens before a JVM starts; ``crash``
+    defaults to ``IPCOUNT_CRASH_AT``'s."""
     crash = crash or crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
     try:
         return {EPOCH: _epochs, BACKFILL: _backfill, REBUILD: _rebuild}[run.command](run, spark, report, crash)
     except Exception as e:
         from ipcount.rules.kafka_properties import refused_property
+        from ipcount.storage.spark import connect_lost
 
         if refused := refused_property(str(e), run.config.kafka_consumer_properties):
             raise ConfigError(f"{refused}. Nothing written is lost: the epoch keeps its recorded ranges, and the "
                               "next run finishes it") from None
+        if connect_lost(e):
+            raise SparkConnectLost(f"ipcount {run.command}: the Spark Connect server went away under it "
+                                   f"({' '.join(str(e).split())[:160]}). Nothing written is lost: an epoch it left "
+                                   "unfinished keeps its recorded ranges, and the next run finishes it") from None
         raise
 
 
@@ -133,6 +151,7 @@ def _epochs(run: Run, spark: SparkSession | None, report: Report, crash: Crash) 
         started = time.monotonic()
         summary = run_epoch(cfg, spark, run_id=run.run_id, crash=crash)
         summary = summary or EpochSummary(None, seconds=time.monotonic() - started)
+        print(summary.line(), flush=True)  # (before the offset commit, which may fail: only warns)
         if run.commit_offsets:
             crash("before_kafka_commit")
             started = time.monotonic()
@@ -155,6 +174,7 @@ def _backfill(run: Run, spark: SparkSession | None, report: Report, crash: Crash
     resolved = resolve(run.config, run.request)  # checked, with the broker, before Spark starts
     done = run_backfill(run.config, _session(run, spark), run.request, run_id=run.run_id, crash=crash,
                         resolved=resolved)
+    print(done.line(), flush=True)
     report(done)
     return [done]
 
@@ -166,5 +186,6 @@ def _rebuild(run: Run, spark: SparkSession | None, report: Report, crash: Crash)
     check_request(run.config, run.into, run.source)  # the request, the tables' locations and the broker,
     partition_offsets(run.config)                    # before the JVM starts (rebuild checks the offsets again)
     done = rebuild(run.config, _session(run, spark), run.into, run.source, run_id=run.run_id)
+    print(done.line(), flush=True)
     report(done)
     return [done]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import ConfigError
+from ipcount.rules.errors import ConfigError, ConnectionUnavailable
 from ipcount.rules.kafka_security import ConnectionSettings, connection_settings
 from ipcount.rules.private_files import write_private_file
 
@@ -32,7 +32,8 @@ def read_connection(conn_id: str) -> ConnectionSettings:
     try:
         conn = Connection.get(conn_id)  # registers its secrets with Airflow's log masker
     except AirflowNotFoundException:
-        raise ConfigError(f"kafka_connection {conn_id!r}: no such Airflow connection") from None
+        raise ConnectionUnavailable(f"kafka_connection {conn_id!r}: no such Airflow connection (or its secrets "
+                                    "backend did not answer)") from None
     if conn.conn_type not in ("kafka", "generic", None, ""):
         raise ConfigError(f"kafka_connection {conn_id!r} is of type {conn.conn_type!r}; expected kafka")
     return connection_settings(conn_id, conn.extra_dejson, conn.login, conn.password)

@@ -17,7 +17,7 @@ from airflow.providers.standard.decorators.python import _PythonDecoratedOperato
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from ipcount.jobs.runs import Run, execute
+from ipcount.jobs.runs import Run, execute, quiet_clients
 from ipcount.orchestration.dags import spark_submit_kwargs
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import LineageMixin
@@ -126,6 +126,7 @@ class EpochConnectOperator(_RunsEpochs, BaseOperator):
                                self.pipeline.pipeline_id, self.pipeline.kafka_timeout_seconds)
 
     def execute(self, context) -> None:
+        quiet_clients()
         with failing_fast(), self.task_run(context) as run:
             spark = self.session()
             # Tags are the client's, per thread (the run's queries run on this one), and match

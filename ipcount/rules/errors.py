@@ -103,6 +103,16 @@ class TableSetMismatch(IpcountError, exit_code=EXIT_USAGE):
     """A run's settings, or one of its tables, do not belong to the table set it would write."""
 
 
+class ConnectionUnavailable(IpcountError, RuntimeError):
+    """An Airflow connection the settings name was not found, or the secrets backend that
+    holds it did not answer: Airflow tells the two apart to no one, so it is retried."""
+
+
+class SparkConnectLost(IpcountError, RuntimeError):
+    """The Spark Connect server went away under a run (stopped or restarted mid-run): what
+    was written stays, and an epoch left unfinished keeps its recorded ranges."""
+
+
 class SparkConnectError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
     """The Spark Connect server of ``spark_remote`` (or of a task's connection) did not
     answer: retried, a server restarting being the common case. (One that refuses the

@@ -137,9 +137,9 @@ REQUEST_FIELDS = ("target", "offsets", "from_time", "until_time")
 
 def request_from_fields(fields: Mapping[str, Any] | str, topic: str,
                         time_names: tuple[str, str] = ("from_time", "until_time")) -> BackfillRequest:
-    """A request from the trigger form's fields (or their JSON, as the backfill DAG passes
-    them, or the CLI's flags); empty values count as absent. ``time_names`` name the time
-    fields in messages."""
+    """A request from the backfill form's fields (or their JSON, or the CLI's flags; a run's
+    request as :func:`ipcount.jobs.runs.request_fields` writes it); None and "" count as
+    absent. ``time_names`` name the time fields in messages."""
     if isinstance(fields, str):
         try:
             fields = json.loads(fields)

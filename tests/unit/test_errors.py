@@ -13,7 +13,7 @@ def test_each_error_carries_the_exit_code_the_docs_promise():
                      "DataLossError": 3, "BrokerUnavailableError": 4, "UnknownTopicError": 4,
                      "PlanConflict": 1, "CommitContention": 1, "EpochFenced": 1,
                      "MaintenanceFailed": 1, "PublisherFenced": 1, "TableSetMismatch": 2,
-                     "SparkConnectError": 4,
+                     "SparkConnectError": 4, "SparkConnectLost": 1, "ConnectionUnavailable": 1,
                      "MissingTablesError": 2, "StorageUnavailableError": 5}
     assert issubclass(errors.ConfigError, ValueError) and issubclass(errors.DataLossError, RuntimeError)
     # The lab's own (a service of the embedded stack that did not start), under the same base.

@@ -13,7 +13,7 @@ import pytest
 from ipcount.jobs.runs import EPOCH, Run
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import ConfigError
+from ipcount.rules.errors import ConnectionUnavailable
 
 
 @pytest.fixture
@@ -49,6 +49,6 @@ def test_without_a_connection_nothing_changes_and_a_missing_one_is_named(connect
     plain = PipelineConfig()
     with resolved(plain) as same:
         assert same is plain
-    with pytest.raises(ConfigError, match="kafka_connection 'nope': no such Airflow connection"):
+    with pytest.raises(ConnectionUnavailable, match="kafka_connection 'nope': no such Airflow connection"):
         with resolved(PipelineConfig(kafka_connection="nope")):
             pass

@@ -67,11 +67,18 @@ def test_a_bad_run_is_refused_with_what_is_wrong():
             ({"settings": {"window_seconds": 0}}, ConfigError, "window_seconds"),
             ({"settings": {"topik": "x"}}, ConfigError, "unknown setting"),
             ({"settings": []}, ConfigError, "settings are a JSON object"),
+            ({"settings": None}, ConfigError, "a run has them"),
+            ({"commit_offsets": "false"}, BadRequestError, "commit_offsets must be a boolean, not 'false'"),
+            ({"run_id": 5}, BadRequestError, "run_id must be a string"),
+            ({"into": None}, BadRequestError, "into must be a string"),
             ({"request": {"offsets": "0:0-5"}}, BadRequestError, "only a backfill run has one"),
             ({"command": "backfill"}, BadRequestError, "a backfill run needs its request"),
             ({"command": "backfill", "request": {"offsets": "0:5-1"}}, BadRequestError, "must be greater than")]:
         with pytest.raises(error, match=message):
             Run.from_json(json.dumps({**good, **change}))
+    without_settings = {k: v for k, v in good.items() if k != "settings"}
+    with pytest.raises(ConfigError, match="a run has them"):
+        Run.from_json(json.dumps(without_settings))
     for text in ("", "[1]", "{"):
         with pytest.raises(BadRequestError, match="JSON"):
             Run.from_json(text)
