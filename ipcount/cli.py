@@ -14,8 +14,8 @@
     consumer-groups  Kafka's kafka-consumer-groups tool, logged in with the pipeline's settings
     config     print the effective configuration
 
-The lab (the embedded stack on one machine, traffic, chaos, the benchmark) has its own
-command line: ``bin/lab --help``.
+In a checkout, the lab (the embedded stack on one machine, traffic, chaos, the benchmark)
+has its own command line: ``bin/lab --help``.
 """
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def _check_parse_function(spark: SparkSession) -> bool:
     except Exception as e:  # noqa: BLE001 - classic and Connect raise different classes
         raise MissingJarsError(
             f"this Spark has no function ipcount.parse ({str(e).splitlines()[0]}): its JVM needs "
-            f"{PARSE_JAR.name} (bin/setup builds it into {PARSE_JAR.parent}; a Spark Connect server of "
+            f"{PARSE_JAR.name} (an installation has it in {PARSE_JAR.parent}; a Spark Connect server of "
             "your own takes it in --jars) and spark.sql.catalog.ipcount=ipcount.parse.ParseCatalog") from e
     return True
 
