@@ -34,7 +34,7 @@ from ipcount.orchestration.dags import (BACKFILL_DAG_ID, backfill_params, check_
                                         epoch_summary, request_run, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import counts_asset, sink_assets, source_asset, table_assets
-from ipcount.orchestration.operators import epoch_operator, fails_fast, lineage_task
+from ipcount.orchestration.operators import epoch_operator, failing_fast, lineage_task
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -56,7 +56,7 @@ with DAG(
     params=backfill_params(CFG),
 ):
     @task(retries=0)
-    @fails_fast
+    @failing_fast()
     def check_request(params: dict | None = None) -> dict:
         """The request, parsed and checked against the broker (fails before any write)."""
         return check_backfill_request(CFG, params)
@@ -64,7 +64,7 @@ with DAG(
     run_backfill = epoch_operator(CFG, "run_backfill", request_run, inlets=[SOURCE])
 
     @lineage_task(inlets=[COUNTS], outlets=SINK)
-    @fails_fast
+    @failing_fast()
     def publish_counts() -> dict:
         """The main counts' versions not published yet (this backfill's, as kind backfill) ->
         the sink topic, exactly once (when publish is on). Replay targets are never published."""
@@ -74,7 +74,7 @@ with DAG(
             return publish_step(cfg)
 
     @lineage_task(outlets=[COUNTS, *TABLES])
-    @fails_fast
+    @failing_fast()
     def publish_summary(run_id: str | None = None, params: dict | None = None, outlet_events=None) -> dict:
         """The epochs this run committed, to the log, XCom and (main target) the counts Asset."""
         summary = epoch_summary(CFG, run_id, params["target"])

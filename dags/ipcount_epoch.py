@@ -46,7 +46,7 @@ from ipcount.orchestration.dags import (EPOCH_DAG_ID, dag_params, dagrun_timeout
                                         epoch_timetable, interval_run, run_config, task_defaults)
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import counts_asset, sink_assets, source_asset, table_assets
-from ipcount.orchestration.operators import epoch_operator, fails_fast, lineage_task
+from ipcount.orchestration.operators import epoch_operator, failing_fast, lineage_task
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -70,7 +70,7 @@ with DAG(
     params=dag_params(CFG),  # per-run overrides (trigger form / --conf), validated by JSON schema
 ):
     @task.branch
-    @fails_fast
+    @failing_fast()
     def choose_path(dag_run=None, params: dict | None = None) -> str | None:
         """Scheduled and manual runs advance the chain, unless it is at the log end (checked
         without Spark: then the run skips the rest); `airflow backfill create` runs count
@@ -90,14 +90,14 @@ with DAG(
                                        lineage_outputs=[COUNTS, *TABLES])
 
     @task(trigger_rule="none_failed_min_one_success")
-    @fails_fast
+    @failing_fast()
     def commit_offsets(params: dict | None = None) -> bool:
         """Ledger positions -> consumer group (warns, never fails, when the broker refuses)."""
         with resolved(run_config(CFG, params)) as cfg:
             return commit_group_offsets_from_ledger(cfg)
 
     @lineage_task(inlets=[COUNTS], outlets=SINK)
-    @fails_fast
+    @failing_fast()
     def publish_counts(params: dict | None = None) -> dict:
         """Counts versions not published yet -> the sink topic, one Kafka transaction each with
         the publisher's cursor (when publish is on; fails, and is retried, when Kafka refuses)."""
@@ -107,7 +107,7 @@ with DAG(
             return publish_step(cfg)
 
     @lineage_task(outlets=[COUNTS])
-    @fails_fast
+    @failing_fast()
     def publish_summary(run_id: str | None = None, outlet_events=None) -> dict:
         """The committed epoch to the log, XCom and the counts Asset event."""
         summary = epoch_summary(CFG, run_id)
@@ -121,7 +121,7 @@ with DAG(
 
     if alerts_on(CFG):
         @task(trigger_rule="all_done", retries=0)
-        @fails_fast
+        @failing_fast()
         def check_freshness(params: dict | None = None) -> None:
             """Fails (so Airflow's failure alerts fire) when the chain lags or is stale past
             alert_lag_records / alert_stale_seconds; runs after a failed epoch too."""

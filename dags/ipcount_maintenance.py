@@ -25,7 +25,7 @@ from airflow.sdk import DAG
 from ipcount.orchestration.dags import MAINTENANCE_DAG_ID, maintenance_schedule, task_defaults
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.lineage import maintenance_asset
-from ipcount.orchestration.operators import fails_fast, lineage_task
+from ipcount.orchestration.operators import failing_fast, lineage_task
 from ipcount.rules.config import PipelineConfig
 
 CFG = PipelineConfig.load()
@@ -42,7 +42,7 @@ with DAG(
     tags=["ipcount", "maintenance"],
 ):
     @lineage_task(outlets=[maintenance_asset(CFG)])
-    @fails_fast
+    @failing_fast()
     def maintain(run_id: str | None = None) -> dict:
         """Every table compacted, checkpointed and vacuumed once; what was done, to the log and XCom."""
         from ipcount.jobs.maintenance import run_maintenance  # (Delta and Kafka clients: not at parse time)

@@ -345,14 +345,14 @@ def _publish_arguments(sub) -> None:
 
 
 def _publish(args: argparse.Namespace, cfg: PipelineConfig) -> int:
-    from ipcount.jobs.crash import crash_hook
+    from ipcount.jobs.crash import crash_from_env
     from ipcount.jobs.publish import publish_pending
     from ipcount.storage.tableset import existing
 
     if not cfg.publish:
         raise ConfigError("publish is off for this pipeline; set publish = true (--publish or IPCOUNT_PUBLISH)")
     existing(cfg, command="publish", ledger=False)  # (it reads the counts table's versions only)
-    report = publish_pending(cfg, crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None), resync=args.resync)
+    report = publish_pending(cfg, crash_from_env(), resync=args.resync)
     print(f"published {len(report.published)} counts version(s), {report.records} record(s), to "
           f"{cfg.publish_topic}; next version {report.cursor.next_version if report.cursor else '-'}")
     return EXIT_OK

@@ -34,6 +34,11 @@ def no_crash(point: str) -> None:
     """The crash hook of a normal run: nothing happens at any step boundary."""
 
 
+def crash_from_env() -> Crash:
+    """The crash hook ``IPCOUNT_CRASH_AT`` names (none when it is unset or empty)."""
+    return crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
+
+
 def crash_hook(crash_at: str | None) -> Crash:
     """A hook that kills this process with SIGKILL at the named step boundary."""
     points = (*CRASH_POINTS, *FILE_CRASH_POINTS, *PUBLISH_CRASH_POINTS)

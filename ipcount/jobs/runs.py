@@ -9,13 +9,13 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable
 
-from ipcount.jobs.crash import Crash, crash_hook
+from ipcount.jobs.crash import Crash, crash_from_env
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import BadRequestError, ConfigError, SparkConnectLost
-from ipcount.rules.requests import MAIN_TARGET, BackfillRequest, request_from_fields
+from ipcount.rules.requests import MAIN_TARGET, BackfillRequest, json_object, request_from_fields
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -69,16 +69,7 @@ class Run:
     @classmethod
     def from_json(cls, text: str) -> Run:
         """The run :meth:`to_json` wrote; every part checked as the CLI checks its own."""
-        try:
-            given = json.loads(text)
-        except ValueError as e:
-            raise BadRequestError(f"a run is a JSON object; this is not JSON: {e}") from None
-        if not isinstance(given, dict):
-            raise BadRequestError("a run is a JSON object")
-        known = {"command", "settings", "run_id", "epochs", "commit_offsets", "publish", "request", "into", "source"}
-        if unknown := sorted(set(given) - known):
-            raise BadRequestError(f"unknown field(s) {', '.join(unknown)} in the run; known: "
-                                  f"{', '.join(sorted(known))}")
+        given = json_object(text, "the run", sorted({f.name for f in fields(cls)} - {"config"} | {"settings"}))
         if not isinstance(settings := given.pop("settings", None), dict):
             raise ConfigError("a run's settings are a JSON object, and a run has them")
         cfg = PipelineConfig.from_mapping(settings)
@@ -112,7 +103,7 @@ def execute(run: Run, spark: SparkSession | None = None, report: Report = lambda
     printing a line per epoch (or the backfill's or rebuild's), and return its summaries or
     its report. Every check that needs no Spark happens before a JVM starts; ``crash``
     defaults to ``IPCOUNT_CRASH_AT``'s."""
-    crash = crash or crash_hook(os.environ.get("IPCOUNT_CRASH_AT") or None)
+    crash = crash or crash_from_env()
     try:
         return {EPOCH: _epochs, BACKFILL: _backfill, REBUILD: _rebuild}[run.command](run, spark, report, crash)
     except Exception as e:

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import uuid
 from contextlib import contextmanager
@@ -33,8 +32,9 @@ RunOf = Callable[[PipelineConfig, Mapping[str, Any]], Run]
 
 @contextmanager
 def failing_fast() -> Iterator[None]:
-    """Within, a permanent pipeline error fails the task at once (the same work would fail
-    the same way on every retry); a transient one is raised as it is, for the retries."""
+    """Within (or, as ``@failing_fast()``, in a ``@task``'s function), a permanent pipeline
+    error fails the task at once (the same work would fail the same way on every retry); a
+    transient one is raised as it is, for the retries."""
     try:
         yield
     except IpcountError as e:
@@ -42,15 +42,6 @@ def failing_fast() -> Iterator[None]:
             raise
         raise AirflowFailException(f"{type(e).__name__}: {e} (not retried: running it again cannot end otherwise)") \
             from e
-
-
-def fails_fast(function: Callable) -> Callable:
-    """``function`` (a ``@task``'s) under :func:`failing_fast`."""
-    @functools.wraps(function)
-    def task_function(*args, **kwargs):
-        with failing_fast():
-            return function(*args, **kwargs)
-    return task_function
 
 
 class _RunsEpochs(LineageMixin):

@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ipcount.rules.errors import BadRequestError
 from ipcount.rules.offsets import OffsetRange, describe
@@ -135,21 +135,27 @@ class BackfillRequest:
 REQUEST_FIELDS = ("target", "offsets", "from_time", "until_time")
 
 
+def json_object(given: Mapping[str, Any] | str, what: str, known: Sequence[str]) -> dict[str, Any]:
+    """``given`` (or the JSON text of it) as an object of only ``known`` fields; else a
+    BadRequestError naming ``what``."""
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except ValueError as e:
+            raise BadRequestError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(given, Mapping):
+        raise BadRequestError(f"{what} must be a JSON object")
+    if unknown := sorted(set(given) - set(known)):
+        raise BadRequestError(f"unknown field(s) {', '.join(unknown)} in {what}; known: {', '.join(known)}")
+    return dict(given)
+
+
 def request_from_fields(fields: Mapping[str, Any] | str, topic: str,
                         time_names: tuple[str, str] = ("from_time", "until_time")) -> BackfillRequest:
     """A request from the backfill form's fields (or their JSON, or the CLI's flags; a run's
     request as :func:`ipcount.jobs.runs.request_fields` writes it); None and "" count as
     absent. ``time_names`` name the time fields in messages."""
-    if isinstance(fields, str):
-        try:
-            fields = json.loads(fields)
-        except ValueError as e:
-            raise BadRequestError(f"the request is not valid JSON: {e}") from None
-    if not isinstance(fields, Mapping):
-        raise BadRequestError("the request must be a JSON object")
-    unknown = sorted(set(fields) - set(REQUEST_FIELDS))
-    if unknown:
-        raise BadRequestError(f"unknown request field(s) {unknown}; known: {', '.join(REQUEST_FIELDS)}")
+    fields = json_object(fields, "the request", REQUEST_FIELDS)
     # (0 is a time: epoch ms 0)
     target, offsets, start, until = (None if fields.get(k) in (None, "") else fields[k] for k in REQUEST_FIELDS)
     target = target or MAIN_TARGET
