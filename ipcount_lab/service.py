@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,6 +29,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` both free on 127.0.0.1 (a broker and its controller),
+    below the kernel's ephemeral range: an ephemeral port found free can be taken by any outgoing
+    connection before the broker binds it; one below the range cannot."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(10_000, first_ephemeral - 1), 200):
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no two free adjacent ports below {first_ephemeral}")
 
 
 def listening(port: int) -> bool:

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ipcount.rules.config import REPO_ROOT, PipelineConfig
 from ipcount_lab.embedded_kafka import EmbeddedKafka
 from ipcount_lab.generator import Produced
-from ipcount_lab.service import listening
+from ipcount_lab.service import free_port_pair, listening
 from tests.airflow_services import access_token
 from tests.browser import ARTIFACTS, browser_page, log_in
 from tests.conftest import free_port, run_until_idle
@@ -32,11 +32,7 @@ pytestmark = pytest.mark.airflow
 
 def _ports() -> tuple[int, int, int]:
     """Free ports for the broker (its controller on the next one), Airflow and Spark Connect."""
-    for _ in range(50):
-        kafka, api, connect = free_port(), free_port(), free_port()
-        if kafka < 65535 and not listening(kafka + 1) and len({kafka, kafka + 1, api, connect}) == 4:
-            return kafka, api, connect
-    raise RuntimeError("no free ports")
+    return free_port_pair(), free_port(), free_port()
 
 
 def _get(url: str, token: str, method: str = "GET", body: dict | None = None) -> bytes:
