@@ -1,4 +1,4 @@
-"""Command line: ``bin/ipcount <command> --help``.
+"""Command line: ``ipcount <command> --help`` (``bin/ipcount`` in a checkout).
 
     epoch      run one checkpoint epoch (the code path the DAG's Spark task runs)
     backfill   count an offset or time range the ledger does not own yet, in bounded epochs
@@ -15,7 +15,7 @@
     config     print the effective configuration
 
 In a checkout, the lab (the embedded stack on one machine, traffic, chaos, the benchmark)
-has its own command line: ``bin/lab --help``.
+has its own command line: ``ipcount-lab --help`` (``bin/lab``).
 """
 from __future__ import annotations
 
@@ -53,16 +53,6 @@ def add_config_flags(parser: argparse.ArgumentParser, names: Iterable[str] | Non
                                help=help_text)
         else:
             group.add_argument(flag(s.name), dest=s.name, metavar=s.name.upper(), default=None, help=help_text)
-
-
-def positive_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.001 <= value <= 1_000_000:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"must be between 0.001 and 1000000 records per second, not {text}")
-    return value
 
 
 def _whole_number(text: str) -> int:

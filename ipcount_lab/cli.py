@@ -26,12 +26,22 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ipcount.cli import Command, add_config_flags, main as run_command, positive_int, positive_rate
+from ipcount.cli import Command, add_config_flags, main as run_command, positive_int
 from ipcount.rules.config import COMMAND_SETTINGS, STATE_DIR, PipelineConfig, env_name
 from ipcount.rules.errors import EXIT_FAILED, EXIT_OK, BadRequestError, ConfigError
 from ipcount_lab.chaos_state import SCENARIOS
 
 log = logging.getLogger("ipcount_lab")
+
+
+def positive_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.001 <= value <= 1_000_000:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be between 0.001 and 1000000 records per second, not {text}")
+    return value
 
 
 def _generate_arguments(sub) -> None:

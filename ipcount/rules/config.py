@@ -20,7 +20,9 @@ from ipcount.rules.errors import ConfigError
 from ipcount.rules.kafka_properties import parse_properties
 from ipcount.rules.requests import MAIN_TARGET, check_target
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# Where the jars, the Spark job file and the bin/ tools are: the checkout the package is in (an editable
+# install), or IPCOUNT_HOME where the package is installed from a wheel (the product image's /opt/ipcount).
+REPO_ROOT = Path(os.environ.get("IPCOUNT_HOME") or Path(__file__).resolve().parents[2])
 STATE_DIR = REPO_ROOT / ".local"
 ENV_PREFIX = "IPCOUNT_"
 START_POSITIONS = ("earliest", "latest", "timestamp", "group-offsets", "specific")
@@ -710,10 +712,10 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(settings)
 
 
-# IPCOUNT_* variables that are not settings: the config file, the test and lab hooks, and
+# IPCOUNT_* variables that are not settings: the config file, the install's home, the test and lab hooks, and
 # the secrets bin/compose-env writes to .env for docker-compose (a shell may have sourced it).
 OTHER_VARIABLES = frozenset(ENV_PREFIX + name for name in (
-    "CONFIG", "CRASH_AT", "MODEL_EXAMPLES", "MODEL_STEPS", "MODEL_REPORT", "TEST_DAG_DENY", "TEST_ARTIFACTS",
+    "CONFIG", "HOME", "CRASH_AT", "MODEL_EXAMPLES", "MODEL_STEPS", "MODEL_REPORT", "TEST_DAG_DENY", "TEST_ARTIFACTS",
     "AIRFLOW_ADMIN_PASSWORD", "AIRFLOW_JWT_SECRET", "CONNECT_TOKEN", "KAFKA_EXTERNAL_PASSWORD",
     "POSTGRES_PASSWORD", "S3_SECRET"))
 

@@ -1,7 +1,9 @@
 """docker-compose.yml and the Dockerfile stay consistent with the code they deploy."""
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import yaml
 
@@ -42,8 +44,8 @@ def test_compose_keeps_the_tables_in_its_object_store():
     # the project's own server (ipcount_lab/embedded_s3.py, its default key id), for the
     # bucket and on the port the pipeline's settings name, its secret the pipeline's
     serve = store.split("exec ", 1)[1].split()
-    assert serve[:6] == ["python", "-m", "ipcount_lab.cli", "s3", "serve", "--host"]
-    flags = dict(zip(serve[5::2], serve[6::2]))
+    assert serve[:4] == ["ipcount-lab", "s3", "serve", "--host"]
+    flags = dict(zip(serve[3::2], serve[4::2]))
     assert (flags["--port"], flags["--bucket"]) == (port, bucket)
     assert f'> {flags["--state-dir"]}/secret' in store and "umask 077" in store
     assert services[host]["environment"]["S3_SECRET"] == env["AWS_SECRET_ACCESS_KEY"]
@@ -93,19 +95,51 @@ def test_the_parse_jar_compiles_against_the_pinned_spark():
 def test_the_product_image_holds_no_lab_and_compose_runs_each_service_on_its_image():
     stages = _stages()
     copied = [line.split()[1] for line in stages["product"].splitlines() if line.startswith("COPY ")]
-    # what the product's code runs from the repository (REPO_ROOT / ...), and nothing of the lab
-    for needed in ("ipcount", "dags", "plugins", "spark_jobs/epoch_job.py", "bin/kafka-consumer-groups"):
+    # the package as the product's wheel (built without the lab), and what it runs from IPCOUNT_HOME
+    assert "IPCOUNT_DIST=product pip wheel --no-cache-dir --no-deps -w /wheels/product ." in stages["wheels"]
+    assert "--from=wheels" in copied and "COPY --from=wheels /wheels/product /tmp/wheels" in stages["product"]
+    assert "pip install --no-cache-dir --no-deps /tmp/wheels/*.whl" in stages["product"]
+    for needed in ("dags", "plugins", "spark_jobs/epoch_job.py", "bin/kafka-consumer-groups"):
         assert needed in copied, needed
-    assert not any(path in (".", "ipcount_lab", "tests", "bin/lab") or path.startswith(("ipcount_lab", "tests"))
+    assert "IPCOUNT_HOME=/opt/ipcount" in stages["product"] and "WORKDIR /opt/ipcount" in stages["product"]
+    assert not any(path in (".", "ipcount", "ipcount_lab", "tests", "bin/lab") or path.startswith(("ipcount", "tests"))
                    for path in copied), copied
-    assert stages["lab"].startswith("FROM product AS lab") and "COPY ipcount_lab" in stages["lab"]
+    # the lab: the wheel with the lab over the product's
+    assert stages["lab"].startswith("FROM product AS lab") and "COPY --from=wheels /wheels/dev" in stages["lab"]
     for name, service in _compose()["services"].items():
         if "build" not in service:
             continue                                         # an upstream image (Kafka, PostgreSQL)
         command = " ".join(service.get("command", []))
-        target = "lab" if "ipcount_lab" in command else "product"
+        target = "lab" if "ipcount_lab" in command or "ipcount-lab" in command else "product"
         assert service["build"] == {"context": ".", "target": target}, name
         assert service["image"] == ("ipcount-lab:local" if target == "lab" else "ipcount:local"), name
+
+
+def test_the_product_wheel_holds_the_product_alone(tmp_path):
+    """The wheel the product image installs: the ``ipcount`` package with its templates and the
+    ``ipcount`` command; none of the lab. Built from what the image's build stage copies."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    source = tmp_path / "src"           # a copy: a build leaves build/ and *.egg-info beside the sources
+    for name in ("ipcount", "ipcount_lab"):
+        shutil.copytree(REPO_ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md", "requirements.txt", "requirements-lab.txt"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    env = {**os.environ, "IPCOUNT_DIST": "product"}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(tmp_path), str(source)], env=env, check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("ipcount-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {"ipcount", wheel.name.split("-py3")[0] + ".dist-info"}, tops
+    assert "ipcount/orchestration/monitor/templates/epochs.html" in names
+    shipped = {name for name in names if name.endswith(".py")}
+    assert shipped == {str(p.relative_to(source)) for p in (source / "ipcount").rglob("*.py")}
+    entry_points = zipfile.ZipFile(wheel).read(f"{wheel.name.split('-py3')[0]}.dist-info/entry_points.txt").decode()
+    assert "ipcount = ipcount.cli:main" in entry_points and "ipcount_lab" not in entry_points
 
 
 def test_the_product_command_line_loads_no_lab_module():
@@ -126,8 +160,8 @@ def test_compose_spark_connect_is_what_the_airflow_tasks_point_at():
     assert server["network_mode"] == "service:airflow-scheduler"
     command = server["command"][-1]
     serve = command.split("exec ", 1)[1].split()
-    assert serve[:5] == ["python", "-m", "ipcount.cli", "connect-server", "--port"]
-    flags = dict(zip(serve[4::2], serve[5::2]))
+    assert serve[:3] == ["ipcount", "connect-server", "--port"]
+    flags = dict(zip(serve[2::2], serve[3::2]))
     # the token from .env, in the private file the server reads
     assert "umask 077" in command and f'> {flags["--token-file"]}' in command
     env = services["airflow-scheduler"]["environment"]
@@ -222,4 +256,29 @@ def test_compose_publishes_kafka_only_over_sasl_ssl_with_scram():
     assert services["kafka"]["depends_on"]["kafka-tls"] == {"condition": "service_completed_successfully"}
     # kafka-init gives the external user its SCRAM credentials from .env, through a private file.
     init = services["kafka-init"]["command"][-1]
-    assert "umask 077" in init and "ipcount.cli scram-user --username ipcount --password-file" in init
+    assert "umask 077" in init and "ipcount scram-user --username ipcount --password-file" in init
+
+
+def test_an_installed_wheel_finds_its_files_under_ipcount_home(tmp_path):
+    """Installed from a wheel, the package is not in a checkout: IPCOUNT_HOME says where the jars,
+    the epoch job and Kafka's tool are (the image sets it); the variable is no setting."""
+    import subprocess
+    import sys
+
+    probe = ("from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig; "
+             "from ipcount.orchestration.dags import EPOCH_APPLICATION; PipelineConfig.load(); "
+             "print(REPO_ROOT, STATE_DIR, EPOCH_APPLICATION)")
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "IPCOUNT_HOME": str(tmp_path)},
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [str(tmp_path), str(tmp_path / ".local"), str(tmp_path / "spark_jobs/epoch_job.py")]
+
+
+def test_bin_setup_installs_the_package_with_both_commands():
+    """The editable install: the distribution's commands run this checkout's code."""
+    from importlib.metadata import distribution
+
+    dist = distribution("ipcount")
+    commands = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
+    assert commands == {"ipcount": "ipcount.cli:main", "ipcount-lab": "ipcount_lab.cli:main"}
+    import ipcount
+    assert Path(ipcount.__file__).resolve().parent == REPO_ROOT / "ipcount"
