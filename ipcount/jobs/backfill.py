@@ -1,9 +1,8 @@
 """Backfills: epochs over ranges the scheduled chain did not count.
 
-A backfill counts only the part of its request that no ledger row owns yet, in bounded
-chunks, each its own committed epoch (kind ``backfill``). It shares the ledger - and so
-the no-overlap rule and its concurrency guard - with the scheduled chain, so running it
-while scheduled epochs continue cannot double count.
+A backfill counts only the part of its request no ledger row owns yet, in bounded chunks, each its own epoch (kind
+``backfill``). It shares the ledger's no-overlap rule with the scheduled chain, so running beside it cannot double
+count.
 """
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ipcount.jobs.crash import PLANNING, Crash, no_crash
-from ipcount.jobs.epoch import EpochRunner, KafkaSource, Source, aged_out
+from ipcount.jobs.epoch import EpochRunner, KafkaSource, Source
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.coverage import chunks, next_chunk
 from ipcount.rules.errors import DataLossError
@@ -69,8 +68,8 @@ class Resolved:
 
 
 def resolve(cfg: PipelineConfig, request: BackfillRequest, source: Source | None = None) -> Resolved:
-    """The request as (non-empty) offset ranges of ``cfg.topic``, checked against the log
-    (``source``; default the topic on the broker)."""
+    """The request as (non-empty) offset ranges of ``cfg.topic``, checked against the log (``source``; default the topic
+    on the broker)."""
     source = source or KafkaSource(cfg, None)
     earliest, latest = source.partition_offsets()
     if request.by_time:
@@ -87,19 +86,13 @@ def resolve(cfg: PipelineConfig, request: BackfillRequest, source: Source | None
 def run_backfill(cfg: PipelineConfig, spark: SparkSession | None, request: BackfillRequest,
                  run_id: str | None = None, crash: Crash = no_crash, resolved: Resolved | None = None,
                  source: Source | None = None) -> BackfillReport:
-    """Count what the request names and the target's ledger does not own yet, chunk by chunk.
+    """Count what the request names and the target's ledger does not own yet, chunk by chunk. Re-running the same
+    request after a crash finishes its unfinished chunk and continues its watermark chain, as one clean run would.
+    ``resolved``: the request already resolved (and checked before Spark started). ``source``: the log to read.
 
-    Re-running the same request (same id) after a crash finishes its unfinished chunk from
-    its recorded plan and continues its watermark chain, so the result equals one clean run.
-    ``resolved``: the request already resolved (by a caller that checked it before starting
-    Spark); resolved here otherwise.
-
-    The log start is read again before each chunk: retention may pass a long backfill's
-    ranges while it runs. What it deleted before it was counted fails the backfill loudly
-    (``on_data_loss = "fail"``, nothing planned) or is recorded ``lost`` with the chunk
-    (``"skip"``); an unfinished chunk whose offsets aged out is settled the way the chain's
-    is (:meth:`EpochRunner.settle_aged_out`), and the rest of it counted at once.
-    ``source``: the log to read (default the topic on the broker, through ``spark``).
+    The log start is read again before each chunk: what retention deleted before it was counted fails the backfill
+    (``on_data_loss = "fail"``) or is recorded ``lost`` with the chunk (``"skip"``); an unfinished chunk whose offsets
+    aged out is settled as the chain's is (:meth:`EpochRunner.settle_aged_out`).
     """
     target_cfg = cfg.for_target(request.target)
     source = source or KafkaSource(target_cfg, spark)  # (what it reads is parsed by the target's rules)
@@ -118,8 +111,8 @@ def _run_chunks(cfg: PipelineConfig, target_cfg: PipelineConfig, spark: SparkSes
     runner.step(PLANNING)
     state = runner.state()
     resumed = []
-    # A crashed backfill's chunks, whichever request they were, and the chunks that take over
-    # the rest of one settled here: each settle leaves fewer offsets, so this ends.
+    # A crashed backfill's chunks, whichever request they were, and the chunks that take over the rest of one settled
+    # here: each settle leaves fewer offsets, so this ends.
     while state.pending_backfills:
         for plan in state.pending_backfills:
             resumed.extend(_finish(runner, plan))
@@ -141,9 +134,8 @@ def _run_chunks(cfg: PipelineConfig, target_cfg: PipelineConfig, spark: SparkSes
 
 def _next_chunk(cfg: PipelineConfig, st: LedgerState, request_id: str, wanted: tuple[OffsetRange, ...],
                 earliest: dict[int, int]) -> EpochPlan | None:
-    """The request's next chunk: what no ledger row owns of ``wanted``, bounded; under
-    ``skip`` with what retention deleted of it (all of it, so the chunk's cap counts only
-    what is read) as its lost ranges."""
+    """The request's next chunk: what no ledger row owns of ``wanted``, bounded; under ``skip`` with what retention
+    deleted of it (all of it, so the chunk's cap counts only what is read) as its lost ranges."""
     gaps, deleted = split_at_log_start([g for r in wanted for g in st.coverage.gaps(r)], earliest)
     if deleted and cfg.on_data_loss != "skip":
         raise _deleted(deleted[0], f"backfill {request_id}")
@@ -159,20 +151,17 @@ def _next_chunk(cfg: PipelineConfig, st: LedgerState, request_id: str, wanted: t
 
 
 def _finish(runner: EpochRunner, plan: EpochPlan) -> list[EpochSummary]:
-    """Finish an unfinished backfill chunk: run it with its recorded ranges, or, if Kafka no
-    longer holds all of them and the policy is ``skip``, settle it: the rest of it becomes
-    new chunks of the same request (bounded by this run's cap) in the very commit that gives
-    it up, so no death between two commits can leave those offsets owned by no row. The
-    caller runs them as it runs every unfinished chunk."""
+    """Finish an unfinished backfill chunk: run it with its recorded ranges, or, if Kafka no longer holds all of them
+    and the policy is ``skip``, settle it: the rest of it becomes new chunks of the request in the very commit that
+    gives it up (so no offsets are left owned by no row), which the caller runs as every unfinished chunk."""
     cfg = runner.cfg
     log.info("finishing unfinished backfill epoch %d (%s) with its recorded ranges", plan.epoch, plan.describe())
     earliest, latest = runner.source.partition_offsets()
-    lost = aged_out(plan, earliest, latest)
+    rest, lost = split_at_log_start(plan.nonempty_ranges, earliest)
     if not lost:
         return [runner.execute(plan, earliest, latest, resumed=True)]
     if cfg.on_data_loss != "skip":
         raise _deleted(lost[0], f"unfinished backfill epoch {plan.epoch} (request {plan.request_id})")
-    rest, _ = split_at_log_start(plan.nonempty_ranges, earliest)
 
     def again(st: LedgerState) -> tuple[EpochPlan, ...]:
         return tuple(EpochPlan(st.last_epoch + i, chunk, st.request_watermarks.get(plan.request_id), kind=BACKFILL,

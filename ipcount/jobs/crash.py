@@ -1,6 +1,6 @@
-"""Crash points: where a command can be made to kill itself (``IPCOUNT_CRASH_AT``), so the
-tests and the chaos command can prove a re-run after a crash at any step boundary ends
-where a crash-free run does. No Spark here: `ipcount publish` runs without a JVM."""
+"""Crash points: where a command can be made to kill itself (``IPCOUNT_CRASH_AT``), so the tests and the chaos command
+can prove a re-run after a crash at any step boundary ends where a crash-free run does. No Spark here: `ipcount publish`
+runs without a JVM."""
 from __future__ import annotations
 
 import logging
@@ -12,12 +12,11 @@ log = logging.getLogger(__name__)
 
 # An epoch's step boundaries (tests SIGKILL the process there).
 CRASH_POINTS = ("after_plan", "after_sink", "after_ledger", "before_kafka_commit")
-# Between the files Spark's executors wrote for an epoch's counts and the commit that makes
-# them part of the table (an epoch whose tally Spark writes: ipcount.storage.table_files).
+# Between the files Spark's executors wrote for an epoch's counts and the commit that makes them part of the table (an
+# epoch whose tally Spark writes: ipcount.storage.table_files).
 FILE_CRASH_POINTS = ("after_counts_files",)
-# Each epoch step logs a marker, worded for machines: chaos reads the last one in a killed
-# process's log to tell where its epoch had got to. Reading the ledger to plan is a step too
-# (no crash point: nothing is written yet).
+# Each epoch step logs a marker, worded for machines: chaos reads the last one in a killed process's log to tell where
+# its epoch had got to. Reading the ledger to plan is a step too (no crash point: nothing is written yet).
 STEP_MARKER = "ipcount-step"
 PLANNING = "planning"
 # Where a publish can be killed: its records and cursor sent, uncommitted; committed.

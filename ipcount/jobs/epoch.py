@@ -1,18 +1,15 @@
 """One checkpoint epoch: plan -> record plan -> read -> parse -> sink -> ledger commit.
 
-The order is the exactly-once protocol (Flink's pre-commit/commit, Spark's offsets and
-commits logs):
+The order is the exactly-once protocol (Flink's pre-commit/commit, Spark's offsets and commits logs):
 
-1. The ranges are planned from the ledger, never from Kafka's consumer group, and
-   recorded (``planned``) before anything is read. If the ledger already holds an
-   unfinished epoch, that epoch is re-run with exactly its recorded ranges and watermark.
+1. The ranges are planned from the ledger, never from Kafka's consumer group, and recorded (``planned``) before anything
+   is read; an unfinished epoch is re-run with exactly its recorded ranges and watermark.
 2. The records are read with ``read_committed`` and classified deterministically.
-3. The sink commits idempotently (Delta txnAppId/txnVersion = epoch).
+3. The sink commits idempotently (a Delta transaction id per epoch).
 4. The ledger marks the epoch ``committed``.
 
-A crash between any two steps leaves a ``planned`` epoch that the next run finishes, and
-the result equals a run that never crashed. Committing offsets to the Kafka consumer
-group happens after all this (:mod:`ipcount.jobs.group_commit`), for monitoring.
+A crash between any two steps leaves a ``planned`` epoch that the next run finishes as if it never crashed. The group
+offset commit comes after all this, for monitoring (:mod:`ipcount.jobs.group_commit`).
 """
 from __future__ import annotations
 
@@ -27,17 +24,18 @@ from ipcount.jobs import transform
 from ipcount.jobs.crash import PLANNING, Crash, no_crash, step_line
 from ipcount.jobs.tally import EpochTally, SparkTally
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.errors import CommitContention, DataLossError, EpochFenced, PlanConflict
+from ipcount.rules.errors import CommitContention, DataLossError, EpochFenced, PlanConflict, first_line
 from ipcount.rules.kafka_security import read_group_id, sasl_password, spark_kafka_options
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, EpochSummary, LedgerState, PartitionMetrics
-from ipcount.rules.offsets import (OffsetRange, check_partitions_exist, check_readable, describe, plan_ranges,
-                                   read_tasks, reads_in_one_task, skip_deleted, split_at_log_start)
+from ipcount.rules.offsets import (OffsetRange, check_still_there, describe, plan_ranges, read_tasks,
+                                   reads_in_one_task, skip_deleted, split_at_log_start)
 from ipcount.rules.records import dead_letter_prefix_bytes
 from ipcount.rules.tableset import locations as table_locations
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import check_writable, one_epoch_of_tables
 from ipcount.storage.ledger import Ledger
+from ipcount.storage.retry import retrying
 from ipcount.storage.sink import Sink
 from ipcount.storage.spark import read_group_key, task_slots
 
@@ -48,8 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class Source(Protocol):
-    """Where epochs read from: the log's bounds and its records, tallied. :class:`KafkaSource`
-    in production; the model test of the ledger (tests/) gives a simulated log, so the
+    """Where epochs read from: :class:`KafkaSource` in production; the ledger's model test gives a simulated log, so the
     protocol runs on the very code below over every sequence of operations and faults."""
 
     def partition_offsets(self) -> tuple[dict[int, int], dict[int, int]]:
@@ -87,18 +84,13 @@ class KafkaSource:
 
 @dataclass(frozen=True)
 class EpochRunner:
-    """Records plans in one target's ledger and runs them into its sink: what scheduled
-    epochs, backfill chunks and rebuilds share. ``run_id`` is recorded in the ledger;
-    ``crash`` is called at each step boundary (tests kill the process there).
+    """Records plans in one target's ledger and runs them into its sink: what scheduled epochs, backfill chunks and
+    rebuilds share. ``run_id`` is recorded in the ledger; ``crash`` is called at each step boundary.
 
-    ``yields_to_chain`` (a backfill's chunks): before its sink writes, finish the scheduled
-    chain's unfinished epoch, if there is one, with its recorded ranges. Every commit to the
-    counts table makes a racing one read and try again, and the chain's MERGE after another
-    writer's commit reads the whole table: a backfill committing chunk after chunk could
-    otherwise make the chain lose every try. Waiting for the chain's runner would need a
-    deadline (it may have died) that a slow epoch outlasts; finishing the epoch needs none,
-    and a runner still on it loses nothing (its writes find the epoch's transactions there,
-    its ledger commit finds the epoch committed), so the chain's epoch always commits first."""
+    ``yields_to_chain`` (a backfill's chunks): before its sink writes, finish the chain's unfinished epoch, if any. A
+    backfill committing chunk after chunk could otherwise make the chain's commit lose every race; waiting for the
+    chain's runner would need a deadline, and a runner still on the epoch loses nothing (its writes and its ledger
+    commit find the epoch done)."""
 
     cfg: PipelineConfig
     spark: SparkSession
@@ -115,55 +107,48 @@ class EpochRunner:
 
     @classmethod
     def open(cls, cfg: PipelineConfig, spark: SparkSession | None, run_id: str | None = None,
-             crash: Crash = no_crash, source: Source | None = None) -> EpochRunner:
-        """The runner of ``cfg``'s tables, created if missing; refused unless ``cfg`` means
-        what the tables were created to mean (:mod:`ipcount.rules.tableset`)."""
+             crash: Crash = no_crash, source: Source | None = None, rebuild_of: str | None = None) -> EpochRunner:
+        """The runner of ``cfg``'s tables, created if missing; refused unless ``cfg`` matches their manifest
+        (``rebuild_of``: claimed as the rebuild of that ledger, :func:`ipcount.storage.tableset.claim`)."""
         ledger, sink = Ledger(cfg.ledger_path), Sink(cfg)
         ledger.ensure(cfg.log_retention_hours)
         sink.ensure()
-        tableset_io.claim(cfg)
+        tableset_io.claim(cfg, rebuild_of=rebuild_of)
         return cls(cfg, spark, ledger, sink, run_id, crash, source=source)
 
     def state(self) -> LedgerState:
         return self.ledger.state(self.cfg.topic)
 
     def step(self, point: str, epoch: int | None = None) -> None:
-        """A step boundary: its marker in the log (:func:`ipcount.jobs.crash.step_line`), then
-        the crash hook's turn."""
+        """A step boundary: its marker in the log (:func:`ipcount.jobs.crash.step_line`), then the crash hook's turn."""
         log.info("%s", step_line(point, epoch))
         self.crash(point)
 
     def record_new_plan(self, planner: Callable[[LedgerState], EpochPlan | None],
                         state: LedgerState | None = None, attempts: int = 8) -> EpochPlan | None:
-        """Plan from the ledger and record the plan; if a concurrent planner took some of the
-        offsets (or the epoch id) first, plan again from the new state. A planner may answer
-        with an epoch the ledger already holds unfinished: that one is returned as it is."""
+        """Plan from the ledger and record the plan, again if a concurrent planner took some of its offsets (or its id)
+        first. An epoch the ledger holds unfinished is returned as it is."""
         self.step(PLANNING)
-        for attempt in range(1, attempts + 1):
-            state = state if state is not None else self.state()
-            plan = planner(state)
-            if plan is None:
-                return None
-            if plan.epoch in state.unfinished:
+        states = [state] if state is not None else []
+
+        def plan_and_record() -> EpochPlan | None:
+            st = states.pop() if states else self.state()  # (the ledger read again after a conflict)
+            plan = planner(st)
+            if plan is None or plan.epoch in st.unfinished:
                 return plan
             if plan.planned_at_ms is None:
                 plan = replace(plan, planned_at_ms=int(time.time() * 1000))
-            try:
-                self.ledger.record_plan(plan, self.run_id)
-            except PlanConflict as e:
-                log.info("epoch %d not recorded: %s; planning again (%d/%d)", plan.epoch, e, attempt, attempts)
-                state = None
-                time.sleep(0.2 * attempt)
-                continue
+            self.ledger.record_plan(plan, self.run_id)
             log.info("planned epoch %d: %s", plan.epoch, plan.describe())
             return plan
-        raise CommitContention(f"could not record a plan in {self.ledger.path} after {attempts} attempts: other "
-                               "planners kept taking the same offsets. Nothing was planned; run the command again")
+        return retrying(plan_and_record, PlanConflict, "the plan was not recorded", attempts, again="planning again",
+                        gave_up=lambda: CommitContention(
+                            f"could not record a plan in {self.ledger.path} after {attempts} attempts: other planners "
+                            "kept taking the same offsets. Nothing was planned; run the command again"))
 
     def execute(self, plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int],
                 resumed: bool = False, started: float | None = None) -> EpochSummary:
-        """Steps 2-4 of a recorded plan: read, sink, ledger commit. A re-run of the same
-        plan changes nothing."""
+        """Steps 2-4 of a recorded plan: read, sink, ledger commit. A re-run of the same plan changes nothing."""
         with one_epoch_of_tables():
             return self._execute(plan, earliest, latest, resumed, started)
 
@@ -174,20 +159,20 @@ class EpochRunner:
         stages: dict[str, float] = {}
         self.step("after_plan", plan.epoch)
         # Data that aged out (or a partition that vanished) since planning fails loudly, too.
-        _check_still_there(cfg.topic, plan, earliest, latest)
+        check_still_there(cfg.topic, plan.ranges, earliest, latest)
         stages["plan"] = time.monotonic() - started
 
         t = time.monotonic()
         try:
             tally = self.source.tally(plan)
         except Exception as read_error:
-            # Retention may pass the ranges between that check and Spark's read: the read then
-            # fails with a Java trace; say what happened, as the check would have.
+            # Retention may pass the ranges between that check and Spark's read: the read then fails with a Java trace;
+            # say what happened, as the check would have.
             try:
                 offsets = self.source.partition_offsets()
             except Exception:  # noqa: BLE001 - the broker is away too: the read's own error says more
                 raise read_error from None
-            _check_still_there(cfg.topic, plan, *offsets)
+            check_still_there(cfg.topic, plan.ranges, *offsets)
             raise
         metrics = tally.metrics() if tally is not None else {}
         epoch_max = tally.max_event_ms() if tally is not None else None
@@ -219,23 +204,12 @@ class EpochRunner:
 
     def settle_aged_out(self, plan: EpochPlan, lost: tuple[OffsetRange, ...],
                         again: Callable[[LedgerState], tuple[EpochPlan, ...]] | None = None) -> bool:
-        """Settle an unfinished epoch whose offsets ``lost`` (:func:`aged_out`) aged out before
-        it could be resumed (``on_data_loss = "skip"``), deciding from the sink's own commits:
-
-        * its sink writes are done (the run died after the sink, before the ledger): the
-          ledger commit is all that was missing, and is made now, with the counts version and
-          watermark its counts commit recorded (the record counts unknown);
-        * they are not: what it wrote to the dead-letter and late tables is deleted, its lost
-          heads are recorded as ``lost``, and the rest of its ranges goes to the plans
-          ``again`` makes of it, in the same commit (:meth:`Ledger.release`), or, without
-          ``again``, to the next plan.
-
-        True if the epoch was committed, False if it was released.
-        """
+        """Settle an unfinished epoch whose offsets ``lost`` aged out before it was resumed (``on_data_loss = "skip"``),
+        from the sink's own commits: if its sink writes are in, commit it in the ledger (True); else delete its side
+        table rows, record ``lost`` and give the rest of its ranges to the plans ``again`` makes of it in the same
+        commit (:meth:`Ledger.release`; without ``again``, to the next plan) (False)."""
         where = describe(lost)
-        # First the fence: a runner still busy with this epoch can write nothing of it after
-        # this, so what the tables hold now is what they will hold; and since its counts
-        # commit lost to the fence, that runner does not commit the epoch in the ledger.
+        # The fence first: a runner still busy with the epoch writes (and commits in the ledger) nothing more of it.
         self.sink.fence(plan.epoch)
         done = self.sink.epoch_commit(plan.epoch)
         if done is not None and not done.fenced:  # its counts commit came before the fence
@@ -253,16 +227,14 @@ class EpochRunner:
 
     def _write(self, plan: EpochPlan, tally: EpochTally | SparkTally, totals: PartitionMetrics,
                watermark_after: int | None, stages: dict[str, float]) -> int | None:
-        """Write the epoch's rows to the sink (``totals``: its metrics over all partitions);
-        the counts table's version."""
+        """Write the epoch's rows to the sink (``totals``: its metrics over all partitions); the counts version."""
         if self.yields_to_chain:
             self._finish_the_chains_epoch(plan)
         # What the chain's last counts commits left final, so the MERGE reads only what it must.
         chain = self.ledger.chain_commits(self.cfg.topic) if plan.kind == SCHEDULED else ()
+        window_ms, t = self.cfg.window_ms, time.monotonic()
         if isinstance(tally, SparkTally):
-            t = time.monotonic()
             try:
-                window_ms = self.cfg.window_ms
                 sink_version = self.sink.write_from_spark(
                     plan, tally.counts(window_ms), tally.dead_letters(plan.epoch),
                     tally.late_records(plan.epoch, window_ms, plan.watermark_ms), totals,
@@ -270,25 +242,20 @@ class EpochRunner:
                     stages=stages, before_commit=lambda: self.step("after_counts_files", plan.epoch))
             finally:
                 tally.rows.unpersist()
-            # Spark's read and merge of the open files, its file writes, and the commit.
-            stages["merge"] = time.monotonic() - t - stages.get("side_tables", 0.0)
-            return sink_version
-        t = time.monotonic()
-        window_ms = self.cfg.window_ms
-        counts, dead_letters = tally.counts(window_ms), tally.dead_letters(plan.epoch)
-        late = tally.late_records(plan.epoch, window_ms, plan.watermark_ms)
-        stages["aggregate"] = time.monotonic() - t  # the tally split into the sink's rows (Arrow)
-        t = time.monotonic()
-        sink_version = self.sink.write(plan, counts, dead_letters, late, watermark_after_ms=watermark_after,
-                                       chain=chain, stages=stages)
-        # The chain's commits read, and the MERGE into counts (the appends are side_tables).
+        else:
+            counts, dead_letters = tally.counts(window_ms), tally.dead_letters(plan.epoch)
+            late = tally.late_records(plan.epoch, window_ms, plan.watermark_ms)
+            stages["aggregate"] = time.monotonic() - t  # the tally split into the sink's rows (Arrow)
+            t = time.monotonic()
+            sink_version = self.sink.write(plan, counts, dead_letters, late, watermark_after_ms=watermark_after,
+                                           chain=chain, stages=stages)
+        # The counts commit with what it reads (in Spark: its read, merge and file writes); the appends are side_tables.
         stages["merge"] = time.monotonic() - t - stages.get("side_tables", 0.0)
         return sink_version
 
     def _finish_the_chains_epoch(self, plan: EpochPlan) -> None:
-        """Finish the chain's unfinished epoch, if any, before ``plan``'s writes. Never settles
-        it: whether to give up offsets that aged out is the chain's own runs' decision, under
-        their policy; such an epoch is left to them, as is one another runner settles now."""
+        """Finish the chain's unfinished epoch, if any, before ``plan``'s writes. Never settles it: giving up offsets
+        that aged out is the chain's own runs' decision."""
         chain = self.state().pending
         if chain is None:
             return
@@ -299,14 +266,13 @@ class EpochRunner:
             replace(self, yields_to_chain=False).execute(chain, earliest, latest, resumed=True)
         except (DataLossError, EpochFenced) as e:
             log.info("epoch %d: the chain's epoch %d is left to the chain's runs: %s", plan.epoch, chain.epoch,
-                     str(e).splitlines()[0])
+                     first_line(e))
 
 
 def run_epoch(cfg: PipelineConfig, spark: SparkSession | None, run_id: str | None = None,
               crash: Crash = no_crash, source: Source | None = None) -> EpochSummary | None:
-    """Run the scheduled chain's next epoch to its ledger commit (or finish its unfinished
-    one). Returns None when there was nothing to read. ``source``: the log to read (default
-    the topic on the broker, through ``spark``)."""
+    """Run the scheduled chain's next epoch to its ledger commit (or finish its unfinished one). Returns None when there
+    was nothing to read. ``source``: the log to read (default the topic on the broker, through ``spark``)."""
     started = time.monotonic()
     with one_epoch_of_tables():
         source = source if source is not None else KafkaSource(cfg, spark)
@@ -323,28 +289,23 @@ def run_epoch(cfg: PipelineConfig, spark: SparkSession | None, run_id: str | Non
 
 
 def check_before_touch(cfg: PipelineConfig, source: Source | None = None) -> tuple[dict[int, int], dict[int, int]]:
-    """What an epoch needs, checked before a JVM starts or a table is made (a misspelt topic
-    must not be recorded in a new table set's manifest): every table is there or can be
-    made where the settings say, and the broker has the topic (a Kafka connection's or password file's problems
-    are found on the way). The log's (earliest, latest) per partition."""
+    """What an epoch needs, checked before a JVM starts or a table is made (a misspelt topic must not reach a new
+    manifest): the tables are there or can be made, and the broker has the topic. The log's (earliest, latest)."""
     check_locations(cfg)
     return source.partition_offsets() if source is not None else broker.partition_offsets(cfg)
 
 
 def check_locations(cfg: PipelineConfig) -> None:
-    """Each of ``cfg``'s tables (the maintenance log too) is there or can be made where the
-    settings say."""
+    """Each of ``cfg``'s tables (the maintenance log too) is there or can be made where the settings say."""
     for path in (*table_locations(cfg).values(), cfg.maintenance_path):
         check_writable(path)
 
 
 def _rest_of(plan: EpochPlan, earliest: dict[int, int], state: LedgerState) -> tuple[EpochPlan, ...]:
-    """The chain's next epoch over what Kafka still holds of ``plan``, a given-up epoch of
-    the chain: all of it, whatever this run's cap (the run that planned it kept to its own).
-    Recorded in the commit that gives ``plan`` up, so the offsets the chain had passed never
-    go back to being owned by no row (a backfill may have reported them done as the chain's).
-    Before the chain's first commit its empty ranges are kept too: they are the start
-    positions it pinned, which no other row holds."""
+    """The chain's next epoch over what Kafka still holds of ``plan``, a given-up epoch of the chain (all of it: its
+    planner kept to the cap), recorded in the commit that gives ``plan`` up, so the offsets the chain had passed are
+    never owned by no row. Before the chain's first commit its empty ranges are kept too: the start positions it
+    pinned."""
     rest, _ = split_at_log_start(plan.nonempty_ranges, earliest)
     if not state.committed:
         rest += tuple(r for r in plan.ranges if r.size == 0 and r.partition in earliest)
@@ -355,25 +316,15 @@ def _rest_of(plan: EpochPlan, earliest: dict[int, int], state: LedgerState) -> t
 
 
 def aged_out(plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int]) -> tuple[OffsetRange, ...]:
-    """The parts of ``plan``'s ranges the broker no longer has (retention, a deleted
-    partition): per partition at most one, from where its range starts."""
-    lost = []
-    for r in plan.nonempty_ranges:
-        if r.partition not in latest:
-            lost.append(r)
-        elif r.from_offset < earliest[r.partition]:
-            lost.append(OffsetRange(r.topic, r.partition, r.from_offset, min(r.until_offset, earliest[r.partition])))
-    return tuple(lost)
+    """The parts of ``plan``'s ranges the broker no longer has (retention; a partition not in ``latest``, deleted): per
+    partition at most one, from where its range starts."""
+    return split_at_log_start(plan.nonempty_ranges, {p: earliest[p] for p in latest})[1]
 
 
 def next_chain_epoch(runner: EpochRunner, earliest: dict[int, int], latest: dict[int, int],
                      state: LedgerState | None = None) -> tuple[EpochPlan | None, bool]:
-    """The scheduled chain's next epoch, recorded, or its unfinished one: (plan, resumed).
-
-    The chain has at most one unfinished epoch: one that is there (left by a crash, or
-    recorded a moment ago by a concurrent runner that won the race to record its plan) is
-    finished, never planned past. ``state``: the ledger as last read, if the caller has it.
-    """
+    """The scheduled chain's next epoch, recorded, or its unfinished one (left by a crash, or just recorded by a
+    concurrent runner), which is finished, never planned past: (plan, resumed). ``state``: the ledger as last read."""
     resumed: list[int] = []
 
     def planner(st: LedgerState) -> EpochPlan | None:
@@ -389,12 +340,8 @@ def next_chain_epoch(runner: EpochRunner, earliest: dict[int, int], latest: dict
 
 def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int],
                latest: dict[int, int], source: Source) -> EpochPlan | None:
-    """The chain's next plan, or None when a pipeline with history has nothing new.
-
-    Per partition the epoch continues where the chain ended, past any offsets a backfill
-    already owns, up to the next owned offset or the end of the log; the cap is split
-    across partitions by what is left.
-    """
+    """The chain's next plan (per partition from where the chain ended, past offsets a backfill owns, up to the next
+    owned offset or the log's end), or None when a pipeline with history has nothing new."""
     if state.committed:
         log.info("ledger has entries: starting from its positions (start_position %r not used)", cfg.start_position)
         initial: dict[int, int] = {}
@@ -413,24 +360,16 @@ def _plan_next(cfg: PipelineConfig, state: LedgerState, earliest: dict[int, int]
                          coverage=state.coverage)
     plan = EpochPlan(state.last_epoch + 1, ranges, state.watermark_ms, lost,
                      chain_watermark_ms=state.watermark_ms)
-    # A pipeline with history skips empty epochs; the very first epoch is recorded even when
-    # empty, so that a "latest" start position is pinned in the ledger.
+    # A pipeline with history skips empty epochs; the very first epoch is recorded even when empty, so that a "latest"
+    # start position is pinned in the ledger.
     if plan.size == 0 and state.committed and not lost:
         log.info("nothing new to read on %s: %s", cfg.topic, plan.describe())
         return None
     return plan
 
 
-def _check_still_there(topic: str, plan: EpochPlan, earliest: dict[int, int], latest: dict[int, int]) -> None:
-    """:class:`DataLossError` if Kafka no longer has all of the plan's ranges."""
-    check_partitions_exist(topic, {r.partition: r.from_offset for r in plan.nonempty_ranges}, latest)
-    for r in plan.nonempty_ranges:
-        check_readable(topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
-
-
 def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -> EpochTally | None:
-    """Read the plan's ranges, parse, classify and tally them in one Spark job (None when the
-    plan reads nothing)."""
+    """Read the plan's ranges, parse, classify and tally them in one Spark job (None when the plan reads nothing)."""
     if not plan.nonempty_ranges:
         return None
     kafka = {"kafka.bootstrap.servers": cfg.bootstrap_servers, "kafka.isolation.level": "read_committed",
@@ -467,8 +406,8 @@ def _read_and_tally(spark: SparkSession, cfg: PipelineConfig, plan: EpochPlan) -
 
 
 def read_options(spark: SparkSession, records: int, partitions: int) -> dict[str, str]:
-    """The Kafka source's task count for a read of ``records`` from ``partitions``
-    partitions (:func:`ipcount.rules.offsets.read_tasks`): ``minPartitions``, or nothing."""
+    """The Kafka source's task count for a read of ``records`` from ``partitions`` partitions
+    (:func:`ipcount.rules.offsets.read_tasks`): ``minPartitions``, or nothing."""
     slots = task_slots(spark)
     tasks = read_tasks(records, partitions, slots) if slots else None
     return {} if tasks is None else {"minPartitions": str(tasks)}

@@ -1,6 +1,6 @@
-"""Step 7 of an epoch, optional: copy the ledger's committed positions to the Kafka
-consumer group, so that lag tools (``kafka-consumer-groups``, Burrow, the monitor's lag
-page) see how far the pipeline is. For monitoring only: recovery never reads them.
+"""Step 7 of an epoch, optional: copy the ledger's committed positions to the Kafka consumer group, so that lag tools
+(``kafka-consumer-groups``, Burrow, the monitor's lag page) see how far the pipeline is. For monitoring only: recovery
+never reads them.
 
 No Spark here: the DAG's ``commit_offsets`` task runs it in the Airflow worker.
 """
@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 def commit_group_offsets_from_ledger(cfg: PipelineConfig) -> bool:
     """Commit the ledger's committed positions to the consumer group (step 7, optional).
 
-    Always the ledger's latest positions, so a commit that failed last time is caught up
-    now. A failure only warns: recovery never reads these offsets.
+    Always the ledger's latest positions, so a commit that failed last time is caught up now. A failure only warns:
+    recovery never reads these offsets.
     """
     if not cfg.commit_offsets:
         log.info("offset commits to Kafka are off (commit_offsets=false); group %s untouched", cfg.group_id)

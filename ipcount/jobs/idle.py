@@ -1,14 +1,9 @@
 """Does the scheduled chain have anything to do? Answered without a JVM.
 
-An epoch launched through spark-submit pays for a JVM, a Spark session and a look at four
-Delta logs before it can find out that nothing new arrived; on a quiet topic that is most
-of what a scheduled run costs. This check reads the ledger with delta-rs and the log ends
-with kafka-python - well under a second - and the DAG skips the Spark job when it says idle.
-
-It only ever says "idle" when the Spark job would certainly commit nothing: any doubt
-(no ledger yet, an unfinished epoch, new or vanished partitions, offsets aged out, a read
-that failed) means "run", and the job decides with its full checks. The ledger stays the
-only source of positions; the consumer group is never read.
+An epoch pays for a JVM and a Spark session before it can find out that nothing new arrived: most of what a quiet
+topic's scheduled run costs. This check reads the ledger with delta-rs and the log ends with kafka-python, and the DAG
+skips the Spark job when it says idle. It says "idle" only when the job would certainly commit nothing: any doubt means
+"run", and the job decides with its full checks. The consumer group is never read.
 """
 from __future__ import annotations
 
@@ -32,9 +27,9 @@ class Verdict:
 
 def verdict(positions: Mapping[int, int], unfinished: list[int], earliest: Mapping[int, int],
             latest: Mapping[int, int], owned: Coverage | None = None) -> Verdict:
-    """Whether the next scheduled epoch must run, and why (pure). ``owned``: the offsets the
-    ledger's rows own (:attr:`ipcount.rules.ledger.LedgerState.coverage`); the planner
-    passes over those a backfill counted ahead of the chain, and so does this."""
+    """Whether the next scheduled epoch must run, and why (pure). ``owned``: the offsets the ledger's rows own
+    (:attr:`ipcount.rules.ledger.LedgerState.coverage`); the planner passes over those a backfill counted ahead of the
+    chain, and so does this."""
     if unfinished:
         return Verdict(True, f"epoch {unfinished[0]} is unfinished: finishing it with its recorded ranges")
     if not positions:
@@ -60,8 +55,8 @@ def verdict(positions: Mapping[int, int], unfinished: list[int], earliest: Mappi
 
 
 def check(cfg: PipelineConfig) -> Verdict:
-    """The verdict for ``cfg``'s scheduled chain, from the ledger and the broker. A failure
-    to look is a reason to run: the job then reports it properly."""
+    """The verdict for ``cfg``'s scheduled chain, from the ledger and the broker. A failure to look is a reason to run:
+    the job then reports it properly."""
     try:
         from ipcount.storage import broker
 
@@ -81,14 +76,13 @@ def _unfinished(state: LedgerState) -> list[int]:
 
 
 class Watch:
-    """:func:`check` for a watcher that looks every few seconds (the on-data schedule's
-    trigger): the ledger kept open and read again only when its version moves, one admin
-    client kept (both opened again after a failure). Like :func:`check`, it asks the broker for
-    log ends only: no consumer, no group, nothing consumed or committed. Until the chain has
-    an epoch, records in the topic are work (the first epoch starts from start_position)."""
+    """:func:`check` for a watcher that looks every few seconds (the on-data schedule's trigger): the ledger kept open
+    and read again only when its version moves, one admin client kept (both opened again after a failure). Like
+    :func:`check`, it asks the broker for log ends only: no consumer, no group, nothing consumed or committed. Until the
+    chain has an epoch, records in the topic are work (the first epoch starts from start_position)."""
 
-    # A table object follows its own log: one made anew now and then sees a table that was
-    # deleted and created again at the same place.
+    # A table object follows its own log: one made anew now and then sees a table that was deleted and created again at
+    # the same place.
     REOPEN_SECONDS = 60.0
 
     def __init__(self, cfg: PipelineConfig) -> None:
@@ -101,10 +95,9 @@ class Watch:
         self._closed = False
 
     def look(self) -> tuple[Verdict, Hashable]:
-        """The verdict, and which work is pending: the chain's positions. New records past
-        the same positions are the same work for the next run, and so is an epoch planned
-        from them (the run that planned it is on it, or a retry finishes it). Raises when the
-        ledger or the broker cannot be read: a failed look is no reason for a run."""
+        """The verdict, and which work is pending: the chain's positions. New records past the same positions are the
+        same work for the next run, and so is an epoch planned from them (the run that planned it is on it, or a retry
+        finishes it). Raises when the ledger or the broker cannot be read: a failed look is no reason for a run."""
         try:
             state = self._ledger().state(self.cfg.topic)
             positions, unfinished = state.committed, _unfinished(state)
@@ -157,9 +150,8 @@ class Watch:
 
 @dataclass
 class Firing:
-    """When a watcher fires (pure): once for each new piece of pending work, and again for
-    the same work every ``refire_seconds`` while it stays pending (an event Airflow lost or
-    merged, a run that failed). Never while idle."""
+    """When a watcher fires (pure): once for each new piece of pending work, and again for the same work every
+    ``refire_seconds`` while it stays pending (an event Airflow lost or merged, a run that failed). Never while idle."""
 
     refire_seconds: float
     fired: tuple[Hashable, float] | None = field(default=None, init=False)   # (key, when)

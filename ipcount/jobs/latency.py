@@ -1,15 +1,9 @@
 """``bin/ipcount latency``: how long records wait to be counted, measured after the fact.
 
-A record's latency is from its Kafka timestamp (the producer's clock when it was sent:
-CreateTime) to the commit of the counts-table version that holds the epoch that read it -
-when its window's count became visible to readers (every record the epoch read is timed,
-the few it sent to the dead-letter or late table too: they were settled then as well). Over the scheduled chain's committed
-epochs, from the ledger (ranges, counts version), the counts table's log (commit times) and
-the topic (the records' timestamps): nothing in the measured path is instrumented.
-
-What bounds it under a schedule: a record waits for the next run (up to one interval, half
-on average), then for that run's start-up and epoch. ``schedule = "@continuous"`` starts
-each run as the last one ends.
+A record's latency is from its Kafka timestamp (CreateTime) to the commit of the counts version holding the epoch that
+read it, when its count became visible. Over the scheduled chain's committed epochs, from the ledger, the counts table's
+log and the topic: nothing in the measured path is instrumented. Under a schedule a record waits for the next run (half
+an interval on average), then for that run's start-up and epoch.
 """
 from __future__ import annotations
 
@@ -71,8 +65,8 @@ def report(epochs: Iterable[EpochLatency]) -> LatencyReport:
 
 def chain_epochs(ledger_rows: Iterable[Mapping], commit_ms: Mapping[int, int],
                  last: int | None = None) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
-    """(epoch, counts commit time, [(partition, from, until)]) of the scheduled chain's
-    committed epochs that wrote counts, the last ``last`` of them (pure)."""
+    """(epoch, counts commit time, [(partition, from, until)]) of the scheduled chain's committed epochs that wrote
+    counts, the last ``last`` of them (pure)."""
     by_epoch: dict[int, list[Mapping]] = {}
     for r in ledger_rows:
         if r["status"] == COMMITTED and is_scheduled(r):
@@ -89,10 +83,8 @@ def chain_epochs(ledger_rows: Iterable[Mapping], commit_ms: Mapping[int, int],
 
 def commit_times(counts_path: str, first: int,
                  load_counts: Callable[[], DeltaTable] | None = None) -> dict[int, int]:
-    """The commit time (ms) of each counts version from ``first`` to the latest, by version,
-    from one snapshot's log (:func:`~ipcount.storage.delta.commit_infos`: ``history()`` would
-    misnumber them if a commit landed meanwhile). ``load_counts`` loads the table (by
-    default from ``counts_path``)."""
+    """The commit time (ms) of each counts version from ``first`` on (:func:`~ipcount.storage.delta.commit_infos`).
+    ``load_counts`` loads the table (by default from ``counts_path``)."""
     from ipcount.storage.delta import commit_infos
 
     infos = commit_infos(counts_path, first, load=load_counts)

@@ -1,6 +1,6 @@
 """The maintenance command: every table of a set compacted, checkpointed and vacuumed
-(:mod:`ipcount.storage.maintenance`), with the publisher's position read from the sink topic
-so that a vacuum keeps what publishing still reads."""
+(:mod:`ipcount.storage.maintenance`), with the publisher's position read from the sink topic so that a vacuum keeps what
+publishing still reads."""
 from __future__ import annotations
 
 import logging
@@ -24,7 +24,6 @@ def run_maintenance(cfg: PipelineConfig, run_id: str | None = None) -> Maintenan
 
 
 def next_unpublished_version(cfg: PipelineConfig) -> int:
-    """The oldest counts version the publisher has not sent (0 if it never published: it may
-    read every version)."""
+    """The oldest counts version the publisher has not sent (0 if it never published: it may read every version)."""
     cursor = committed_cursor(cfg, cfg.publish_topic)
     return 0 if cursor is None else cursor.next_version

@@ -1,20 +1,11 @@
-"""Publishing committed counts to the sink topic, exactly once (no JVM: delta-rs reads the
-counts table's change data feed, kafka-python writes the topic).
+"""Publishing committed counts to the sink topic, exactly once (no JVM: delta-rs reads the counts table's change data
+feed, kafka-python writes the topic).
 
 The counts table's versions are published in order, each as one transaction with the cursor
-(:mod:`ipcount.storage.publisher`). Version order, not epoch order: backfill and scheduled
-epochs commit out of epoch order, and in version order the last record of each key is always
-its newest count. A version an epoch's MERGE made becomes the rows it inserted or updated
-(those it only finalized too); any other version (creation, properties, fences) only moves
-the cursor. The first publish of a table starts at its first version if the change data
-feed was on from its creation (as when publish was on then); otherwise it sends the table
-whole, as of one version (kind ``snapshot``), and continues from there. A publisher that
-has lost its cursor over a sink topic that shows it published (records deleted from it) does
-neither by itself: ``resync`` asks for the snapshot.
-
-The counts table's commits stay in its log until they are published (with publishing on, no
-writer's checkpoint deletes them): after sending every version up to the latest, the
-publisher lets delta-rs delete those older than ``log_retention_hours``
+(:mod:`ipcount.storage.publisher`): in version order, not epoch order, the last record of each key is its newest count.
+A version an epoch made becomes the rows it inserted or updated; any other version only moves the cursor. A table's
+first publish starts at version 0 if the change data feed was on from its creation, else it sends the table whole (kind
+``snapshot``) and goes on from there. The counts log is kept until published, then cleaned here
 (:func:`ipcount.rules.maintenance.log_cleanup_due`).
 """
 from __future__ import annotations
@@ -32,7 +23,7 @@ from ipcount.rules.maintenance import EXPIRED_LOG_CLEANUP, log_cleanup_due
 from ipcount.rules.publish import (BACKFILL, CHANGE_DATA_FEED, DELETE, INSERT, LIVE, PUBLISHED_COLUMNS, SNAPSHOT,
                                    Cursor, changed_rows, epoch_of_commit, has_change_feed,
                                    sink_records, snapshot_rows)
-from ipcount.storage.delta import commit_infos, has_table, read_rows, table_metadata
+from ipcount.storage.delta import commit_infos, conform, has_table, read_rows, table_metadata
 from ipcount.storage.publisher import KafkaSinkTopic, Publisher, SinkTopic
 
 if TYPE_CHECKING:
@@ -54,11 +45,9 @@ class PublishReport:
 
 def publish_pending(cfg: PipelineConfig, crash: Crash = no_crash, resync: bool = False,
                     topic: SinkTopic | None = None) -> PublishReport:
-    """Publish every committed counts version the cursor has not passed yet. ``resync``: send
-    the table whole and go on from it (after a rebuild was swapped in, or when the cursor is
-    gone and the table's early versions are no longer in its log, or the sink topic lost the
-    records that would say how far publishing got). ``topic``: where to (default
-    ``publish_topic`` on the broker)."""
+    """Publish every committed counts version the cursor has not passed yet. ``resync``: send the table whole and go on
+    from it (after a rebuild was swapped in, or when the cursor and the versions after it are lost). ``topic``: where to
+    (default ``publish_topic`` on the broker)."""
     from deltalake import DeltaTable
 
     path = cfg.counts_path
@@ -136,8 +125,8 @@ def _publish_versions(cfg: PipelineConfig, publisher: Publisher, table, cursor: 
 
 
 def plain_strings(table: pa.Table) -> pa.Table:
-    """``table`` with its string_view columns (delta-rs reads strings so) as strings: this
-    pyarrow's filters, comparisons and joins do not take string_view."""
+    """``table`` with its string_view columns (delta-rs reads strings so) as strings: this pyarrow's filters,
+    comparisons and joins do not take string_view."""
     import pyarrow as pa
 
     if not any(f.type == pa.string_view() for f in table.schema):
@@ -146,11 +135,9 @@ def plain_strings(table: pa.Table) -> pa.Table:
 
 
 def _changes_of(table, version: int, first: int) -> pa.Table:
-    """The change data of one counts version, as Arrow: read a version at a time, so what is
-    held is one version's however long the backlog (an executors' epoch's is every open row,
-    twice). Only what changed_rows reads: less to hold, and no column a newer version may
-    have added, of a type this pyarrow cannot filter or join (binary, nested). ``first``:
-    the first version of this run (the error says what was sent)."""
+    """The change data of one counts version (one at a time: an executors' epoch's is every open row, twice), as Arrow,
+    of only the columns changed_rows reads (a newer version's may be of types pyarrow cannot join). ``first``: the first
+    version of this run."""
     import pyarrow
 
     try:
@@ -164,13 +151,9 @@ def _changes_of(table, version: int, first: int) -> pa.Table:
 
 
 def without_unchanged_pairs(changes: pa.Table) -> pa.Table:
-    """One version's change data without the rows an epoch written by Spark's executors
-    deleted and inserted again as they were (it replaces whole files: every open row is a
-    delete and an insert, most unchanged). :func:`~ipcount.rules.publish.changed_rows` drops
-    such pairs too; dropped here, in Arrow, they never become Python objects. A pair is
-    dropped only when its key and every published column are equal and none is null; what
-    remains is judged by ``changed_rows`` as before. (The same answer as ``changed_rows``
-    alone where a version has a key at most once per change type, as the pipeline's do.)"""
+    """One version's change data without the rows deleted and inserted again as they were (an executors' epoch replaces
+    whole files), which :func:`~ipcount.rules.publish.changed_rows` drops too: dropped in Arrow, they never become
+    Python objects. A pair is dropped only when its key and published columns are equal and not null."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -183,14 +166,12 @@ def without_unchanged_pairs(changes: pa.Table) -> pa.Table:
     same = ["window_start", "ip", *PUBLISHED_COLUMNS]
     rest = changes.filter(pc.invert(pc.or_(is_delete, is_insert)))
     def unpaired(left: pa.Table, right: pa.Table) -> pa.Table:  # (a join's output is all nullable)
-        return left.join(right.select(same), keys=same, join_type="left anti").select(changes.column_names) \
-            .cast(changes.schema)
+        return conform(left.join(right.select(same), keys=same, join_type="left anti"), changes.schema)
     return pa.concat_tables([rest, unpaired(deleted, inserted), unpaired(inserted, deleted)])
 
 
 def _feed_since_creation(path: str) -> bool:
-    """Whether version 0 already had the change data feed (False, too, if version 0 is no
-    longer in the log: then the table is sent whole)."""
+    """Whether version 0 already had the change data feed (False if it is no longer in the log)."""
     from deltalake import DeltaTable
 
     try:
@@ -200,8 +181,8 @@ def _feed_since_creation(path: str) -> bool:
 
 
 def publish_step(cfg: PipelineConfig, crash: Crash = no_crash) -> dict:
-    """What the DAGs' publish task does: publish what is pending when publishing is on; a
-    summary for the log and XCom either way."""
+    """What the DAGs' publish task does: publish what is pending when publishing is on; a summary for the log and XCom
+    either way."""
     if not cfg.publish:
         log.info("publishing is off (setting publish); nothing sent")
         return {"publish": False}
@@ -216,9 +197,8 @@ def publish_step(cfg: PipelineConfig, crash: Crash = no_crash) -> dict:
 
 
 def _epoch_kinds(cfg: PipelineConfig, epochs: set[int]) -> dict[int, tuple[str, str | None]]:
-    """The record kind (live or backfill) and backfill request of each of ``epochs``, from
-    the ledger. Only the rows of their id span are read (the files of other epochs are
-    skipped by their statistics), so publishing costs the same however old the ledger."""
+    """The record kind (live or backfill) and backfill request of each of ``epochs``, from the ledger rows of their id
+    span only (other files are skipped by their statistics, however old the ledger)."""
     out: dict[int, tuple[str, str | None]] = {}
     if not epochs:
         return out

@@ -1,13 +1,8 @@
-"""Rebuilds: a ledger's committed epochs replayed, as recorded, into a fresh replay target
-(same ranges, watermarks, kinds and epoch ids), so the rebuilt tables equal the source's
-row for row - the way to recover from a damaged counts table while Kafka still holds the
-offsets.
+"""Rebuilds: a ledger's committed epochs replayed as recorded into a fresh replay target, so the rebuilt tables equal
+the source's row for row - the way to recover from a damaged counts table while Kafka still holds the offsets.
 
-An epoch the target holds counts as replayed, so the target must hold nothing else: the
-rebuild records the source ledger's Delta table id in the target's manifest
-(``rebuild_of``) before it writes, and refuses a target that holds another table set (a
-backfill's, another source's rebuild) or tables with epochs but no manifest. A target whose
-tables exist but hold no epochs and no manifest (a creation cut short) counts as fresh.
+An epoch the target holds counts as replayed, so the target must hold nothing else: the rebuild records the source
+ledger's table id in the target's manifest (``rebuild_of``) before it writes, and refuses a target of another table set.
 """
 from __future__ import annotations
 
@@ -20,13 +15,12 @@ from ipcount.jobs.epoch import EpochRunner, KafkaSource, Source, check_locations
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import BadRequestError, DataLossError
 from ipcount.rules.ledger import COMMITTED
-from ipcount.rules.offsets import check_partitions_exist, check_readable
+from ipcount.rules.offsets import check_still_there
 from ipcount.rules.requests import MAIN_TARGET, check_target
 from ipcount.rules.tableset import recorded_settings
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import has_table, table_metadata
 from ipcount.storage.ledger import Ledger
-from ipcount.storage.sink import Sink
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -51,9 +45,8 @@ class RebuildReport:
 
 
 def check_request(cfg: PipelineConfig, into: str, source: str = MAIN_TARGET) -> PipelineConfig:
-    """``source``'s configuration, once the request is one a rebuild can run: ``into`` a
-    fresh replay name, from a source whose ledger exists (before a JVM starts, or anything
-    is written)."""
+    """``source``'s configuration, once the request is one a rebuild can run: ``into`` a fresh replay name, from a
+    source whose ledger exists (before a JVM starts, or anything is written)."""
     if check_target(into) == MAIN_TARGET or into == check_target(source):
         raise BadRequestError(f"rebuild needs a fresh replay target to write into, not {into!r} (rebuild into a "
                               "new name, verify it, then swap it in; see the README)")
@@ -66,12 +59,11 @@ def check_request(cfg: PipelineConfig, into: str, source: str = MAIN_TARGET) -> 
 
 def rebuild(cfg: PipelineConfig, spark: SparkSession | None, into: str, source: str = MAIN_TARGET,
             run_id: str | None = None, crash: Crash = no_crash, log_source: Source | None = None) -> RebuildReport:
-    """Replay every committed epoch of ``source``'s ledger into the replay target ``into``:
-    same ranges, watermarks, kinds and epoch ids, in the order their counts were committed,
-    so the rebuilt tables equal the source's row for row. Resumable: epochs the target
-    already committed are skipped, its unfinished one is finished. Refused unless ``into``
-    is fresh or this source's earlier rebuild. ``log_source``: the log to read (default the
-    topic on the broker, through ``spark``)."""
+    """Replay every committed epoch of ``source``'s ledger into the replay target ``into``: same ranges, watermarks,
+    kinds and epoch ids, in the order their counts were committed, so the rebuilt tables equal the source's row for row.
+    Resumable: epochs the target already committed are skipped, its unfinished one is finished. Refused unless ``into``
+    is fresh or this source's earlier rebuild. ``log_source``: the log to read (default the topic on the broker, through
+    ``spark``)."""
     src_cfg = check_request(cfg, into, source)
     # The rebuilt tables mean what the source's mean, whatever today's settings say.
     dst_cfg = cfg.for_target(into).replace(**recorded_settings(tableset_io.recorded(src_cfg)))
@@ -83,17 +75,13 @@ def rebuild(cfg: PipelineConfig, spark: SparkSession | None, into: str, source: 
     for plan, _ in epochs:  # everything must still be in Kafka: fail before writing anything
         for r in plan.nonempty_ranges:
             try:
-                check_partitions_exist(cfg.topic, {r.partition: r.from_offset}, latest)
-                check_readable(cfg.topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
+                check_still_there(cfg.topic, (r,), earliest, latest)
             except DataLossError as e:
                 raise DataLossError(f"cannot rebuild epoch {plan.epoch}: {r} is no longer in Kafka ({e}); a "
                                     "rebuild needs all counted offsets within retention") from None
     report = RebuildReport(source, into, unfinished_in_source=src.state(cfg.topic).unfinished)
-    # Claimed as this source's rebuild before the runner opens (and would claim) it.
-    Ledger(dst_cfg.ledger_path).ensure(dst_cfg.log_retention_hours)
-    Sink(dst_cfg).ensure()
-    tableset_io.claim(dst_cfg, rebuild_of=table_metadata(src_cfg.ledger_path)[0])
-    runner = EpochRunner.open(dst_cfg, spark, run_id, crash, log_source)
+    runner = EpochRunner.open(dst_cfg, spark, run_id, crash, log_source,
+                              rebuild_of=table_metadata(src_cfg.ledger_path)[0])
     done = {p.epoch for p, _ in runner.ledger.epochs(cfg.topic, (COMMITTED,))}
     runner.step(PLANNING)
     pending = set(runner.state().unfinished)

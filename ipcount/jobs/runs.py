@@ -1,8 +1,6 @@
-"""A run of the pipeline's Spark work, typed: up to N epochs of the chain, a backfill, or a
-rebuild, with its settings and its caller's choices. The command line, the Airflow tasks
-(in their own process on Spark Connect) and spark-submit's application (one argument: the
-run as JSON) all execute a :class:`Run`, so a task's settings cross no argv and its errors
-keep their type (:mod:`ipcount.rules.errors`)."""
+"""A run of the pipeline's Spark work, typed: up to N epochs of the chain, a backfill, or a rebuild, with its settings.
+The command line, the Airflow tasks and spark-submit's application (the run as JSON) all execute a :class:`Run`, so a
+task's settings cross no argv and its errors keep their type."""
 from __future__ import annotations
 
 import json
@@ -28,11 +26,10 @@ COMMANDS = (EPOCH, BACKFILL, REBUILD)
 
 @dataclass(frozen=True)
 class Run:
-    """What to run. ``epoch``: up to ``epochs`` epochs, stopping at the first with nothing
-    new, each followed by the group offset commit (``commit_offsets``) and publishing
-    (``publish``) when the settings turn them on (the DAG runs both in tasks of their own);
-    ``backfill``: ``request``; ``rebuild``: ``source``'s ledger into the replay target ``into``.
-    ``run_id`` is recorded in the ledger (an Airflow run's id)."""
+    """What to run. ``epoch``: up to ``epochs`` epochs, stopping at the first with nothing new, each followed by the
+    group offset commit (``commit_offsets``) and publishing (``publish``) when the settings turn them on (the DAG runs
+    both in tasks of their own); ``backfill``: ``request``; ``rebuild``: ``source``'s ledger into the replay target
+    ``into``. ``run_id`` is recorded in the ledger (an Airflow run's id)."""
 
     command: str
     config: PipelineConfig = field(default_factory=PipelineConfig)
@@ -84,14 +81,14 @@ def request_fields(request: BackfillRequest) -> dict[str, Any]:
             "until_time": request.until_ms}
 
 
-# Called with each epoch's summary once its offsets are committed (after its line is
-# printed), or with the backfill's or the rebuild's report.
+# Called with each epoch's summary once its offsets are committed (after its line is printed), or with the backfill's or
+# the rebuild's report.
 Report = Callable[[Any], None]
 
 
 def quiet_clients() -> None:
-    """kafka-python's and py4j's INFO lines off, and delta-rs's WARN line per AWS
-    credentials provider it tries: the error a run ends with says what failed and what to set."""
+    """kafka-python's and py4j's INFO lines off, and delta-rs's WARN line per AWS credentials provider it tries: the
+    error a run ends with says what failed and what to set."""
     for noisy in ("kafka", "py4j"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("RUST_LOG", "error")
@@ -99,10 +96,9 @@ def quiet_clients() -> None:
 
 def execute(run: Run, spark: SparkSession | None = None, report: Report = lambda result: None,
             crash: Crash | None = None) -> list:
-    """Run ``run`` on ``spark`` (default: the session its settings name, started here),
-    printing a line per epoch (or the backfill's or rebuild's), and return its summaries or
-    its report. Every check that needs no Spark happens before a JVM starts; ``crash``
-    defaults to ``IPCOUNT_CRASH_AT``'s."""
+    """Run ``run`` on ``spark`` (default: the session its settings name, started here), printing a line per epoch (or
+    the backfill's or rebuild's), and return its summaries or its report. Every check that needs no Spark happens before
+    a JVM starts; ``crash`` defaults to ``IPCOUNT_CRASH_AT``'s."""
     crash = crash or crash_from_env()
     try:
         return {EPOCH: _epochs, BACKFILL: _backfill, REBUILD: _rebuild}[run.command](run, spark, report, crash)
@@ -133,11 +129,11 @@ def _epochs(run: Run, spark: SparkSession | None, report: Report, crash: Crash) 
     from ipcount.rules.ledger import EpochSummary
 
     cfg = run.config
-    check_before_touch(cfg)  # before the JVM's 10-15 s (run_epoch checks again before any table)
+    check_before_touch(cfg)  # before the JVM starts (run_epoch checks again before any table)
     spark = _session(run, spark)
     summaries = []
-    # Several epochs in one session (catching up after downtime) pay the JVM and Spark
-    # start once; each is still a whole epoch, exactly as if run on its own.
+    # Several epochs in one session (catching up after downtime) pay the JVM and Spark start once; each is still a whole
+    # epoch, exactly as if run on its own.
     for _ in range(run.epochs):
         started = time.monotonic()
         summary = run_epoch(cfg, spark, run_id=run.run_id, crash=crash)

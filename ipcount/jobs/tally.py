@@ -1,11 +1,10 @@
 """An epoch's tally, split into what it writes and reports.
 
-:func:`ipcount.jobs.transform.tally` aggregates the epoch's records in one Spark job: a row of
-totals per Kafka partition and outcome (its metrics), one row per window and client for the
-counted records (over all partitions), one row per record that is not counted. Mostly it is
-small (the counts the sink merges, plus the bad and late records it appends), and
-:class:`EpochTally` splits it as Arrow, without Spark. One too large for this process stays in
-Spark (:class:`SparkTally`).
+:func:`ipcount.jobs.transform.tally` aggregates the epoch's records in one Spark job: a row of totals per Kafka
+partition and outcome (its metrics), one row per window and client for the counted records (over all partitions), one
+row per record that is not counted. Mostly it is small (the counts the sink merges, plus the bad and late records it
+appends), and :class:`EpochTally` splits it as Arrow, without Spark. One too large for this process stays in Spark
+(:class:`SparkTally`).
 """
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ class EpochTally:
                          "value_sha256": bad["value_sha256"]})
 
     def late_records(self, epoch: int, window_ms: int, watermark_ms: int | None) -> pa.Table:
-        """The late-record rows (:data:`ipcount.storage.sink.LATE_COLUMNS`), judged against
-        ``watermark_ms``."""
+        """The late-record rows (:data:`ipcount.storage.sink.LATE_COLUMNS`), judged against ``watermark_ms``."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -110,10 +108,10 @@ def _timestamps(ms):
 
 @dataclass(frozen=True)
 class SparkTally:
-    """An epoch's tally too large to collect (:data:`~ipcount.rules.config.PipelineConfig.max_driver_tally_rows`):
-    the same split as :class:`EpochTally`, as DataFrames over the persisted tally, which
-    Spark's executors write to the tables (:meth:`ipcount.storage.sink.Sink.write_from_spark`).
-    Its metrics, newest event time and counted windows are computed once, as the size was."""
+    """An epoch's tally too large to collect (:data:`~ipcount.rules.config.PipelineConfig.max_driver_tally_rows`): the
+    same split as :class:`EpochTally`, as DataFrames over the persisted tally, which Spark's executors write to the
+    tables (:meth:`ipcount.storage.sink.Sink.write_from_spark`). Its metrics, newest event time and counted windows are
+    computed once, as the size was."""
 
     rows: DataFrame
     partition_metrics: dict[int, PartitionMetrics]
@@ -150,8 +148,8 @@ class SparkTally:
         return self.rows.where(~F.col("totals"))
 
     def counts(self, window_ms: int) -> DataFrame:
-        """Counts per window and client (as :meth:`EpochTally.counts`), in the windows of
-        :attr:`counted_windows_ms`: the same rows, so the merge reads every file they can touch."""
+        """Counts per window and client (as :meth:`EpochTally.counts`), in the windows of :attr:`counted_windows_ms`:
+        the same rows, so the merge reads every file they can touch."""
         from pyspark.sql import functions as F
 
         counted = self.rows.where(_counted())

@@ -1,8 +1,7 @@
 """The epoch's Spark transformations: parse, classify late records, aggregate.
 
-Built from Spark's own functions and the project's parse function (Java, jars/ipcount-parse),
-no Python UDFs, so records never leave the JVM. The rules are those of
-:mod:`ipcount.rules.records`, which the tests use as ground truth.
+Built from Spark's own functions and the project's parse function (Java, jars/ipcount-parse), no Python UDFs, so records
+never leave the JVM. The rules are those of :mod:`ipcount.rules.records`, which the tests use as ground truth.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StructField, StructType
 
 from ipcount.rules import records as R
-from ipcount.rules.errors import MissingJarsError
+from ipcount.rules.errors import MissingJarsError, first_line
 from ipcount.storage.spark import PARSE_JAR, is_remote
 
 if TYPE_CHECKING:
@@ -30,23 +29,14 @@ KAFKA_COLUMNS = ("topic", "partition", "offset", "timestamp", "key", "value")
 
 def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max_ahead_ms: int | None = None,
           planned_at_ms: int | None = None, watermark_ms: int | None = None) -> DataFrame:
-    """Kafka rows -> rows with ``ip`` (canonical), ``event_ms`` and ``reason`` (NULL when well
-    formed).
+    """Kafka rows -> rows with ``ip`` (canonical), ``event_ms`` and ``reason`` (NULL when well formed), as
+    :func:`ipcount.rules.records.parse_value` says, keeping the Kafka columns for dead letters. With ``watermark_ms``
+    the rows carry it too (``_watermark_ms``, for :func:`classify`): the epoch's constants are joined once.
 
-    ``event_time`` is "payload" (the record's own time) or "kafka" (the Kafka record
-    timestamp; the payload's time is then neither required nor checked). With
-    ``max_ahead_ms``, event times further than that past the record's Kafka timestamp or
-    ``planned_at_ms`` are malformed (:func:`ipcount.rules.records.is_ahead`). Keeps topic,
-    partition, offset, timestamp, key and value so that malformed records can be written to
-    the dead-letter table as they arrived. With ``watermark_ms``, the rows carry it too
-    (``_watermark_ms``, for :func:`classify`): the epoch's constants are joined once.
-
-    The rules run as ``ipcount.parse``, the project's own Spark function (jars/ipcount-parse,
-    registered by :data:`ipcount.storage.spark.SESSION_CONF`): one pass over each value's
-    bytes in the code Spark generates, where built-in functions took regex matches, a JSON
-    parse and some thirty expressions (docs/performance.md). Its result is a column of its
-    own, whose fields the next select takes: the optimizer does not copy a costly expression
-    into each of its three consumers.
+    The rules run as ``ipcount.parse`` (jars/ipcount-parse, registered by :data:`ipcount.storage.spark.SESSION_CONF`):
+    one pass over each value's bytes in generated code, far cheaper than built-in functions (docs/performance.md). Its
+    result is a column of its own, whose fields the next select takes, so the optimizer does not copy it into each of
+    its consumers.
     """
     with_planned_at = planned_at_ms is not None and planned_at_ms >= 0
     carry = watermark_ms is not None
@@ -62,8 +52,7 @@ def parse(raw: DataFrame, max_value_bytes: int, event_time: str = "payload", max
     return df
 
 
-# Columns are unresolved expressions, free to use on any DataFrame, and building those of the
-# parse, classify and tally takes hundreds of py4j round trips, a fixed cost of every epoch
+# Columns are unresolved expressions, free to use on any DataFrame, and building them takes many py4j round trips
 # (docs/performance.md): each Spark session builds them once per set of parameters.
 _BUILT: weakref.WeakKeyDictionary[SparkSession, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
@@ -80,15 +69,14 @@ Stage = list  # the arguments of one select: Columns and column names
 
 
 def _check_parse_function(spark: SparkSession) -> bool:
-    """Whether ``spark`` has ``ipcount.parse``; :class:`MissingJarsError` saying what to do if
-    not, before any work (analysis only: nothing runs)."""
+    """Whether ``spark`` has ``ipcount.parse`` (analysis only: nothing runs); :class:`MissingJarsError` if not."""
     probe = F.call_function("ipcount.parse", F.lit(b"x"), F.lit(NONE), F.lit(NONE), F.lit(1), F.lit(False),
                             F.lit(NONE))
     try:
         spark.range(0).select(probe).schema
     except Exception as e:  # noqa: BLE001 - classic and Connect raise different classes
         raise MissingJarsError(
-            f"this Spark has no function ipcount.parse ({str(e).splitlines()[0]}): its JVM needs "
+            f"this Spark has no function ipcount.parse ({first_line(e)}): its JVM needs "
             f"{PARSE_JAR.name} (an installation has it in {PARSE_JAR.parent}; a Spark Connect server of "
             "your own takes it in --jars) and spark.sql.catalog.ipcount=ipcount.parse.ParseCatalog") from e
     return True
@@ -96,14 +84,13 @@ def _check_parse_function(spark: SparkSession) -> bool:
 
 def _parse_stages(max_value_bytes: int, from_kafka: bool, max_ahead_ms: int | None, with_planned_at: bool,
                   carry_watermark: bool) -> list[Stage]:
-    """The parse's selects (:func:`parse`), after the epoch's constants are joined
-    (``_planned_at_ms``, when ``with_planned_at``; ``_watermark_ms``, kept when
-    ``carry_watermark``)."""
+    """The parse's selects (:func:`parse`), after the epoch's constants are joined (``_planned_at_ms``, when
+    ``with_planned_at``; ``_watermark_ms``, kept when ``carry_watermark``)."""
     kafka = [F.col(c) for c in KAFKA_COLUMNS]
     kept = ["_watermark_ms"] if carry_watermark else []
     planned_at = F.col("_planned_at_ms") if with_planned_at else F.lit(NONE)
-    # The function takes an int and a long: larger settings mean the same as these (no value
-    # is over 2 GiB, no event time that far ahead).
+    # The function takes an int and a long: larger settings mean the same as these (no value is over 2 GiB, no event
+    # time that far ahead).
     max_bytes, max_ahead = min(max_value_bytes, 2**31 - 1), NONE if max_ahead_ms is None else min(max_ahead_ms, 2**62)
     parsed = F.call_function(
         "ipcount.parse", F.col("value"), F.coalesce(F.unix_millis(F.col("timestamp")), F.lit(NONE)), planned_at,
@@ -115,9 +102,8 @@ def _parse_stages(max_value_bytes: int, from_kafka: bool, max_ahead_ms: int | No
 
 
 def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int, watermark_ms: int | None) -> DataFrame:
-    """Add ``window_start_ms`` and ``late`` (see :func:`ipcount.rules.records.is_late`):
-    against ``watermark_ms``, which ``parsed`` carries (:func:`parse` was given the same),
-    or with None nothing is late (an epoch before any watermark)."""
+    """Add ``window_start_ms`` and ``late`` (:func:`ipcount.rules.records.is_late`) against ``watermark_ms``, which
+    ``parsed`` carries (None: nothing is late)."""
     with_watermark = watermark_ms is not None
     def build() -> tuple[Column, Column]:
         start = F.col("event_ms") - F.pmod(F.col("event_ms"), F.lit(window_ms))
@@ -130,10 +116,8 @@ def classify(parsed: DataFrame, window_ms: int, allowed_lateness_ms: int, waterm
 
 
 def with_constants(df: DataFrame, values: dict[str, int]) -> DataFrame:
-    """``df`` with a column per name holding its value in every row, joined from one one-row
-    broadcast: Spark writes a literal long into the code it generates, so each epoch's own
-    planning time and watermark made new classes to compile and warm up in the JIT, about
-    0.7 s of a 250,000-record epoch. Joined values leave the code the same every epoch."""
+    """``df`` with a column per name holding its value in every row, joined from a one-row broadcast: a literal would be
+    written into the generated code, making new classes to compile every epoch (docs/performance.md)."""
     spark = df.sparkSession
     if is_remote(spark):
         # A local relation made by the client: one config request, not two SQL commands.
@@ -147,23 +131,17 @@ def with_constants(df: DataFrame, values: dict[str, int]) -> DataFrame:
 
 
 def tally(classified: DataFrame, dead_letter_prefix: int) -> DataFrame:
-    """The epoch's records in one aggregation, from which everything it writes comes
-    (:mod:`ipcount.jobs.tally` splits it). Two grouping sets of one pass:
+    """The epoch's records in one aggregation, from which everything it writes comes (:mod:`ipcount.jobs.tally` splits
+    it). Two grouping sets of one pass:
 
-    * per Kafka partition and outcome (``late``: false counted, true late, NULL malformed),
-      a row of totals (``totals`` true): the epoch's metrics;
-    * counted records collapse into one row per window and client, over all partitions:
-      the counts, with no second aggregation; a record that is not counted (malformed or
-      late) stays a row of its own, its topic, partition and offset in the grouping key, with
-      what its dead-letter or late-record row needs. (A counted row has no topic or
-      partition.)
+    * per Kafka partition and outcome (``late``: false counted, true late, NULL malformed), a row of totals (``totals``
+      true): the epoch's metrics;
+    * a row per window and client for counted records (the counts), and a row per record not counted, with what its
+      dead-letter or late-record row needs in one struct of the grouping key (NULL for counted records: a narrow key is
+      cheaper to hash).
 
-    ``records`` is how many records a row stands for. One pass over the records and no
-    cache: a cache of the classified records, read once for each output, cost as much to
-    build as the parse itself. Grouping keys may be of any width, unlike aggregation
-    buffers, so Spark keeps its hash aggregation. What only a record that is not counted
-    needs is one struct in the key, NULL for counted records: every record's key is hashed
-    and compared, so a few columns cost less than thirteen.
+    ``records`` is how many records a row stands for. One pass and no cache: a cache read once per output cost as much
+    as the parse (docs/performance.md).
     """
     keys, sets, aggregates, columns = _columns(classified.sparkSession, ("tally", dead_letter_prefix),
                                                lambda: _tally_columns(dead_letter_prefix))

@@ -1,10 +1,6 @@
-"""Verify a counts table against Kafka: recount every offset its ledger says is counted,
-in plain Python (a plain consumer and the record specification in :mod:`ipcount.rules.records`,
-not the Spark job), and compare window by window, IP by IP.
-
-Each record is classified with the watermark its epoch recorded, so the recount applies
-the same lateness rule the epoch did; late records belong to the late-records table, not
-to the counts.
+"""Verify a counts table against Kafka: recount every offset its ledger says is counted, in plain Python (the record
+specification in :mod:`ipcount.rules.records`, not the Spark job), with the watermark each epoch recorded, and compare
+window by window, IP by IP.
 """
 from __future__ import annotations
 
@@ -34,7 +30,8 @@ class Difference:
     actual: int     # in the table
 
     def line(self) -> str:
-        return f"window {format_ms(self.window_start_ms)} ip {self.ip}: Kafka has {self.expected}, table has {self.actual}"
+        return (f"window {format_ms(self.window_start_ms)} ip {self.ip}: Kafka has {self.expected}, "
+                f"table has {self.actual}")
 
 
 @dataclass
@@ -71,15 +68,15 @@ class VerifyReport:
                 f"offsets of {self.epochs} committed epoch(s), compared {self.windows} (window, ip) counts - {verdict}")
 
 
-# What the recount says of one record: dead-lettered (key: the reason), late (key: the
-# window start) or counted (key: (window start ms, ip)).
+# What the recount says of one record: dead-lettered (key: the reason), late (key: the window start) or counted (key:
+# (window start ms, ip)).
 MALFORMED, LATE, COUNTED = "malformed", "late", "counted"
 
 
 def recount_record(t: PipelineConfig, row: Mapping[str, Any], rec) -> tuple[str, Any]:
-    """One record of a committed ledger ``row`` classified by the record spec, as its epoch
-    did: with the row's recorded watermark and planning time and the settings ``t`` of
-    the table set. ``rec`` is a Kafka consumer record (value, timestamp)."""
+    """One record of a committed ledger ``row`` classified by the record spec, as its epoch did: with the row's recorded
+    watermark and planning time and the settings ``t`` of the table set. ``rec`` is a Kafka consumer record (value,
+    timestamp)."""
     parsed = parse_value(rec.value, t.max_value_bytes, event_time=t.event_time, kafka_timestamp_ms=rec.timestamp,
                          planned_at_ms=timestamp_ms(row["planned_at"]), max_ahead_ms=t.max_event_time_ahead_ms)
     if not isinstance(parsed, Event):
@@ -100,9 +97,9 @@ def table_counts(counts_path: str) -> Counter:
 
 def verify(cfg: PipelineConfig, target: str = "main", from_ms: int | None = None,
            until_ms: int | None = None) -> VerifyReport:
-    """Compare the target's counts with a recount; only windows starting in
-    ``[from_ms, until_ms)`` when given. Refused before anything is read when the target's
-    tables do not exist, the range is empty, or the broker or the topic does not answer."""
+    """Compare the target's counts with a recount; only windows starting in ``[from_ms, until_ms)`` when given. Refused
+    before anything is read when the target's tables do not exist, the range is empty, or the broker or the topic does
+    not answer."""
     if from_ms is not None and until_ms is not None and until_ms <= from_ms:
         raise BadRequestError(f"the time range is empty: --until-time ({format_ms(until_ms)}) is not after "
                               f"--from-time ({format_ms(from_ms)})")

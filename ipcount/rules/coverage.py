@@ -1,9 +1,8 @@
 """Coverage arithmetic: which offsets of each partition a target's ledger already owns.
 
-Pure functions over half-open intervals ``[from, until)``. The ledger's rows (planned,
-committed or lost, of any kind) are the coverage; every new epoch - scheduled or backfill -
-may only take offsets outside it. That one rule is what keeps scheduled epochs, backfills
-and replays from ever counting an offset twice.
+Pure functions over half-open intervals ``[from, until)``. The ledger's rows (planned, committed or lost, of any kind)
+are the coverage; every new epoch - scheduled or backfill - may only take offsets outside it. That one rule is what
+keeps scheduled epochs, backfills and replays from ever counting an offset twice.
 """
 from __future__ import annotations
 
@@ -79,9 +78,9 @@ class Coverage:
                                            self.of_partition(wanted.partition)))
 
     def next_gap(self, partition: int, position: int, end: int) -> Interval:
-        """The first uncovered run at or after ``position``, ending before ``end``: where a
-        scheduled epoch continues when a backfill already counted offsets ahead of it.
-        Empty (``(x, x)``) when everything up to ``end`` is covered."""
+        """The first uncovered run at or after ``position``, ending before ``end``: where a scheduled epoch continues
+        when a backfill already counted offsets ahead of it. Empty (``(x, x)``) when everything up to ``end`` is
+        covered."""
         start = position
         for a, b in self.of_partition(partition):
             if b <= start:
@@ -94,9 +93,9 @@ class Coverage:
 
 
 def next_chunk(gaps: Iterable[OffsetRange], cap: int) -> tuple[OffsetRange, ...]:
-    """One bounded epoch's worth of ``gaps``: per partition the head of its first gap, with
-    ``cap`` split across partitions by the size of those heads. Call again (after the chunk
-    is recorded) for the rest; empty when there are no gaps."""
+    """One bounded epoch's worth of ``gaps``: per partition the head of its first gap, with ``cap`` split across
+    partitions by the size of those heads. Call again (after the chunk is recorded) for the rest; empty when there are
+    no gaps."""
     heads: dict[int, OffsetRange] = {}
     for g in sorted(gaps, key=lambda r: (r.partition, r.from_offset)):
         if g.size > 0 and g.partition not in heads:

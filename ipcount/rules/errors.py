@@ -1,16 +1,12 @@
-"""The pipeline's errors: one base class that carries the exit code of the command that
-fails with it, so the CLI maps every error the same way, and a caller that must react to one
-condition catches that one class.
+"""The pipeline's errors: one base class that carries the exit code of the command that fails with it, so the CLI maps
+every error the same way.
 
-Exit codes: 0 done, 1 failed, 2 bad input (settings, request, flags, no tables where the
-settings point), 3 data loss, 4 broker unreachable or topic missing, 5 object storage
-unreachable or refused.
+Exit codes: 0 done, 1 failed, 2 bad input (settings, request, flags, no tables where the settings point), 3 data loss, 4
+broker unreachable or topic missing, 5 object storage unreachable or refused.
 
-An error is *permanent* when running the same work again cannot end otherwise (bad settings,
-a bad request, a refused table set, data loss under ``on_data_loss = "fail"``): an Airflow
-task fails at once on it instead of being retried. The others (a service away, a commit that
-lost its race) are retried. A spark-submitted task sees only its exit code, so permanence
-follows the code (:data:`PERMANENT_EXIT_CODES`), the same for the class and the code.
+An error is *permanent* when running the same work again cannot end otherwise (bad input, data loss under
+``on_data_loss = "fail"``): an Airflow task fails at once instead of being retried. A spark-submitted task sees only its
+exit code, so permanence follows the code (:data:`PERMANENT_EXIT_CODES`).
 """
 from __future__ import annotations
 
@@ -19,8 +15,8 @@ PERMANENT_EXIT_CODES = frozenset({EXIT_USAGE, EXIT_DATA_LOSS})
 
 
 class IpcountError(Exception):
-    """Base of the pipeline's errors; the message says what went wrong and what to fix.
-    A subclass names its exit code in its class statement (``exit_code=...``)."""
+    """Base of the pipeline's errors; the message says what went wrong and what to fix. A subclass names its exit code
+    in its class statement (``exit_code=...``)."""
 
     exit_code = EXIT_FAILED
 
@@ -48,8 +44,8 @@ class StartPositionError(IpcountError, ValueError, exit_code=EXIT_USAGE):
 
 
 class MissingJarsError(IpcountError, exit_code=EXIT_USAGE):
-    """Spark's Kafka source jars, or the parse's, are not where the installation puts them (or
-    not in the Spark that runs the epoch)."""
+    """Spark's Kafka source jars, or the parse's, are not where the installation puts them (or not in the Spark that
+    runs the epoch)."""
 
 
 class DataLossError(IpcountError, RuntimeError, exit_code=EXIT_DATA_LOSS):
@@ -69,11 +65,7 @@ class MissingTablesError(IpcountError, exit_code=EXIT_USAGE):
 
 
 class StorageUnavailableError(IpcountError, RuntimeError, exit_code=EXIT_STORAGE):
-    """The object storage of the tables did not answer, or refused the request (no or wrong
-    credentials)."""
-
-
-
+    """The object storage of the tables did not answer, or refused the request (no or wrong credentials)."""
 
 
 class PlanConflict(IpcountError, RuntimeError):
@@ -81,18 +73,18 @@ class PlanConflict(IpcountError, RuntimeError):
 
 
 class CommitContention(IpcountError, RuntimeError):
-    """A commit lost to other writers' commits every time it was tried; nothing of it was
-    written, and running the command again is safe."""
+    """A commit lost to other writers' commits every time it was tried; nothing of it was written, and running the
+    command again is safe."""
 
 
 class EpochFenced(IpcountError, RuntimeError):
-    """Another run settled this epoch (its offsets aged out) while this run was still running
-    it: the sink tables refused this run's writes, so it must not commit the epoch either."""
+    """Another run settled this epoch (its offsets aged out) while this run was still running it: the sink tables
+    refused this run's writes, so it must not commit the epoch either."""
 
 
 class PublisherFenced(IpcountError, RuntimeError):
-    """A newer publisher of the same pipeline took over (same ``transactional.id``): this one
-    stops; what it had not committed is aborted, and the newer one goes on from the cursor."""
+    """A newer publisher of the same pipeline took over (same ``transactional.id``): this one stops; what it had not
+    committed is aborted, and the newer one goes on from the cursor."""
 
 
 class MaintenanceFailed(IpcountError, RuntimeError):
@@ -104,16 +96,21 @@ class TableSetMismatch(IpcountError, exit_code=EXIT_USAGE):
 
 
 class ConnectionUnavailable(IpcountError, RuntimeError):
-    """An Airflow connection the settings name was not found, or the secrets backend that
-    holds it did not answer: Airflow tells the two apart to no one, so it is retried."""
+    """An Airflow connection the settings name was not found, or the secrets backend that holds it did not answer:
+    Airflow tells the two apart to no one, so it is retried."""
 
 
 class SparkConnectLost(IpcountError, RuntimeError):
-    """The Spark Connect server went away under a run (stopped or restarted mid-run): what
-    was written stays, and an epoch left unfinished keeps its recorded ranges."""
+    """The Spark Connect server went away under a run (stopped or restarted mid-run): what was written stays, and an
+    epoch left unfinished keeps its recorded ranges."""
 
 
 class SparkConnectError(IpcountError, RuntimeError, exit_code=EXIT_BROKER):
-    """The Spark Connect server of ``spark_remote`` (or of a task's connection) did not
-    answer: retried, a server restarting being the common case. (One that refuses the
-    token, or an address that is none, is a ConfigError.)"""
+    """The Spark Connect server of ``spark_remote`` (or of a task's connection) did not answer: retried, a server
+    restarting being the common case. (One that refuses the token, or an address that is none, is a ConfigError.)"""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (its class name if it has none), at most 200 characters: enough to say what
+    failed in a log line or a note."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]

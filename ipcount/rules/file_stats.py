@@ -1,8 +1,8 @@
 """A data file's statistics as a Delta add action records them (pure: no Arrow, no Delta).
 
-Readers skip files by these (delta-rs prunes a MERGE's or a query's files by each column's
-minimum and maximum): a file that Spark's executors write into a table
-(:mod:`ipcount.storage.table_files`) carries them as delta-rs's own writer would.
+Readers skip files by these (delta-rs prunes a MERGE's or a query's files by each column's minimum and maximum): a file
+that Spark's executors write into a table (:mod:`ipcount.storage.table_files`) carries them as delta-rs's own writer
+would.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
-# Delta truncates string statistics; a longer value's minimum and maximum are left out (the
-# column is then never skipped by), which is always correct, where a truncated maximum is not.
+# Delta truncates string statistics; a longer value's minimum and maximum are left out (the column is then never skipped
+# by), which is always correct, where a truncated maximum is not.
 MAX_STRING_STAT = 32
 
 
@@ -44,8 +44,8 @@ class FileStats:
     columns: dict[str, ColumnStats] = field(default_factory=dict)
 
     def add(self, rows: int, columns: Iterable[tuple[str, Any, Any, int]]) -> None:
-        """A batch of ``rows`` rows: per column (name, minimum, maximum, null count), the
-        minimum and maximum None where the batch has no value (or none is kept)."""
+        """A batch of ``rows`` rows: per column (name, minimum, maximum, null count), the minimum and maximum None where
+        the batch has no value (or none is kept)."""
         self.records += rows
         for name, low, high, nulls in columns:
             self.columns.setdefault(name, ColumnStats()).add(low, high, nulls)
@@ -61,8 +61,8 @@ class FileStats:
 
 
 def stat_value(value: Any) -> Any:
-    """A minimum or maximum as Delta's statistics spell it (timestamps in UTC, to the
-    microsecond, which the tables' timestamps hold exactly)."""
+    """A minimum or maximum as Delta's statistics spell it (timestamps in UTC, to the microsecond, which the tables'
+    timestamps hold exactly)."""
     if isinstance(value, datetime):
         utc = value.astimezone(timezone.utc) if value.tzinfo else value.replace(tzinfo=timezone.utc)
         return utc.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -79,7 +79,7 @@ def partition_text(value: Any) -> str | None:
 
 
 def partition_path(values: Mapping[str, str | None]) -> str:
-    """The Hive-style directory of a partition (``window_day=2026-11-24/is_final=false``), as
-    delta-rs lays its files out; empty for an unpartitioned table. Values here are dates and
-    booleans, which need no escaping; a null is Hive's default partition."""
+    """The Hive-style directory of a partition (``window_day=2026-11-24/is_final=false``), as delta-rs lays its files
+    out; empty for an unpartitioned table. Values here are dates and booleans, which need no escaping; a null is Hive's
+    default partition."""
     return "/".join(f"{k}={'__HIVE_DEFAULT_PARTITION__' if v is None else v}" for k, v in values.items())

@@ -1,10 +1,9 @@
-"""Kafka consumer properties passed through to the Java consumer that reads each epoch
-(Spark's Kafka source takes them as ``kafka.<name>`` options) and to Kafka's Java tools:
-``name=value;name=value``, with Kafka's own names, checked against the consumer's (a value
-cannot hold ';').
+"""Kafka consumer properties passed through to the Java consumer that reads each epoch (Spark's Kafka source takes them
+as ``kafka.<name>`` options) and to Kafka's Java tools: ``name=value;name=value``, with Kafka's own names, checked
+against the consumer's (a value cannot hold ';').
 
-The properties the pipeline sets from its own settings are refused here, naming the
-setting: a second way to set them would disagree with the first.
+The properties the pipeline sets from its own settings are refused here, naming the setting: a second way to set them
+would disagree with the first.
 """
 from __future__ import annotations
 
@@ -48,9 +47,9 @@ CONSUMER_NAMES = frozenset("""
     ssl.truststore.password ssl.truststore.type value.deserializer
 """.split())
 
-# What the pipeline sets itself, and from which setting (or why). Every security property
-# (ssl.*, sasl.*, security.*) comes from the kafka_* settings alone, so that every client of
-# the pipeline, Java or Python, connects and logs in alike.
+# What the pipeline sets itself, and from which setting (or why). Every security property (ssl.*, sasl.*, security.*)
+# comes from the kafka_* settings alone, so that every client of the pipeline, Java or Python, connects and logs in
+# alike.
 SECURITY_PREFIXES = ("ssl.", "sasl.", "security.")
 SECURITY_SETTINGS = "the kafka_security_protocol, kafka_sasl_* and kafka_ssl_* settings"
 OWNED = {
@@ -64,8 +63,8 @@ OWNED = {
 
 
 def parse_properties(text: str, setting: str = "kafka_consumer_properties") -> dict[str, str]:
-    """``name=value;name=value`` as a dict, every name a consumer property the pipeline
-    does not set itself; a :class:`ConfigError` naming the entry otherwise."""
+    """``name=value;name=value`` as a dict, every name a consumer property the pipeline does not set itself; a
+    :class:`ConfigError` naming the entry otherwise."""
     out: dict[str, str] = {}
     for entry in filter(None, (e.strip() for e in text.split(";"))):
         name, eq, value = (part.strip() for part in entry.partition("="))
@@ -85,9 +84,8 @@ def parse_properties(text: str, setting: str = "kafka_consumer_properties") -> d
 
 
 def refused_property(error_text: str, passed: str) -> str | None:
-    """What Kafka's consumer said of a value it refused, found in the text of a Spark error
-    (the JVM's ConfigException), when the property is one of ``passed`` (the setting's
-    text); None otherwise."""
+    """What Kafka's consumer said of a value it refused, found in the text of a Spark error (the JVM's ConfigException),
+    when the property is one of ``passed`` (the setting's text); None otherwise."""
     m = re.search(r"ConfigException: Invalid value (.*?) for configuration ([\w.-]+)(?::\s*([^\n]*))?", error_text)
     if not m or m[2] not in parse_properties(passed):
         return None

@@ -1,10 +1,8 @@
 """How the pipeline's Kafka security settings reach each client (pure: no Kafka, no Spark).
 
-The same settings (``kafka_*`` in :class:`PipelineConfig`) become the options of Spark's
-Kafka source, the keyword arguments of every kafka-python client and the properties file
-of the Java command-line tools. The password is never a setting - only the file that holds
-it - so it is in no command line, ``IPCOUNT_*`` variable, ledger row, run note or log
-line; it is read where a client is made.
+The ``kafka_*`` settings become the options of Spark's Kafka source, the keyword arguments of every kafka-python client
+and the properties of the Java tools. The password is never a setting, only the file that holds it, read where a client
+is made: it is in no command line, variable, ledger row or log line.
 """
 from __future__ import annotations
 
@@ -27,17 +25,15 @@ JAAS_MODULES = {"PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModul
 
 
 def check_resolved(cfg: PipelineConfig) -> None:
-    """A client is made from resolved settings only: ``kafka_connection`` names an Airflow
-    connection, which the DAGs' tasks and the monitor resolve; anywhere else it would silently
-    mean PLAINTEXT."""
+    """A client is made from resolved settings only: an unresolved ``kafka_connection`` would silently mean
+    PLAINTEXT."""
     if cfg.kafka_connection:
         raise ConfigError(f"kafka_connection {cfg.kafka_connection!r} is read by the Airflow tasks and the monitor "
                           "only; here give the kafka_* settings themselves (e.g. in a --config file)")
 
 
 def check_tls_files(cfg: PipelineConfig) -> None:
-    """The TLS files exist, and the client key is private and unencrypted PKCS#8 (what both
-    Kafka clients read); refused naming the setting (the clients' own errors would not)."""
+    """The TLS files exist, and the client key is private and unencrypted PKCS#8 (what both Kafka clients read)."""
     for setting in ("kafka_ssl_cafile", "kafka_ssl_client_pem"):
         path = getattr(cfg, setting)
         if not path:
@@ -73,8 +69,8 @@ def jaas_config(mechanism: str, username: str, password: str) -> str:
 
 
 def java_client_properties(cfg: PipelineConfig, password: str | None) -> dict[str, str]:
-    """The Java client's properties: ``kafka_consumer_properties``, then the security ones
-    (Spark's source adds ``kafka.`` to each)."""
+    """The Java client's properties: ``kafka_consumer_properties``, then the security ones (Spark's source adds
+    ``kafka.`` to each)."""
     check_resolved(cfg)
     check_tls_files(cfg)
     props = {**parse_properties(cfg.kafka_consumer_properties), "security.protocol": cfg.kafka_security_protocol}
@@ -97,23 +93,17 @@ def spark_kafka_options(cfg: PipelineConfig, password: str | None) -> dict[str, 
 
 
 def read_group_id(key: bytes, kafka_options: Mapping[str, str]) -> str:
-    """The ``kafka.group.id`` of an epoch's read: the same for every epoch read with the same
-    ``kafka_options`` (the source's ``kafka.*`` options) under the same ``key``.
-
-    Spark keeps a pool of Kafka consumers per group id and partition, but gives each batch
-    read a group id of its own, so every epoch's read tasks made new consumers (connections,
-    metadata) and left the old ones idle for five minutes. With one id the next epoch borrows
-    them. The pool requires the same options for an id for as long as the JVM lives, so the id
-    changes with any option (a rotated password too); it is a keyed hash, since the id reaches
-    the broker (as the client id) and must not let anyone test guesses of the password. Reads
-    are assigned partitions and commit nothing, so no group forms and no ACL is needed."""
+    """The ``kafka.group.id`` of an epoch's read: the same for every read with the same ``kafka_options`` under the same
+    ``key``, so that the next epoch borrows the pooled consumers Spark keeps per group id (its default is a new id, and
+    new consumers, per read). It changes with any option, as the pool requires, and is a keyed hash: it reaches the
+    broker and must not let anyone test guesses of the password. Reads commit nothing: no group forms, no ACL needed."""
     canonical = json.dumps(sorted(kafka_options.items()), separators=(",", ":"))
     return "ipcount-read-" + hmac.new(key, canonical.encode(), hashlib.sha256).hexdigest()[:16]
 
 
 def property_value(value: str) -> str:
-    """``value`` escaped for a Java ``.properties`` file, which ``Properties.load`` reads as
-    ISO-8859-1: backslashes doubled, a leading blank kept, anything beyond printable ASCII as UTF-16 ``\\uXXXX``."""
+    """``value`` escaped for a Java ``.properties`` file (read as ISO-8859-1): anything beyond printable ASCII as
+    ``\\uXXXX``."""
     units = value.replace("\\", "\\\\").encode("utf-16-be")
     chars = (int.from_bytes(units[i:i + 2], "big") for i in range(0, len(units), 2))
     text = "".join(chr(c) if 0x20 <= c <= 0x7E else f"\\u{c:04x}" for c in chars)
@@ -126,8 +116,7 @@ def properties_file_text(props: dict[str, str]) -> str:
 
 
 def kafka_python_options(cfg: PipelineConfig, password: str | None) -> dict[str, object]:
-    """Keyword arguments for kafka-python's admin client, consumer and producer (the keys
-    all three accept)."""
+    """Keyword arguments for kafka-python's admin client, consumer and producer (the keys all three accept)."""
     check_resolved(cfg)
     check_tls_files(cfg)
     options: dict[str, object] = {"security_protocol": cfg.kafka_security_protocol}
@@ -140,8 +129,8 @@ def kafka_python_options(cfg: PipelineConfig, password: str | None) -> dict[str,
     return options
 
 
-# An Airflow connection of type ``kafka`` (the apache-kafka provider's) keeps the client
-# settings in its extra under librdkafka's names; these are the ones the pipeline honours.
+# An Airflow connection of type ``kafka`` (the apache-kafka provider's) keeps the client settings in its extra under
+# librdkafka's names; these are the ones the pipeline honours.
 CONNECTION_SETTINGS = {"bootstrap.servers": "bootstrap_servers", "security.protocol": "kafka_security_protocol",
                        "sasl.mechanism": "kafka_sasl_mechanism", "sasl.mechanisms": "kafka_sasl_mechanism",
                        "sasl.username": "kafka_sasl_username", "ssl.ca.location": "kafka_ssl_cafile"}
@@ -150,8 +139,8 @@ CONNECTION_SECURITY_PREFIXES = ("security.", "sasl.", "ssl.", "enable.ssl.")
 
 @dataclass(frozen=True)
 class ConnectionSettings:
-    """What a ``kafka`` connection says, as pipeline settings. The password and the client
-    key are not settings: the caller writes them to private files for the run."""
+    """What a ``kafka`` connection says, as pipeline settings. The password and the client key are not settings: the
+    caller writes them to private files for the run."""
     settings: dict[str, object]
     password: str | None = None
     client_cert: str = ""      # PEM: the key too, unless client_key names it
@@ -160,9 +149,8 @@ class ConnectionSettings:
 
 def connection_settings(conn_id: str, extra: Mapping[str, object], login: str | None = None,
                         password: str | None = None) -> ConnectionSettings:
-    """The Kafka settings of connection ``conn_id`` from its extra (librdkafka names, as the
-    apache-kafka provider's form writes them) and, as a fallback, its login and password
-    fields. Security options the pipeline cannot honour are refused, naming them."""
+    """The Kafka settings of connection ``conn_id`` from its extra (librdkafka names) and, as a fallback, its login and
+    password. Security options the pipeline cannot honour are refused, naming them."""
     def text(key: str) -> str:
         value = extra.get(key, "")
         if not isinstance(value, (str, int)) or isinstance(value, bool):

@@ -1,19 +1,11 @@
-"""The offset ledger's schema and rules, without Spark or Delta: every reader and writer of
-the ledger (the Spark writer in :mod:`ipcount.storage.ledger`, the delta-rs readers of the
-idle check, verify, the DAG summary and the monitoring pages) goes through this module.
+"""The offset ledger's schema and rules, without Spark or Delta: every reader and writer of the ledger goes through this
+module.
 
-The ledger is the pipeline's only recovery state (like a Flink checkpoint, or Spark's
-offsets/commits logs). One row per (epoch, partition): ``status`` is ``planned`` from the
-write-ahead until the sink commit is done, then ``committed``. With ``on_data_loss =
-"skip"``, offsets deleted before they were counted get a row of their own with status
-``lost``, so that per partition the committed and lost ranges still chain without a gap.
-
-``kind`` is ``scheduled`` (the chain the DAG advances) or ``backfill`` (a request for a
-given range, ``request_id`` naming it; rows written before backfills existed have no kind
-and are scheduled). Whatever the kind, the rows of one ledger never overlap.
-
-Rows are plain mappings (column -> value), as delta-rs returns them and as Spark rows
-become with ``asDict()``.
+The ledger is the pipeline's only recovery state (like a Flink checkpoint). One row per (epoch, partition): ``status``
+is ``planned`` from the write-ahead until the sink commit is done, then ``committed``; offsets deleted before they were
+counted (``on_data_loss = "skip"``) get a ``lost`` row, so that per partition the ranges still chain without a gap.
+``kind`` is ``scheduled`` (the chain the DAG advances; also a row without kind) or ``backfill`` (``request_id`` names
+the request). The rows of one ledger never overlap. Rows are plain mappings (column -> value), as delta-rs returns them.
 """
 from __future__ import annotations
 
@@ -32,8 +24,8 @@ SUMMARY = "summary"  # the status of a summary row (:mod:`ipcount.rules.ledger_s
 SCHEDULED, BACKFILL = "scheduled", "backfill"
 EPOCH_KINDS = (SCHEDULED, BACKFILL)
 
-# (column, Spark SQL type, nullable), in table order. Columns after the first release are
-# nullable, so that older ledgers gain them by ALTER TABLE ADD COLUMNS.
+# (column, Spark SQL type, nullable), in table order. Columns after the first release are nullable, so that older
+# ledgers gain them by ALTER TABLE ADD COLUMNS.
 COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("epoch", "bigint", False),
     ("topic", "string", False),
@@ -79,20 +71,12 @@ def is_scheduled(row: Row) -> bool:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """The ranges of one epoch and the watermarks in force when it was planned.
+    """The ranges of one epoch and what was in force when it was planned, recorded so that a replay does the same.
 
-    ``watermark_ms`` is the watermark left by the previous committed epoch of the same
-    lane (None before the first): records of this epoch are classified late against it,
-    so a replay of the epoch classifies exactly the same records as late. The scheduled
-    chain is one lane; each backfill request is a lane of its own, so history counted
-    later is not thrown away as late against the live watermark.
-
-    ``chain_watermark_ms`` is the scheduled chain's watermark when the epoch was planned:
-    a backfill epoch marks windows that watermark has passed as final.
-
-    ``planned_at_ms`` is when the plan was made (the ledger's ``planned_at``): every record
-    of its ranges was in Kafka by then, so event times far past it are a bad clock's
-    (:func:`ipcount.rules.records.is_ahead`). Recorded, so that a replay bounds the same.
+    ``watermark_ms``: left by the previous committed epoch of the same lane (the chain, or one backfill request), which
+    this epoch's records are classified late against. ``chain_watermark_ms``: the chain's, which a backfill epoch
+    finalizes windows against. ``planned_at_ms``: every record of the ranges was in Kafka by then, so event times far
+    past it are a bad clock's (:func:`ipcount.rules.records.is_ahead`).
     """
 
     epoch: int
@@ -162,8 +146,8 @@ def metric_totals(rows: Iterable[Row]) -> dict[str, int]:
 
 
 def chain_positions(rows: Iterable[Row], statuses: tuple[str, ...] = (COMMITTED,)) -> dict[int, int]:
-    """partition -> next offset of the scheduled chain, from one topic's ledger rows (only
-    its rows of ``statuses`` count; backfills may lie behind or ahead of the chain)."""
+    """partition -> next offset of the scheduled chain, from one topic's ledger rows (only its rows of ``statuses``
+    count; backfills may lie behind or ahead of the chain)."""
     positions: dict[int, int] = {}
     for r in rows:
         if r["status"] in statuses and is_scheduled(r):
@@ -191,9 +175,8 @@ class LedgerState:
     last_epoch: int = 0                       # highest epoch id of any kind, planned or committed
     committed: Mapping[int, int] = field(default_factory=dict)  # scheduled chain: partition -> next offset
     watermark_ms: int | None = None           # left by the chain's last committed epoch
-    # Every scheduled epoch planned but not committed, lowest first: one at most, except in a
-    # rebuild's target, which replays in the source's commit order and may be stopped after
-    # each plan.
+    # Every scheduled epoch planned but not committed, lowest first: one at most, except in a rebuild's target, which
+    # replays in the source's commit order and may be stopped after each plan.
     pending_chain: tuple[EpochPlan, ...] = ()
     pending_backfills: tuple[EpochPlan, ...] = ()  # backfill epochs planned but not committed
     coverage: Coverage = field(default_factory=lambda: Coverage(""))  # offsets any row owns
@@ -212,9 +195,8 @@ class LedgerState:
 
 @dataclass(frozen=True)
 class Folded:
-    """What one topic's final epochs (no planned row left) up to some epoch id left behind:
-    the facts :func:`state_of` and the chain's readers take from rows, kept in the ledger's
-    summary (:mod:`ipcount.rules.ledger_summary`) so that readers need not read those rows."""
+    """What one topic's final epochs up to some id left behind, kept in the ledger's summary
+    (:mod:`ipcount.rules.ledger_summary`) so that readers need not read their rows."""
 
     owned: Mapping[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # merged intervals
     chain_until: Mapping[int, int] = field(default_factory=dict)      # chain's committed and lost rows
@@ -234,9 +216,8 @@ def newest_chain_epoch(rows: Iterable[Row], folded: Folded = Folded()) -> tuple[
 
 
 def lane_watermarks(rows: Iterable[Row], folded: Folded = Folded()) -> dict[str, int | None]:
-    """Backfill request -> its lane's watermark, from its committed rows. A lane's watermark
-    only moves forward, even when two runs of one request overlapped and the later epoch was
-    planned from the older watermark."""
+    """Backfill request -> its lane's watermark, from its committed rows (it only moves forward, even when two runs of
+    one request overlapped)."""
     lanes = dict(folded.lanes)
     for r in rows:
         if kind_of(r) == BACKFILL and r["status"] == COMMITTED:
@@ -255,27 +236,20 @@ def furthest(*positions: Mapping[int, int]) -> dict[int, int]:
 
 
 def chain_passed(rows: Iterable[Row], folded: Folded = Folded()) -> dict[int, int]:
-    """partition -> the scheduled chain's next offset, past its committed and its lost rows
-    (one topic's ``rows`` and what a summary ``folded`` of it). The chain goes on after its
-    lost rows too: a chain that gave up its first epochs (their offsets aged out) has no
-    committed row, and resolving its start position again would leave the offsets deleted
-    since then owned by no row, neither counted nor lost."""
+    """partition -> the scheduled chain's next offset, past its committed and its lost rows: a chain that gave up its
+    first epochs has no committed row, and resolving its start position again would leave offsets owned by no row."""
     return furthest(folded.chain_until, chain_positions(rows, statuses=(COMMITTED, LOST)))
 
 
 def state_of(topic: str, rows: Iterable[Row], folded: Folded = Folded(), last_epoch: int = 0) -> LedgerState:
-    """:class:`LedgerState` of ``topic`` from the ledger's rows (of all topics: epoch ids
-    are unique across them), or from a summary's ``folded`` facts and ``last_epoch`` and the
-    rows it has not folded (every planned row among them)."""
+    """:class:`LedgerState` of ``topic`` from the ledger's rows (of all topics: epoch ids are unique across them), with
+    a summary's ``folded`` facts and ``last_epoch`` for the rows it folded."""
     rows = list(rows)
     mine = [r for r in rows if r["topic"] == topic]
     chain_last = newest_chain_epoch(mine, folded)
     planned = rows_by_epoch(r for r in mine if r["status"] == PLANNED)
     plans = [plan_from_rows(rs) for _, rs in sorted(planned.items())]
-    # The chain's planners finish its unfinished epoch before planning another; a rebuild's
-    # target (or a ledger from a version that could leave two) may hold more: runners finish
-    # the lower first, then the next: their ranges never overlap, and each has its recorded
-    # watermark.
+    # Runners finish the chain's unfinished epochs (a rebuild's target may hold several) lowest first.
     chain_plans = [p for p in plans if p.kind == SCHEDULED]
     # Every row of the topic, planned, committed or lost and of any kind, owns its offsets.
     coverage = Coverage.of(topic, [*(OffsetRange(topic, p, a, b) for p, spans in folded.owned.items()
@@ -292,9 +266,8 @@ def state_of(topic: str, rows: Iterable[Row], folded: Folded = Folded(), last_ep
 
 @dataclass(frozen=True)
 class EpochSummary:
-    """What one epoch did, in the one shape every reporter uses: the CLI's line and JSON,
-    the DAG's XCom and Asset event, the benchmark. ``plan`` is None for a run that found
-    nothing new to read (no epoch)."""
+    """What one epoch did, in the one shape every reporter uses (the CLI, the DAG, the benchmark). ``plan`` is None for
+    a run that found nothing new to read."""
 
     plan: EpochPlan | None
     records_read: int = 0
@@ -379,6 +352,6 @@ def committed_summaries(rows: Iterable[Row]) -> list[EpochSummary]:
 
 
 def summaries_in(output: str) -> list[EpochSummary]:
-    """The summaries in the output of ``ipcount epoch --summary-json`` (one JSON line per
-    epoch attempted, among the human-readable lines)."""
+    """The summaries in the output of ``ipcount epoch --summary-json`` (one JSON line per epoch attempted, among the
+    human-readable lines)."""
     return [EpochSummary.from_dict(json.loads(line)) for line in output.splitlines() if line.startswith("{")]

@@ -1,11 +1,10 @@
-"""The names lineage gives the pipeline's datasets: Airflow Asset URIs and the OpenLineage
-(namespace, name) pairs they stand for.
+"""The names lineage gives the pipeline's datasets: Airflow Asset URIs and the OpenLineage (namespace, name) pairs they
+stand for.
 
-A Kafka topic is ``kafka://<first bootstrap server>/<topic>``, as OpenLineage names Kafka
-datasets (one server: every process that parses the DAG must name it alike, and the list's
-order is configuration). Behind an Airflow connection the servers are only known when a task
-runs, so the connection id stands in for them. A table is its location: a URI as written, a
-local path as ``file://<path>``.
+A Kafka topic is ``kafka://<first bootstrap server>/<topic>``, as OpenLineage names Kafka datasets (one server: every
+process that parses the DAG must name it alike, and the list's order is configuration). Behind an Airflow connection the
+servers are only known when a task runs, so the connection id stands in for them. A table is its location: a URI as
+written, a local path as ``file://<path>``.
 """
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ def table_uri(location: str) -> str:
 
 
 def dataset_of(uri: str) -> tuple[str, str]:
-    """OpenLineage's (namespace, name) for an Asset URI: ``kafka://h:p/t`` is
-    (``kafka://h:p``, ``t``); ``s3://bucket/key`` is (``s3://bucket``, ``key``); ``file:///p``
-    is (``file``, ``/p``)."""
+    """OpenLineage's (namespace, name) for an Asset URI: ``kafka://h:p/t`` is (``kafka://h:p``, ``t``);
+    ``s3://bucket/key`` is (``s3://bucket``, ``key``); ``file:///p`` is (``file``, ``/p``)."""
     m = _URI.match(uri)
     if not m:
         raise ValueError(f"not a dataset URI: {uri!r}")

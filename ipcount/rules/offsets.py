@@ -1,9 +1,8 @@
 """Offset ranges and epoch planning: pure functions, no Kafka, Spark or Delta here.
 
-An epoch reads, per partition, the half-open range ``[from_offset, until_offset)``.
-Planning takes what the ledger says is committed and what the broker says is available,
-and returns the next epoch's ranges. Problems that mean data was lost are raised as
-:class:`DataLossError` with the partition and both offsets, never papered over.
+An epoch reads, per partition, the half-open range ``[from_offset, until_offset)``. Planning takes what the ledger says
+is committed and what the broker says is available, and returns the next epoch's ranges. Problems that mean data was
+lost are raised as :class:`DataLossError` with the partition and both offsets, never papered over.
 """
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ class OffsetRange:
 
     @property
     def size(self) -> int:
-        """Offsets spanned. An upper bound on records: transaction markers and aborted
-        records occupy offsets that a read_committed read skips."""
+        """Offsets spanned. An upper bound on records: transaction markers and aborted records occupy offsets that a
+        read_committed read skips."""
         return self.until_offset - self.from_offset
 
     @property
@@ -55,8 +54,7 @@ def describe(ranges: Iterable[OffsetRange], empty: str = "nothing") -> str:
 
 
 class OwnedOffsets(Protocol):
-    """What planning needs to know of the offsets the ledger already owns
-    (:class:`ipcount.rules.coverage.Coverage`)."""
+    """What planning needs to know of the offsets the ledger already owns (:class:`ipcount.rules.coverage.Coverage`)."""
 
     def next_gap(self, partition: int, position: int, end: int) -> tuple[int, int]: ...
 
@@ -72,23 +70,14 @@ def offsets_json(ranges: Iterable[OffsetRange], which: str) -> str:
 def plan_ranges(topic: str, committed: Mapping[int, int], earliest: Mapping[int, int],
                 latest: Mapping[int, int], initial: Mapping[int, int], max_records: int,
                 coverage: OwnedOffsets | None = None) -> tuple[OffsetRange, ...]:
-    """The next epoch's ranges.
+    """The next epoch's ranges: one per partition the broker has, sorted, maybe empty; :class:`DataLossError` when a
+    committed position is no longer readable.
 
-    Args:
-        committed: partition -> first offset not yet counted, from the ledger (empty for
-            a pipeline that has never committed).
-        earliest / latest: partition -> the broker's log start offset / last stable offset.
-        initial: partition -> where an empty ledger starts (the resolved start position;
-            partitions it does not name start at earliest). Once the ledger has entries it
-            always wins; partitions it has never seen (added to the topic later) start at
-            their earliest offset.
-        max_records: cap on the total span of the epoch, split across partitions by
-            backlog (see :func:`split_cap`).
-        coverage: offsets the ledger already owns (backfills ahead of the chain); the
-            range skips over them and stops before the next owned offset.
-
-    Returns one range per partition the broker has, sorted by partition; ranges may be
-    empty. Raises :class:`DataLossError` when a committed position is no longer readable.
+    ``committed``: partition -> first offset not yet counted, from the ledger (empty before its first commit).
+    ``earliest``/``latest``: the broker's log start / last stable offsets. ``initial``: where an empty ledger starts
+    (the resolved start position); a partition neither names starts at its earliest offset. ``max_records``: the epoch's
+    cap, split across partitions by backlog (:func:`split_cap`). ``coverage``: offsets the ledger already owns
+    (backfills ahead of the chain), which a range skips, stopping before the next owned offset.
     """
     check_partitions_exist(topic, committed, latest)
     starts: dict[int, int] = {}
@@ -120,10 +109,9 @@ def check_partitions_exist(topic: str, positions: Mapping[int, int], latest: Map
 
 def skip_deleted(topic: str, committed: Mapping[int, int], earliest: Mapping[int, int],
                  coverage: OwnedOffsets | None = None) -> tuple[dict[int, int], tuple[OffsetRange, ...]]:
-    """The ``on_data_loss = "skip"`` policy: move committed positions that retention has
-    overtaken up to the log start, and return the skipped ranges so they can be recorded.
-    Offsets other ledger rows own (a backfill counted them before they aged out) are not
-    lost: the lost ranges are the gaps between them."""
+    """The ``on_data_loss = "skip"`` policy: move committed positions that retention has overtaken up to the log start,
+    and return the skipped ranges so they can be recorded. Offsets other ledger rows own (a backfill counted them before
+    they aged out) are not lost: the lost ranges are the gaps between them."""
     moved, lost = dict(committed), []
     for p, position in sorted(committed.items()):
         if p in earliest and position < earliest[p]:
@@ -140,8 +128,8 @@ def skip_deleted(topic: str, committed: Mapping[int, int], earliest: Mapping[int
 
 def split_at_log_start(ranges: Iterable[OffsetRange], earliest: Mapping[int, int]
                        ) -> tuple[tuple[OffsetRange, ...], tuple[OffsetRange, ...]]:
-    """(what the broker still has, what retention deleted) of ``ranges``: each range split
-    at its partition's log start; a partition the broker no longer has is deleted whole."""
+    """(what the broker still has, what retention deleted) of ``ranges``: each range split at its partition's log start;
+    a partition the broker no longer has is deleted whole."""
     live, deleted = [], []
     for r in ranges:
         start = earliest.get(r.partition, r.until_offset)
@@ -150,6 +138,15 @@ def split_at_log_start(ranges: Iterable[OffsetRange], earliest: Mapping[int, int
         if max(start, r.from_offset) < r.until_offset:
             live.append(OffsetRange(r.topic, r.partition, max(start, r.from_offset), r.until_offset))
     return tuple(live), tuple(deleted)
+
+
+def check_still_there(topic: str, ranges: Iterable[OffsetRange], earliest: Mapping[int, int],
+                      latest: Mapping[int, int]) -> None:
+    """Raise :class:`DataLossError` if the broker no longer has all of the (non-empty) ``ranges``."""
+    ranges = [r for r in ranges if r.size > 0]
+    check_partitions_exist(topic, {r.partition: r.from_offset for r in ranges}, latest)
+    for r in ranges:
+        check_readable(topic, r.partition, r.from_offset, earliest[r.partition], latest[r.partition])
 
 
 def check_readable(topic: str, partition: int, from_offset: int, earliest: int, latest: int) -> None:
@@ -168,9 +165,8 @@ def check_readable(topic: str, partition: int, from_offset: int, earliest: int, 
 def split_cap(backlog: Mapping[int, int], cap: int) -> dict[int, int]:
     """Split ``cap`` records across partitions in proportion to their backlog.
 
-    Largest-remainder rounding keeps the total exactly ``min(cap, sum(backlog))``. No
-    partition with a backlog is starved while the cap allows one record per such
-    partition: each gets at least one, taken from the largest share.
+    Largest-remainder rounding keeps the total exactly ``min(cap, sum(backlog))``. No partition with a backlog is
+    starved while the cap allows one record per such partition: each gets at least one, taken from the largest share.
     """
     if cap < 1:
         raise ValueError(f"cap must be >= 1; found {cap}")
@@ -202,9 +198,8 @@ ONE_TASK_RECORDS = 10_000
 
 
 def reads_in_one_task(records: int) -> bool:
-    """Whether an epoch of ``records`` records reads them all in one Spark task: a small
-    epoch's time goes to scheduling, not to parsing, and with its records in one partition the
-    tally needs no shuffle (one stage instead of two, and no second wave of tasks on few cores)."""
+    """Whether an epoch of ``records`` records reads them all in one Spark task: a small epoch's time goes to
+    scheduling, and in one partition the tally needs no shuffle."""
     return records <= ONE_TASK_RECORDS
 
 
@@ -214,14 +209,9 @@ TASKS_PER_CORE = 3
 
 
 def read_tasks(records: int, partitions: int, cores: int) -> int | None:
-    """How many Spark tasks to read ``records`` from ``partitions`` Kafka partitions with (the
-    Kafka source's ``minPartitions``), or None for its default of one task per partition.
-
-    One task per partition leaves cores idle whenever the partitions do not divide evenly
-    among them (3 partitions on 2 cores: the third reads alone, a third of the stage on one
-    core). A few tasks per core keep every core busy to the end; Spark splits each
-    partition's range in proportion to its size.
-    """
+    """How many Spark tasks to read ``records`` from ``partitions`` Kafka partitions with (``minPartitions``), or None
+    for one per partition, which leaves cores idle when the partitions do not divide evenly among them: a few tasks per
+    core keep every core busy to the end."""
     want = TASKS_PER_CORE * cores
     if records < SPLIT_READ_RECORDS or want <= partitions:
         return None

@@ -1,5 +1,5 @@
-"""Files that hold secrets (passwords, keys, tokens): made private from their first byte,
-read only when nobody else may read them, as ssh treats its keys."""
+"""Files that hold secrets (passwords, keys, tokens): made private from their first byte, read only when nobody else may
+read them, as ssh treats its keys."""
 from __future__ import annotations
 
 import os
@@ -16,8 +16,8 @@ def open_to_others(path: str | Path) -> int | None:
 
 
 def write_private_file(path: str | Path, data: str | bytes, exclusive: bool = False) -> Path:
-    """Write ``data`` to ``path`` created with mode 0600 (never readable by others, not even
-    for a moment); ``exclusive``: FileExistsError if it exists."""
+    """Write ``data`` to ``path`` created with mode 0600 (never readable by others, not even for a moment);
+    ``exclusive``: FileExistsError if it exists."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
     fd = os.open(path, flags, 0o600)
     os.fchmod(fd, 0o600)  # a file that was there keeps its mode otherwise
@@ -27,8 +27,8 @@ def write_private_file(path: str | Path, data: str | bytes, exclusive: bool = Fa
 
 
 def read_private_file(path: str | Path, setting: str) -> str:
-    """The text of a secret file named by ``setting``, without one line end; refused (naming
-    the setting) if it is missing, empty, or others may read it."""
+    """The text of a secret file named by ``setting``, without one line end; refused (naming the setting) if it is
+    missing, empty, or others may read it."""
     p = Path(path)
     try:
         mode = open_to_others(p)

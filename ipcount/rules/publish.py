@@ -1,17 +1,10 @@
-"""What the publisher sends to the sink topic, and the cursor that says how far it got (pure:
-no Kafka, no Delta).
+"""What the publisher sends to the sink topic, and the cursor that says how far it got (pure: no Kafka, no Delta).
 
-Each committed version of the counts table that an epoch's MERGE made is published as one
-Kafka transaction: one record per (window, ip) row the MERGE inserted or updated, with the
-row's full count after it and whether the window is final. The records are keyed by window
-and IP, so a compacted topic keeps the latest count of each; a consumer that folds the
-topic's last value per key (with ``isolation.level=read_committed``) has the counts table.
-
-The cursor is the counts-table version to publish next, committed as the offset of a
-publisher consumer group in the same transaction as the records: published versions and
-the cursor cannot disagree, whatever crashes when. When Kafka expires that offset, the
-topic's newest record says the same; so the topic must keep its records (compacted only),
-and a publisher that finds neither never starts over by itself once the topic shows it
+Each counts version an epoch made is published as one Kafka transaction: a record per (window, ip) row it inserted or
+updated, keyed by window and IP, with the row's count after it, so a compacted topic folded per key is the counts table.
+The cursor (the next version) is committed as a publisher group's offset in the same transaction: published versions and
+cursor cannot disagree. When Kafka expires that offset the topic's newest record says the same, so the topic must keep
+its records (compacted only); a publisher that finds neither never starts over by itself once the topic shows it
 published (``ipcount publish --resync`` does, on request).
 """
 from __future__ import annotations
@@ -28,8 +21,8 @@ CHANGE_DATA_FEED = "delta.enableChangeDataFeed"  # the counts table's property p
 INSERT, PREIMAGE, POSTIMAGE, DELETE = "insert", "update_preimage", "update_postimage", "delete"
 # What a published record says of a row: a change to any of these is published.
 PUBLISHED_COLUMNS = ("window_end", "count", "is_final")
-# A record's kind: the scheduled chain; a backfill request; the table as it was when
-# publishing started (or restarted after a rebuild), before any change was published.
+# A record's kind: the scheduled chain; a backfill request; the table as it was when publishing started (or restarted
+# after a rebuild), before any change was published.
 LIVE, BACKFILL, SNAPSHOT = "live", "backfill", "snapshot"
 EPOCH_COMMIT = re.compile(r"^epoch=(\d+)$")  # the commit info of an epoch's counts MERGE (sink.py)
 CURSOR_FORMAT = 1
@@ -44,8 +37,8 @@ def has_change_feed(table_properties: Mapping[str, str]) -> bool:
 
 @dataclass(frozen=True)
 class Cursor:
-    """The next counts-table version to publish, of which table (a rebuilt table swapped in
-    starts its versions again), and the epoch of the last one published."""
+    """The next counts-table version to publish, of which table (a rebuilt table swapped in starts its versions again),
+    and the epoch of the last one published."""
 
     table_id: str
     next_version: int
@@ -88,15 +81,10 @@ def _utc_iso(value: Any) -> str:
 
 
 def changed_rows(cdf_rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The rows one version inserted or updated, as they are after it, in (window, ip) order.
-    ``correction``: the row was final before the change (a backfill counted into a closed
-    window); consumers that act once per final window should treat it as such.
-
-    A version that replaced whole files without change data of its own (an epoch merged by
-    Spark's executors: :mod:`ipcount.storage.table_files`) reads as every row of the files it
-    removed deleted and every row of the files it added inserted: a row deleted and inserted
-    again is an update when it differs, and no change when it does not. So is an update whose
-    published columns are as they were (a newer version's UPDATE of a column of its own)."""
+    """The rows one version inserted or updated, as they are after it, in (window, ip) order; ``correction``: the row
+    was final before (a backfill counted into a closed window). A version whose files the executors replaced reads as
+    its old rows deleted and new ones inserted: a row deleted and inserted again, or updated, with its published columns
+    as they were is no change."""
     before: dict[tuple[Any, str], bool] = {}
     removed: dict[tuple[Any, str], Mapping[str, Any]] = {}  # a row as it was: deleted, or a preimage
     after: list[Mapping[str, Any]] = []
@@ -129,18 +117,16 @@ def snapshot_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def epoch_of_commit(user_metadata: str | None) -> int | None:
-    """The epoch whose counts MERGE made a commit with this commit info, or None (table
-    creation, property changes, fences: nothing to publish)."""
+    """The epoch whose counts MERGE made a commit with this commit info, or None (table creation, property changes,
+    fences: nothing to publish)."""
     match = EPOCH_COMMIT.match(user_metadata or "")
     return int(match.group(1)) if match else None
 
 
 def sink_records(rows: Iterable[Mapping[str, Any]], *, table_id: str, version: int, epoch: int | None, kind: str,
                  request_id: str | None = None) -> list[SinkRecord]:
-    """The Kafka records of one published version: key = the row's identity, value = the row
-    after the version with where it came from (self-describing JSON, the same bytes whenever
-    the version is published again). The headers say which table version it was, so the
-    topic alone can tell how far publishing got (:func:`cursor_after`)."""
+    """The Kafka records of one published version: key = the row's identity, value = the row with where it came from
+    (the same JSON bytes whenever the version is published again); headers name the version (:func:`cursor_after`)."""
     if kind not in (LIVE, BACKFILL, SNAPSHOT):
         raise ValueError(f"kind must be {LIVE}, {BACKFILL} or {SNAPSHOT}; got {kind!r}")
     headers = ((VERSION_HEADER, str(version).encode()), (TABLE_HEADER, table_id.encode()),
@@ -157,10 +143,8 @@ def sink_records(rows: Iterable[Mapping[str, Any]], *, table_id: str, version: i
 
 
 def cursor_after(headers: Iterable[Iterable[tuple[str, bytes]]]) -> Cursor | None:
-    """The cursor just past the newest version among published records (given their headers),
-    or None if there are none. Versions are published in order, so the newest record of the
-    topic's committed tail is the last version that sent any; later versions sent nothing and
-    publishing them again only moves the cursor."""
+    """The cursor just past the newest version among published records (given their headers), or None. Versions are
+    published in order: later versions sent nothing, and publishing them again only moves the cursor."""
     newest: tuple[int, str, int | None] | None = None
     for record_headers in headers:
         named = dict(record_headers)
@@ -176,9 +160,7 @@ def cursor_after(headers: Iterable[Iterable[tuple[str, bytes]]]) -> Cursor | Non
 
 
 def check_sink_policy(topic: str, policy: str | None, bootstrap_servers: str) -> None:
-    """The sink topic must be compacted only. Retention (``delete``, alone or with
-    ``compact``) deletes published records by age or size: consumers can no longer fold the
-    topic into the table, and a publisher whose cursor expired finds nothing to go on from."""
+    """The sink topic must be compacted only: retention would delete published records (see the errors)."""
     fix = (f"`kafka-configs.sh --bootstrap-server {bootstrap_servers} --alter --entity-type topics --entity-name "
            f"{topic} --add-config cleanup.policy={SINK_CLEANUP_POLICY}`")
     if policy is None:
@@ -192,10 +174,8 @@ def check_sink_policy(topic: str, policy: str | None, bootstrap_servers: str) ->
 
 
 def check_never_published(topic: str, group: str, log_starts: Mapping[int, int]) -> None:
-    """For a publisher that has no cursor and finds none of its records in the sink topic:
-    the topic must never have had any. Records deleted from it (a partition whose log starts
-    past offset 0) were published, under a cursor Kafka has since expired; starting over from
-    the counts table's beginning would send every version again."""
+    """For a publisher without a cursor or records in the sink topic: records deleted from it (a log start past 0) were
+    published under a cursor Kafka expired, and starting over would send every version again."""
     deleted = {p: start for p, start in sorted(log_starts.items()) if start > 0}
     if deleted:
         starts = ", ".join(f"partition {p} starts at offset {start}" for p, start in deleted.items())

@@ -1,17 +1,8 @@
-"""The record format, in plain Python: the specification the Spark job implements.
+"""The record format, in plain Python: the specification the Spark job implements (docs/data-model.md, "Record format").
 
-A Kafka record value is one access-log event, either
-
-* a JSON object ``{"ip": "203.0.113.9", "ts": "2026-11-21T10:00:03.120Z"}`` where ``ts``
-  is an ISO-8601 instant (``Z`` or ``+hh:mm`` offset, up to 9 fraction digits) or epoch
-  milliseconds, or
-* an NGINX ``combined``/``common`` log line
-  ``203.0.113.9 - - [21/Nov/2026:10:00:03 +0000] "GET / HTTP/1.1" 200 512 "-" "curl/8"``.
-
-Anything else is malformed and gets exactly one reason code (first match in the order of
-:data:`REASONS`). The Spark job runs the same rules in Java (``ipcount.parse``, from
-jars/ipcount-parse); the tests hold the two to each other record by record. Event times are
-epoch milliseconds (sub-ms is truncated).
+A Kafka record value is one access-log event, a JSON object ``{"ip": ..., "ts": ...}`` or an NGINX combined/common log
+line; anything else is malformed, with exactly one reason code (the first of :data:`REASONS`). The Spark job runs the
+same rules in Java (``ipcount.parse``, jars/ipcount-parse); the tests hold the two to each other record by record.
 """
 from __future__ import annotations
 
@@ -36,8 +27,7 @@ EVENT_TIME_AHEAD = "event_time_ahead"    # later than the record's Kafka timesta
                                          # planning time) plus max_event_time_ahead_seconds
 REASONS = (NULL_VALUE, EMPTY_VALUE, TOO_LARGE, NOT_UTF8, BAD_JSON, BAD_SHAPE, UNRECOGNIZED,
            INVALID_IP, INVALID_TIMESTAMP, EVENT_TIME_AHEAD)
-# A too_large dead letter keeps this much of its value (with its size and SHA-256), so the
-# size cap caps storage too; its offset still points at the whole record while Kafka keeps it.
+# A too_large dead letter keeps this much of its value (with its size and SHA-256): the size cap caps storage too.
 DEAD_LETTER_PREFIX_BYTES = 1_024
 
 
@@ -45,8 +35,8 @@ def dead_letter_prefix_bytes(max_value_bytes: int) -> int:
     """How many bytes of a too_large value its dead letter keeps."""
     return min(DEAD_LETTER_PREFIX_BYTES, max_value_bytes)
 
-# At most 999 levels of nesting, the record's object included (Spark's JSON parser, which the
-# job once used, stopped at 1,000 and the job wrapped the record in one more).
+# At most 999 levels of nesting, the record's object included (Spark's JSON parser, which the job once used, stopped at
+# 1,000 and the job wrapped the record in one more).
 MAX_JSON_DEPTH = 999
 MIN_EVENT_MS = 946_684_800_000    # 2000-01-01T00:00:00Z
 MAX_EVENT_MS = 4_102_444_800_000  # 2100-01-01T00:00:00Z
@@ -54,8 +44,8 @@ MAX_EVENT_MS = 4_102_444_800_000  # 2100-01-01T00:00:00Z
 MAX_OFFSET_MINUTES = 18 * 60
 WHITESPACE = " \t\r\n"
 
-# Explicit ASCII classes only (Python's \d and \s are Unicode-aware). The end of the text is
-# "nothing follows": "$" also matches before a final "\n".
+# Explicit ASCII classes only (Python's \d and \s are Unicode-aware). The end of the text is "nothing follows": "$" also
+# matches before a final "\n".
 _END = r"(?![\s\S])"
 ISO_PATTERN = (r"^([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})"
                r"(\.([0-9]{1,9}))?(Z|[+-][0-9]{2}:[0-9]{2})" + _END)
@@ -83,17 +73,10 @@ class Malformed:
 def parse_value(value: bytes | None, max_value_bytes: int = 65_536, *, event_time: str = "payload",
                 kafka_timestamp_ms: int | None = None, planned_at_ms: int | None = None,
                 max_ahead_ms: int | None = None) -> Event | Malformed:
-    """Parse one Kafka record value into an :class:`Event`, or say why it is malformed.
-
-    With ``event_time = "kafka"`` the event time is the Kafka record's timestamp
-    (``kafka_timestamp_ms``): the payload's own time (JSON ``ts``, NGINX ``[time]``) is then
-    neither required nor checked.
-
-    With ``max_ahead_ms``, an event time later than the record's Kafka timestamp, or than
-    ``planned_at_ms`` (when the epoch was planned: every record it reads was in Kafka by
-    then), by more than that is :data:`EVENT_TIME_AHEAD`: one record from a bad clock
-    would otherwise move the watermark into the future and make every later record late.
-    """
+    """Parse one Kafka record value into an :class:`Event`, or say why it is malformed. With ``event_time = "kafka"``
+    the event time is ``kafka_timestamp_ms`` and the payload's own time is neither required nor checked. With
+    ``max_ahead_ms``, an event time that far past the Kafka timestamp or ``planned_at_ms`` is :data:`EVENT_TIME_AHEAD`:
+    one record from a bad clock would otherwise move the watermark into the future and make every later record late."""
     if value is None:
         return Malformed(NULL_VALUE)
     if len(value) == 0:
@@ -132,8 +115,8 @@ def parse_value(value: bytes | None, max_value_bytes: int = 65_536, *, event_tim
 
 
 def is_ahead(event_ms: int, max_ahead_ms: int, kafka_timestamp_ms: int | None, planned_at_ms: int | None) -> bool:
-    """Whether ``event_ms`` is more than ``max_ahead_ms`` after the earlier of the Kafka
-    timestamp and the planning time (a negative Kafka timestamp means none)."""
+    """Whether ``event_ms`` is more than ``max_ahead_ms`` after the earlier of the Kafka timestamp and the planning time
+    (a negative Kafka timestamp means none)."""
     known = [t for t in (kafka_timestamp_ms, planned_at_ms) if t is not None and t >= 0]
     return bool(known) and event_ms > min(known) + max_ahead_ms
 
@@ -150,8 +133,8 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 
 def _json_depth(text: str) -> int:
-    """The deepest nesting of objects and arrays, outside strings (for any text: invalid
-    JSON fails to parse either way)."""
+    """The deepest nesting of objects and arrays, outside strings (for any text: invalid JSON fails to parse either
+    way)."""
     depth = deepest = 0
     in_string = escaped = False
     for c in text:
@@ -211,9 +194,8 @@ def is_valid_ip(text: str) -> bool:
 
 
 def canonical_ip(text: str) -> str:
-    """One spelling per address, so that one client is one row: IPv4 as is (the pattern
-    allows no leading zeros), IPv6 compressed and lower case (RFC 5952), and an
-    IPv4-mapped IPv6 address (``::ffff:1.2.3.4``) as its IPv4 address."""
+    """One spelling per address, so that one client is one row: IPv4 as is (the pattern allows no leading zeros), IPv6
+    compressed and lower case (RFC 5952), and an IPv4-mapped IPv6 address (``::ffff:1.2.3.4``) as its IPv4 address."""
     address = ipaddress.ip_address(text)
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)
@@ -221,8 +203,8 @@ def canonical_ip(text: str) -> str:
 
 
 def offset_minutes(sign: str, hours: int, minutes: int) -> int | None:
-    """A time-zone offset in minutes, None unless java.time would accept it (minutes < 60,
-    at most 18:00 either way): Spark's parser reads offsets with java.time."""
+    """A time-zone offset in minutes, None unless java.time would accept it (minutes < 60, at most 18:00 either way):
+    Spark's parser reads offsets with java.time."""
     total = hours * 60 + minutes
     if minutes > 59 or total > MAX_OFFSET_MINUTES:
         return None
@@ -268,14 +250,9 @@ def window_start(event_ms: int, window_ms: int) -> int:
 
 
 def is_late(event_ms: int, window_ms: int, allowed_lateness_ms: int, watermark_ms: int | None) -> bool:
-    """The watermark rule: a record is late when its window closed more than the allowed
-    lateness before the watermark, i.e. ``window_end + allowed_lateness <= watermark``.
-
-    The watermark an epoch uses is the one the previous committed epoch left: the maximum
-    event time of all well-formed records of all earlier epochs (None before any). Records
-    within one epoch never make each other late, so the result depends only on the
-    epoch's offset ranges and is the same on every replay.
-    """
+    """The watermark rule: a record is late when ``window_end + allowed_lateness <= watermark``, the watermark the
+    previous committed epoch left (the newest event time of all earlier epochs' well-formed records; None before any).
+    Records of one epoch never make each other late, so every replay judges the same."""
     if watermark_ms is None:
         return False
     return window_start(event_ms, window_ms) + window_ms + allowed_lateness_ms <= watermark_ms

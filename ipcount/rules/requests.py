@@ -1,10 +1,9 @@
 """Backfill requests: what to count, into which target. Pure parsing and checks, no I/O.
 
-A request names either per-partition offset ranges (``"0:100-200,2:0-50"``, half-open
-``[from, until)``) or a time range that the broker's offsets-for-times lookup turns into
-offsets, and a target: ``main`` (the pipeline's own tables) or the name of a replay table
-set with its own ledger. Everything a user typed is checked here, before anything is
-written, and never reaches SQL text or a file path unchecked.
+A request names either per-partition offset ranges (``"0:100-200,2:0-50"``, half-open ``[from, until)``) or a time range
+that the broker's offsets-for-times lookup turns into offsets, and a target: ``main`` (the pipeline's own tables) or the
+name of a replay table set with its own ledger. Everything a user typed is checked here, before anything is written, and
+never reaches SQL text or a file path unchecked.
 """
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ def check_target(name: str) -> str:
 
 
 def parse_offsets(spec: str, topic: str) -> tuple[OffsetRange, ...]:
-    """``"0:100-200, 2:0-50"`` -> ranges; a partition may appear more than once, but its
-    ranges must not overlap."""
+    """``"0:100-200, 2:0-50"`` -> ranges; a partition may appear more than once, but its ranges must not overlap."""
     ranges: list[OffsetRange] = []
     for item in filter(None, (x.strip() for x in str(spec).split(","))):
         m = _SPEC_ITEM.match(item)
@@ -59,8 +57,8 @@ MAX_TIME_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
 
 
 def parse_time(text: str | int, what: str) -> int:
-    """ISO 8601 (``2026-11-21T10:00:00Z``; no zone means UTC) or epoch milliseconds -> ms,
-    between 1970 and the end of year 9999."""
+    """ISO 8601 (``2026-11-21T10:00:00Z``; no zone means UTC) or epoch milliseconds -> ms, between 1970 and the end of
+    year 9999."""
     if isinstance(text, int) and not isinstance(text, bool):
         ms, raw = text, str(text)
     else:
@@ -113,8 +111,8 @@ class BackfillRequest:
 
     @property
     def request_id(self) -> str:
-        """Stable for the same request, so re-running it after a crash continues the same
-        backfill (its chunks chain their watermark) instead of starting another."""
+        """Stable for the same request, so re-running it after a crash continues the same backfill (its chunks chain
+        their watermark) instead of starting another."""
         what = (f"time:{self.from_ms}-{self.until_ms}" if self.by_time
                 else "offsets:" + ",".join(str(r) for r in self.offsets))
         return "bf-" + hashlib.sha256(f"{self.target}|{what}".encode()).hexdigest()[:12]
@@ -136,8 +134,8 @@ REQUEST_FIELDS = ("target", "offsets", "from_time", "until_time")
 
 
 def json_object(given: Mapping[str, Any] | str, what: str, known: Sequence[str]) -> dict[str, Any]:
-    """``given`` (or the JSON text of it) as an object of only ``known`` fields; else a
-    BadRequestError naming ``what``."""
+    """``given`` (or the JSON text of it) as an object of only ``known`` fields; else a BadRequestError naming
+    ``what``."""
     if isinstance(given, str):
         try:
             given = json.loads(given)
@@ -152,9 +150,9 @@ def json_object(given: Mapping[str, Any] | str, what: str, known: Sequence[str])
 
 def request_from_fields(fields: Mapping[str, Any] | str, topic: str,
                         time_names: tuple[str, str] = ("from_time", "until_time")) -> BackfillRequest:
-    """A request from the backfill form's fields (or their JSON, or the CLI's flags; a run's
-    request as :func:`ipcount.jobs.runs.request_fields` writes it); None and "" count as
-    absent. ``time_names`` name the time fields in messages."""
+    """A request from the backfill form's fields (or their JSON, or the CLI's flags; a run's request as
+    :func:`ipcount.jobs.runs.request_fields` writes it); None and "" count as absent. ``time_names`` name the time
+    fields in messages."""
     fields = json_object(fields, "the request", REQUEST_FIELDS)
     # (0 is a time: epoch ms 0)
     target, offsets, start, until = (None if fields.get(k) in (None, "") else fields[k] for k in REQUEST_FIELDS)

@@ -1,19 +1,10 @@
 """What a table set means, fixed when it is created (pure: no Spark, no Delta).
 
-A table set is one target's four tables: counts, ledger, dead letters and late records.
-The settings that decide what its rows count - the window, the lateness, where event time
-comes from, the parser's limits, the record format - and who writes it (the pipeline id is
-the prefix of the sink's Delta ``txnAppId``) are recorded as table properties of all four:
-the **manifest**. It also names each of the four by its Delta table id, so a table
-recreated or pointed elsewhere beside the others is refused, never skipped or doubled: a
-ledger beside an old counts, dead-letter or late table (whose transaction ids would make
-Delta silently skip the new ledger's epochs 1..N there), or a counts table recreated beside
-a ledger with history.
-
-Every epoch, resume, backfill and rebuild checks the manifest against its configuration
-before it writes; ``verify`` and ``rebuild`` read the recorded meaning instead of
-today's settings. A rebuild's target also records which ledger it rebuilds
-(``rebuild_of``): a rebuild resumes only its own.
+A table set is one target's four tables. The settings that decide what its rows count and who writes it (the pipeline id
+prefixes the sink's Delta transaction ids) are recorded as table properties of all four - the **manifest** - with each
+table's Delta table id, so a table recreated or pointed elsewhere beside the others is refused, never silently skipped
+or doubled. Every write checks the manifest first; ``verify`` and ``rebuild`` read the recorded meaning instead of
+today's settings; a rebuild's target records which ledger it rebuilds (``rebuild_of``). docs/data-model.md has more.
 """
 from __future__ import annotations
 
@@ -24,16 +15,16 @@ from ipcount.rules.config import MEANING, PipelineConfig  # (MEANING: the settin
 from ipcount.rules.errors import TableSetMismatch
 
 PREFIX = "ipcount."
-# The record format's version: 2 counts IPs in canonical form, bounds event times against
-# the Kafka timestamp and reads time-zone offsets as java.time does.
+# The record format's version: 2 counts IPs in canonical form, bounds event times against the Kafka timestamp and reads
+# time-zone offsets as java.time does.
 RECORD_FORMAT = "2"
 OWNER = "pipeline_id"
 FORMAT_KEY = "record_format"
 LEDGER_ID, COUNTS_ID, DEAD_LETTER_ID, LATE_ID = ("ledger_table_id", "counts_table_id", "dead_letter_table_id",
                                                  "late_table_id")
 TABLE_IDS = (LEDGER_ID, COUNTS_ID, DEAD_LETTER_ID, LATE_ID)
-# Named since the side tables joined the manifest: a manifest recorded before lacks them, and
-# gains them (an upgrade, not a change).
+# Named since the side tables joined the manifest: a manifest recorded before lacks them, and gains them (an upgrade,
+# not a change).
 ADDED_IDS = (DEAD_LETTER_ID, LATE_ID)
 # The Delta table id of the ledger a rebuild's target rebuilds.
 REBUILD_OF = "rebuild_of"
@@ -62,9 +53,8 @@ def locations(cfg: PipelineConfig) -> dict[str, str]:
 
 
 def manifest(cfg: PipelineConfig, table_ids: Mapping[str, str], rebuild_of: str | None = None) -> dict[str, str]:
-    """The table properties a table set written with ``cfg`` carries (on all four tables);
-    ``table_ids``: the Delta table id of each, by :data:`TABLE_IDS` entry; ``rebuild_of``:
-    for a rebuild's target, the source ledger's id."""
+    """The table properties a table set written with ``cfg`` carries (on all four tables); ``table_ids``: the Delta
+    table id of each, by :data:`TABLE_IDS` entry; ``rebuild_of``: for a rebuild's target, the source ledger's id."""
     props = {key(name): str(getattr(cfg, name)) for name in (OWNER, *MEANING)}
     props[key(FORMAT_KEY)] = RECORD_FORMAT
     props.update({key(name): table_ids[name] for name in TABLE_IDS})
@@ -78,8 +68,8 @@ def has_manifest(properties: Mapping[str, str]) -> bool:
 
 
 def differences(recorded: Mapping[str, str], wanted: Mapping[str, str]) -> list[Difference]:
-    """The manifest entries of ``wanted`` that ``recorded`` holds with another value (an
-    :data:`ADDED_IDS` entry that it lacks is not one: :func:`missing`)."""
+    """The manifest entries of ``wanted`` that ``recorded`` holds with another value (an :data:`ADDED_IDS` entry that it
+    lacks is not one: :func:`missing`)."""
     return [Difference(k[len(PREFIX):], recorded.get(k), v) for k, v in wanted.items()
             if recorded.get(k) != v and k not in missing(recorded)]
 
@@ -115,10 +105,9 @@ def check(table: str, recorded: Mapping[str, str], wanted: Mapping[str, str]) ->
 
 
 def check_unclaimed(with_epochs: Sequence[str], ledger: str, ledger_is_new: bool, rebuild: bool) -> None:
-    """Refuse tables without a manifest that hold epoch commits (``with_epochs``, their
-    locations) where those commits are another set's: beside a new ledger (no manifest, no
-    epochs), whose epochs 1..N Delta would skip there as already written; and in a rebuild's
-    target. Anywhere else they are a table set of a version that recorded no manifest on
+    """Refuse tables without a manifest that hold epoch commits (``with_epochs``, their locations) where those commits
+    are another set's: beside a new ledger (no manifest, no epochs), whose epochs 1..N Delta would skip there as already
+    written; and in a rebuild's target. Anywhere else they are a table set of a version that recorded no manifest on
     them, which gets it."""
     if not with_epochs:
         return
@@ -135,6 +124,6 @@ def check_unclaimed(with_epochs: Sequence[str], ledger: str, ledger_is_new: bool
 
 
 def recorded_settings(properties: Mapping[str, str]) -> dict[str, Any]:
-    """The meaning settings a manifest records, as :class:`PipelineConfig` values (for
-    ``PipelineConfig.replace``): verify and rebuild use them, not today's settings."""
+    """The meaning settings a manifest records, as :class:`PipelineConfig` values (for ``PipelineConfig.replace``):
+    verify and rebuild use them, not today's settings."""
     return {name: properties[key(name)] for name in MEANING if key(name) in properties}

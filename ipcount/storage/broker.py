@@ -22,11 +22,11 @@ from ipcount.rules.config import REPO_ROOT, PipelineConfig, parse_host_port
 from ipcount.rules.kafka_security import (SCRAM_MECHANISMS, check_resolved, java_client_properties,
                                           kafka_python_options, properties_file_text, sasl_password)
 from ipcount.rules.errors import BrokerUnavailableError, StartPositionError, UnknownTopicError
+from ipcount.storage.retry import retrying
 
 log = logging.getLogger(__name__)
-# kafka-python logs every connection at INFO; in task logs that buries the epoch's own lines.
-# Its admin client also logs its whole configuration, SASL password included, at DEBUG: pinned
-# here, so that a root logger at DEBUG never shows it.
+# kafka-python logs every connection at INFO; in task logs that buries the epoch's own lines. Its admin client also logs
+# its whole configuration, SASL password included, at DEBUG: pinned here, so that a root logger at DEBUG never shows it.
 logging.getLogger("kafka").setLevel(logging.WARNING)
 logging.getLogger("kafka.admin.client").setLevel(logging.WARNING)
 
@@ -37,8 +37,7 @@ def client_options(cfg: PipelineConfig) -> dict[str, object]:
 
 
 class _BootstrapFailures(logging.Handler):
-    """kafka-python retries a failed bootstrap until its timeout and then raises only that it
-    timed out; why (a refused login, say) is in its log. This keeps the reasons."""
+    """Why a bootstrap failed (a refused login, say): kafka-python only logs it, then raises a timeout."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -57,10 +56,8 @@ class _BootstrapFailures(logging.Handler):
     @classmethod
     @contextmanager
     def watching(cls) -> Iterator[_BootstrapFailures]:
-        """Meanwhile kafka-python's lines are kept here, not printed: a failed bootstrap is
-        told once, in the error that names the reason and the setting. (Process-wide: while
-        any thread watches, other threads' kafka-python lines are not printed either; the
-        last watcher out puts printing back as the first found it.)"""
+        """Meanwhile kafka-python's lines are kept here, not printed: a failed bootstrap is told once, in the error.
+        (Process-wide: the last watcher out puts printing back as the first found it.)"""
         global _watchers, _propagate
         handler, logger = cls(), logging.getLogger("kafka")
         logger.addHandler(handler)
@@ -136,9 +133,8 @@ def _accepts_connections(cfg: PipelineConfig) -> bool:
 
 
 def tls_handshake_problem(cfg: PipelineConfig, timeout: float = 5.0) -> str | None:
-    """Why a TLS handshake with the first bootstrap server fails, naming the setting to look
-    at; None if it succeeds or nothing listens. kafka-python only logs the reason and then
-    times out, so the reason is found again here, the way it connects."""
+    """Why a TLS handshake with the first bootstrap server fails, naming the setting; None if it succeeds or nothing
+    listens (kafka-python only logs the reason, then times out)."""
     host, port = _first_bootstrap(cfg)
     try:
         context = ssl.create_default_context(cafile=cfg.kafka_ssl_cafile or None)
@@ -188,8 +184,7 @@ def partitions_of(client: KafkaAdminClient, topic: str) -> list[int]:
 
 
 def partition_offsets(cfg: PipelineConfig) -> tuple[dict[int, int], dict[int, int]]:
-    """(earliest, latest) offset per partition of the topic. ``latest`` is the last stable
-    offset (read_committed): an epoch never plans past an open transaction."""
+    """(earliest, latest) offset per partition of the topic; ``latest`` is the last stable offset (read_committed)."""
     with admin_client(cfg) as client:
         return offsets_with(client, cfg.topic)
 
@@ -205,8 +200,7 @@ def offsets_with(client: KafkaAdminClient, topic: str) -> tuple[dict[int, int], 
 
 
 def start_offsets(cfg: PipelineConfig, earliest: Mapping[int, int], latest: Mapping[int, int]) -> dict[int, int]:
-    """Resolve ``cfg.start_position`` to an offset per partition, for a pipeline whose ledger
-    is empty (the ledger always wins once it has entries)."""
+    """``cfg.start_position`` as an offset per partition (for an empty ledger only)."""
     position = cfg.start_position
     if position == "earliest":
         return dict(earliest)
@@ -230,8 +224,7 @@ def start_offsets(cfg: PipelineConfig, earliest: Mapping[int, int], latest: Mapp
 
 
 def offsets_for_time(cfg: PipelineConfig, timestamp_ms: int, latest: Mapping[int, int]) -> dict[int, int]:
-    """Per partition, the first offset whose record timestamp is >= ``timestamp_ms`` (the
-    broker's offsets-for-times lookup); a partition with no such record yet -> its end."""
+    """Per partition, the first offset whose record timestamp is >= ``timestamp_ms``, else its end."""
     with admin_client(cfg) as client:
         found = client.list_partition_offsets(
             {TopicPartition(cfg.topic, p): timestamp_ms for p in latest},
@@ -240,15 +233,16 @@ def offsets_for_time(cfg: PipelineConfig, timestamp_ms: int, latest: Mapping[int
 
 
 def read_range(cfg: PipelineConfig, partition: int, from_offset: int, until_offset: int) -> Iterator:
-    """The committed records of ``[from_offset, until_offset)`` of one partition, with a plain
-    consumer (no group, read_committed): an independent reader for verification."""
+    """The committed records of ``[from_offset, until_offset)`` of one partition, read by a plain consumer (no group):
+    an independent reader for verification."""
     from kafka import KafkaConsumer
 
     if until_offset <= from_offset:
         return
     consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=None,
                              enable_auto_commit=False, isolation_level="read_committed",
-                             client_id=f"{cfg.pipeline_id}-verify", request_timeout_ms=cfg.kafka_timeout_seconds * 1000 + 1000,
+                             client_id=f"{cfg.pipeline_id}-verify",
+                             request_timeout_ms=cfg.kafka_timeout_seconds * 1000 + 1000,
                              max_partition_fetch_bytes=8 * 1024 * 1024, **client_options(cfg))
     try:
         tp = TopicPartition(cfg.topic, partition)
@@ -281,15 +275,13 @@ def _group_start(cfg: PipelineConfig, earliest: Mapping[int, int], latest: Mappi
     out = {}
     for p in latest:
         offset = committed.get(p, fallback[p])
-        # A committed offset that retention has since deleted is the group's problem, not
-        # data this pipeline ever owned: start at what is left, as Kafka's reset does.
+        # An offset retention has since passed: start at what is left, as Kafka's reset does.
         out[p] = min(max(offset, earliest[p]), latest[p])
     return out
 
 
 def create_topic(cfg: PipelineConfig, partitions: int) -> bool:
-    """Create the topic, replicated as the brokers' ``default.replication.factor`` says;
-    False (and a log line) if it already exists."""
+    """Create the topic (replicated by the brokers' default); False if it already exists."""
     with admin_client(cfg) as client:
         try:
             client.create_topics({cfg.topic: {"num_partitions": partitions}}, wait_for_metadata=True)
@@ -301,11 +293,8 @@ def create_topic(cfg: PipelineConfig, partitions: int) -> bool:
 
 
 def commit_group_offsets(cfg: PipelineConfig, positions: Mapping[int, int], epoch: int) -> None:
-    """Write the ledger's positions to the consumer group, for lag monitoring only.
-
-    The pipeline never reads these back once its ledger has entries: the ledger is the
-    source of truth, so a lost or stale group commit costs nothing but a lag reading.
-    """
+    """Write the ledger's positions to the consumer group, for lag monitoring only: the ledger is the source of truth,
+    so a lost or stale group commit costs nothing but a lag reading."""
     offsets = {TopicPartition(cfg.topic, p): OffsetAndMetadata(o, f"{cfg.pipeline_id} epoch {epoch}", -1)
                for p, o in sorted(positions.items())}
 
@@ -313,36 +302,27 @@ def commit_group_offsets(cfg: PipelineConfig, positions: Mapping[int, int], epoc
         # A client per attempt: one that saw the coordinator die keeps asking that broker.
         with admin_client(cfg) as client:
             answer = client.alter_group_offsets(cfg.group_id, offsets)
-        # The answer names an error per partition instead of raising (a coordinator that
-        # moved or is still loading, say): raised here, so retriable ones are retried.
+        # The answer names an error per partition instead of raising: raised here, so retriable ones are retried.
         refused = {tp.partition: error for tp, error in answer.items() if error is not NoError}
         if refused:
             error = next(iter(refused.values()))
             raise error(f"group {cfg.group_id} refused offsets of partitions "
                         f"{', '.join(f'{p} ({e.__name__})' for p, e in sorted(refused.items()))}")
 
-    _retrying(commit, cfg.kafka_timeout_seconds)
+    _retrying(commit, cfg)
 
 
-def _retrying(call, timeout_seconds: float):
-    """Retry retriable broker errors (e.g. the group coordinator is still loading)."""
-    deadline = time.monotonic() + timeout_seconds
-    delay = 0.2
-    while True:
-        try:
-            return call()
-        except RetriableError as e:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.info("retrying after %s", e)
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+def _retrying(call, cfg: PipelineConfig):
+    """``call()``, retried on retriable broker errors (e.g. the group coordinator is still loading) for up to the broker
+    timeout."""
+    return retrying(call, RetriableError, "the broker is not ready", pause=lambda n: min(0.2 * 2 ** (n - 1), 2.0),
+                    deadline=time.monotonic() + cfg.kafka_timeout_seconds, again="retrying")
 
 
 def group_offsets(cfg: PipelineConfig) -> dict[int, int]:
     """The consumer group's committed offsets for the topic (for monitoring and tests)."""
     with admin_client(cfg) as client:
-        result = _retrying(lambda: client.list_group_offsets({cfg.group_id: None}), cfg.kafka_timeout_seconds)
+        result = _retrying(lambda: client.list_group_offsets({cfg.group_id: None}), cfg)
     entries = result.get(cfg.group_id, result) if isinstance(result, dict) else result
     return {tp.partition: meta.offset for tp, meta in dict(entries).items()
             if tp.topic == cfg.topic and meta.offset >= 0}
@@ -350,9 +330,8 @@ def group_offsets(cfg: PipelineConfig) -> dict[int, int]:
 
 @contextmanager
 def java_tool_config(cfg: PipelineConfig) -> Iterator[Path | None]:
-    """A private ``--command-config`` file for Kafka's Java tools holding ``cfg``'s security
-    settings and ``kafka_consumer_properties`` (None for PLAINTEXT without them), removed
-    afterwards: the password is in no command line."""
+    """A private ``--command-config`` file for Kafka's Java tools with ``cfg``'s client properties (None if there are
+    none), removed afterwards: the password is in no command line."""
     check_resolved(cfg)
     if cfg.kafka_security_protocol == "PLAINTEXT" and not cfg.kafka_consumer_properties.strip():
         yield None
@@ -367,9 +346,8 @@ def java_tool_config(cfg: PipelineConfig) -> Iterator[Path | None]:
 
 
 def consumer_groups_command(cfg: PipelineConfig, tool_args: list[str]) -> int:
-    """Run Kafka's kafka-consumer-groups against ``cfg``'s broker, logged in as ``cfg`` says;
-    its exit code. The broker must answer first: the tool prints Java's stack trace when it
-    does not, and exits 0."""
+    """Run Kafka's kafka-consumer-groups against ``cfg``'s broker; its exit code. The broker must answer first: the tool
+    prints Java's stack trace when it does not, and exits 0."""
     if not {"--help", "--version"} & set(tool_args):
         with admin_client(cfg):
             pass
@@ -380,8 +358,7 @@ def consumer_groups_command(cfg: PipelineConfig, tool_args: list[str]) -> int:
 
 
 def upsert_scram_user(cfg: PipelineConfig, username: str, password: str) -> None:
-    """Give ``username`` SCRAM-SHA-256 and -512 credentials (an upsert: the same on every
-    call), through ``cfg``'s admin login. The password travels in the request only."""
+    """Give ``username`` SCRAM-SHA-256 and -512 credentials (an upsert), through ``cfg``'s admin login."""
     from kafka.admin import UserScramCredentialUpsertion
 
     with admin_client(cfg) as client:

@@ -1,13 +1,11 @@
-"""The Spark Connect server that epochs run on (``spark_remote``): Spark's own
-SparkConnectServer, started with ``spark-submit`` from the pinned pyspark, with the Kafka and
-parse jars and the settings of an epoch's own session (:func:`ipcount.storage.spark.spark_conf`),
-so an epoch counts the same on it as in a session of its own.
+"""The Spark Connect server that epochs run on (``spark_remote``): Spark's own SparkConnectServer, started with
+``spark-submit`` from the pinned pyspark, with the Kafka and parse jars and the settings of an epoch's own session
+(:func:`ipcount.storage.spark.spark_conf`), so an epoch counts the same on it as in a session of its own.
 
-It takes only clients that send its token, which it reads from its environment (so the token
-is on no command line). Whoever holds the token may run anything as the server's user: keep
-it as private as a key. The server has no TLS of its own: it listens on 127.0.0.1 by default,
-and clients on the same host use the name ``localhost``, for which pyspark sends the token
-without TLS.
+It takes only clients that send its token, which it reads from its environment (so the token is on no command line).
+Whoever holds the token may run anything as the server's user: keep it as private as a key. The server has no TLS of its
+own: it listens on 127.0.0.1 by default, and clients on the same host use the name ``localhost``, for which pyspark
+sends the token without TLS.
 """
 from __future__ import annotations
 
@@ -27,19 +25,17 @@ SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 TOKEN_VARIABLE = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
 
 
-# How soon the server lets go of a query whose client died (a SIGKILLed task): it notices
-# only when the query's response stream reaches its deadline, then waits out the detached
-# timeout, checked every maintenance interval. Spark's defaults (2 min, 5 min, 30 s) leave
-# such a query on the server's cores for up to 7.5 minutes; these, for under 2. A client cut
-# off for longer than the timeout loses its query (the epoch fails and is re-run).
+# How soon the server lets go of a query whose client died (a SIGKILLed task): when its response stream reaches its
+# deadline, then after the detached timeout, checked every maintenance interval: Spark's defaults (2 min, 5 min, 30 s)
+# hold the cores up to 7.5 minutes, these under 2. A client cut off for longer loses its query (the epoch is re-run).
 ABANDONED_QUERY_CONF = {"spark.connect.execute.reattachable.senderMaxStreamDuration": "30s",
                         "spark.connect.execute.manager.detachedTimeout": "60s",
                         "spark.connect.execute.manager.maintenanceInterval": "10s"}
 
 
 def check_bindable(bind: str, port: int) -> None:
-    """The server can listen on ``bind:port``: the address is this host's and the port is
-    free (Spark would end in a Java stack trace after its JVM started)."""
+    """The server can listen on ``bind:port``: the address is this host's and the port is free (Spark would end in a
+    Java stack trace after its JVM started)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(bind.strip("[]"), port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -52,8 +48,8 @@ def check_bindable(bind: str, port: int) -> None:
 
 
 def server_command(port: int, master: str, cores: int, bind: str = "127.0.0.1") -> list[str]:
-    """The ``spark-submit`` command line of a server on ``bind:port`` whose sessions run on
-    ``master`` with ``cores`` tasks per stage by default (an epoch's read gets that many)."""
+    """The ``spark-submit`` command line of a server on ``bind:port`` whose sessions run on ``master`` with ``cores``
+    tasks per stage by default (an epoch's read gets that many)."""
     conf = {**spark_conf(PipelineConfig()), **ABANDONED_QUERY_CONF, "spark.connect.grpc.binding.address": bind,
             "spark.connect.grpc.binding.port": str(port), "spark.default.parallelism": str(cores),
             "spark.ui.enabled": "false"}
@@ -63,17 +59,17 @@ def server_command(port: int, master: str, cores: int, bind: str = "127.0.0.1") 
 
 
 def server_environment(token: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) plus what the server needs: a Spark
-    process's environment (:func:`ipcount.storage.spark.spark_env`) and the token."""
+    """``base`` (default: this process's environment) plus what the server needs: a Spark process's environment
+    (:func:`ipcount.storage.spark.spark_env`) and the token."""
     return {**(os.environ if base is None else base), **spark_env(),
             "SPARK_CONNECT_MODE": "0",  # the server, not a Connect client
             TOKEN_VARIABLE: token}
 
 
 def serve(command: list[str], env: Mapping[str, str], stop_timeout: float = 60.0) -> int:
-    """Run the server in the foreground, a container's main process, until it exits or this
-    process gets SIGTERM or SIGINT, which stop it (SIGTERM to its process group, SIGKILL after
-    ``stop_timeout``). The exit code: 0 when stopped by a signal, else the server's own."""
+    """Run the server in the foreground, a container's main process, until it exits or this process gets SIGTERM or
+    SIGINT, which stop it (SIGTERM to its process group, SIGKILL after ``stop_timeout``). The exit code: 0 when stopped
+    by a signal, else the server's own."""
     signalled: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _: signalled.append(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}

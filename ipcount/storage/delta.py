@@ -1,12 +1,6 @@
-"""Delta table helpers shared by every reader and writer, all of them delta-rs (no JVM:
-cheap enough for an Airflow task, a watcher or a page): a look for a table, reads, and the
-writes - creation, and commits made at most once per transaction id.
-
-delta-rs writes every table of the pipeline (the ledger, the counts, the dead letters and
-late records): one engine per table, and a commit that is put-if-absent across processes
-on a local file system and on object storage alike (delta-spark's log store makes it so
-only within one JVM on either). Spark reads Kafka and computes; it never commits to these
-tables. deltalake is imported inside the functions that need it.
+"""Delta table helpers for every reader and writer, all delta-rs (no JVM: cheap enough for an Airflow task, a watcher or
+a page): a look for a table, reads, creation, and commits made at most once per transaction id (:func:`rs_commit_once`).
+delta-rs commits to every table; Spark never does. deltalake is imported where needed.
 """
 from __future__ import annotations
 
@@ -23,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from ipcount.rules.config import location_scheme
-from ipcount.rules.errors import CommitContention, ConfigError, StorageUnavailableError
+from ipcount.rules.errors import CommitContention, ConfigError, StorageUnavailableError, first_line
+from ipcount.storage.retry import retrying
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -36,11 +31,9 @@ _OPERATORS = ("=", "!=", "<", "<=", ">", ">=")
 
 
 def has_table(path: str | Path) -> bool:
-    """Whether a Delta table (its log) is at ``path`` (a missing table is not an empty one):
-    a look at the directory, or on object storage at the log's listing. Every command's
-    first look at its tables, so a location that cannot hold them is refused here: a path
-    through a file (:class:`ConfigError`), a store that does not answer or refuses the login
-    (:class:`StorageUnavailableError`, naming the AWS settings)."""
+    """Whether a Delta table (its log) is at ``path``. Every command's first look at its tables, so a location that
+    cannot hold them is refused here: a path through a file (:class:`ConfigError`), a store that does not answer or
+    refuses the login (:class:`StorageUnavailableError`)."""
     if location_scheme(str(path)):
         from deltalake import DeltaTable
 
@@ -59,8 +52,7 @@ def has_table(path: str | Path) -> bool:
 
 
 def _nearest_directory(path: Path) -> Path:
-    """The nearest of ``path`` and the directories above it that exists: it must be a
-    directory (:class:`ConfigError` naming it otherwise)."""
+    """The nearest existing one of ``path`` and its parents, which must be a directory (else :class:`ConfigError`)."""
     for above in (path, *path.parents):
         if above.exists():
             if not above.is_dir():
@@ -71,11 +63,9 @@ def _nearest_directory(path: Path) -> Path:
 
 
 def check_writable(path: str) -> None:
-    """A table can be made at ``path``, for a command that makes its tables: on a local
-    file system the nearest existing directory must be writable by this user (a read-only
-    mount, or another user's directory, is refused naming the setting). Object storage
-    is asked whether the table is there, which a missing login or an unreachable store
-    fails; whether it may be written, only the first write says."""
+    """A table can be made at ``path``: locally, the nearest existing directory is writable by this user. Object storage
+    is only asked whether the table is there (which fails without a login); whether it may be written, the first write
+    says."""
     if has_table(path) or location_scheme(path):  # (object storage: it answered, with the credentials)
         return
     above = _nearest_directory(Path(path))
@@ -108,8 +98,7 @@ def _object_storage_problem(path: str, error: BaseException) -> str:
 
 
 def subdirectory_names(location: str) -> list[str]:
-    """The directories right under ``location`` (a local path, or a prefix on object storage
-    reached with the same AWS_* variables delta-rs reads), sorted; [] if it does not exist."""
+    """The directories right under ``location`` (local, or on object storage), sorted; [] if it does not exist."""
     if not location_scheme(location):
         root = Path(location)
         return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
@@ -121,14 +110,12 @@ def subdirectory_names(location: str) -> list[str]:
 
 
 def arrow_filesystem(location: str):
-    """pyarrow's file system of ``location`` (a local path, or ``s3://`` with the AWS_*
-    variables delta-rs reads) and the path of ``location`` in it, without a trailing slash."""
+    """pyarrow's file system of ``location`` (local, or ``s3://`` with delta-rs's AWS_* settings) and its path there."""
     from pyarrow import fs
 
     if not location_scheme(location):
         return fs.LocalFileSystem(), str(Path(location).absolute())
-    # pyarrow reads the credentials and region from the environment itself; an endpoint
-    # other than AWS's (and whether it speaks plain HTTP) comes from AWS_ENDPOINT_URL.
+    # pyarrow reads the credentials from the environment itself, but not an endpoint other than AWS's (below).
     options: dict[str, Any] = {"region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")}
     if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
         scheme, _, host = endpoint.rpartition("://")
@@ -159,31 +146,25 @@ def sql_literal(value: Any) -> str:
 
 
 def sql_timestamp(ms: int) -> str:
-    """A SQL timestamp literal of an instant in epoch milliseconds, in UTC (a literal, so
-    Delta can skip files by their min/max statistics)."""
+    """A SQL timestamp literal of epoch milliseconds in UTC (a literal, so Delta can skip files by their statistics)."""
     instant = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
     return f"TIMESTAMP '{instant.isoformat(timespec='milliseconds')}'"
 
 
 # -- one log read per use, within an epoch --------------------------------------------------
 
-# The tables a `one_epoch_of_tables` scope has opened, by thread and path (None outside a
-# scope). By thread too: a task run with the scope's context (asyncio.to_thread) must not
-# refresh an object another thread holds between its check and its commit.
+# The tables a `one_epoch_of_tables` scope has opened, by thread (a task run with the scope's context must not refresh
+# an object another thread holds between its check and its commit) and path; None outside a scope.
 _OPENED: ContextVar[dict[tuple[int, str], DeltaTable] | None] = ContextVar("ipcount_opened_tables",
                                                                             default=None)
 
 
 @contextmanager
 def one_epoch_of_tables() -> Iterator[None]:
-    """A scope (one epoch's run) in which each table is loaded from its log once and then
-    brought up to date for every later use (:func:`latest`): an epoch uses its four tables
-    some seventeen times, and a load replays the log from its last checkpoint where a
-    refresh reads only the commits made since. Every use still sees the table's latest
-    version, as a fresh load would. Nested scopes share the outer one's tables; other
-    threads load their own. A table deleted in the scope is seen as gone; one deleted and
-    created again at the same path within it is not told apart (replace tables only with
-    the pipeline paused, as docs/backfill.md says)."""
+    """A scope (one epoch's run) in which each table is loaded once and then refreshed for every later use
+    (:func:`latest`): a load replays the log from its last checkpoint, a refresh reads only the commits since. Nested
+    scopes share the outer one's tables; other threads load their own. A table deleted and created again at the same
+    path within the scope is not told apart (replace tables only with the pipeline paused: docs/backfill.md)."""
     if _OPENED.get() is not None:
         yield
         return
@@ -195,9 +176,8 @@ def one_epoch_of_tables() -> Iterator[None]:
 
 
 def latest(path: str) -> DeltaTable:
-    """The Delta table at ``path`` at its latest version (delta-rs's ``TableNotFoundError``
-    if there is none). Inside :func:`one_epoch_of_tables` the object is the scope's, and the
-    next ``latest(path)`` refreshes it: use it, then let it go."""
+    """The Delta table at ``path`` at its latest version (``TableNotFoundError`` if none). Inside
+    :func:`one_epoch_of_tables` the object is the scope's, which the next ``latest(path)`` refreshes."""
     from deltalake import DeltaTable
 
     opened, key = _OPENED.get(), (threading.get_ident(), path)
@@ -235,20 +215,13 @@ def open_table(path: str):
 
 
 def query_table(table, sql: str) -> list[dict[str, Any]]:
-    """Rows of ``sql`` over a loaded delta-rs ``table`` (named ``t``): a query of exactly
-    that snapshot."""
-    return _run(table, sql)
-
-
-def _run(table, sql: str) -> list[dict[str, Any]]:
+    """Rows of ``sql`` over a loaded delta-rs ``table`` (named ``t``): a query of exactly that snapshot."""
     return query_arrow(table, sql).to_pylist()
 
 
 def query_arrow(table, sql: str) -> pa.Table:
-    """``sql`` over a loaded delta-rs ``table`` (named ``t``), as Arrow, through delta-rs's
-    own query engine rather than ``to_pyarrow_table``: the pyarrow dataset path aborts the
-    interpreter at exit ("terminate called without an active exception", delta-rs issue
-    2184) in short-lived processes such as CLI commands."""
+    """``sql`` over a loaded delta-rs ``table`` (named ``t``), as Arrow, through delta-rs's query engine: the pyarrow
+    dataset path (``to_pyarrow_table``) aborts short-lived processes at exit (delta-rs issue 2184)."""
     import pyarrow as pa
     from deltalake import QueryBuilder
 
@@ -257,26 +230,21 @@ def query_arrow(table, sql: str) -> pa.Table:
 
 def read_rows(path: str, columns: Iterable[str] | None = None,
               filters: Iterable[tuple[str, str, Any]] | None = None) -> list[dict[str, Any]]:
-    """Rows of the Delta table at ``path`` ([] if there is none), optionally only some
-    columns and only rows matching every ``(column, op, value)`` filter."""
+    """Rows of the Delta table at ``path`` ([] if none), optionally some columns of the rows matching every
+    ``(column, op, value)`` filter."""
     table = open_table(path)
     if table is None:
         return []
     columns = list(columns or [])
     select = ", ".join(sql_identifier(c) for c in columns) if columns else "*"
     where = " AND ".join(f"{sql_identifier(c)} {sql_operator(op)} {sql_literal(v)}" for c, op, v in (filters or []))
-    return _run(table, f"SELECT {select} FROM t" + (f" WHERE {where}" if where else ""))
+    return query_table(table, f"SELECT {select} FROM t" + (f" WHERE {where}" if where else ""))
 
 
 class DeltaReader:
-    """Delta tables by path for a long-lived reader (the monitoring pages): each table
-    opened once and refreshed at most every ``refresh_seconds``, SQL answers cached per
-    (path, version, query), so polling costs one small log read between commits.
-
-    The cache keeps at most ``cache_bytes`` of answers (their rows as Python objects,
-    estimated), least recently used out first; an answer bigger than that is returned and not
-    kept. Queries run outside any lock, each on the snapshot its key names: a long scan holds
-    up no other page (two identical queries at once may both run)."""
+    """Delta tables by path for a long-lived reader (the monitoring pages): each opened once and refreshed at most every
+    ``refresh_seconds``, SQL answers cached per (path, version, query) up to ``cache_bytes`` (least recently used out
+    first). Queries run outside any lock, on the snapshot their key names: a long scan holds up no other page."""
 
     CACHE_BYTES = 64 << 20
 
@@ -295,22 +263,21 @@ class DeltaReader:
     def _refreshed(self, path: str):
         """The table at ``path``, refreshed if due (None if there is none); under its path lock."""
         now = time.monotonic()
-        held = self._tables.get(path)
-        if held is None:
+        table, checked = self._tables.get(path, (None, now))
+        if table is None:
             table = open_table(path)
             if table is None:
                 return None
-            self._tables[path] = (table, now)
-            return table
-        table, checked = held
-        if now - checked >= self.refresh_seconds:
+        elif now - checked >= self.refresh_seconds:
             table.update_incremental()
-            self._tables[path] = (table, now)
+        else:
+            return table
+        self._tables[path] = (table, now)
         return table
 
     def _snapshot(self, path: str):
-        """(version, a query builder over that version) of the table at ``path``, or None if
-        there is no table yet. A path's open and refresh (a log read) hold only its own lock."""
+        """(version, a query builder over that version) of the table at ``path``, or None if there is no table yet. A
+        path's open and refresh (a log read) hold only its own lock."""
         from deltalake import QueryBuilder
 
         with self._path_lock(path):
@@ -321,9 +288,8 @@ class DeltaReader:
             return table.version(), QueryBuilder().register("t", table)
 
     def computed(self, path: str, name: str, compute: Callable[[Any], T], size: int = 64 << 10) -> T | None:
-        """``compute(table)`` over the table at ``path`` at its current version (None if there
-        is no table yet), kept per (path, version, name) like a query's answer, counted as
-        ``size`` bytes. It runs under the path's lock: no refresh moves the table meanwhile."""
+        """``compute(table)`` over the table at ``path`` (None if there is none), kept like a query's answer as ``size``
+        bytes. It runs under the path's lock: no refresh moves the table meanwhile."""
         with self._path_lock(path):
             table = self._refreshed(path)
             if table is None:
@@ -346,8 +312,7 @@ class DeltaReader:
                 self._bytes -= self._answers.popitem(last=False)[1][1]
 
     def query(self, path: str, sql: str, cache: bool = True) -> list[dict[str, Any]]:
-        """Rows of ``sql`` over the table at ``path``, named ``t`` in the query ([] if there
-        is no table yet); kept for the next caller unless ``cache`` is False."""
+        """Rows of ``sql`` over the table at ``path`` (``t``; [] if there is none), kept unless ``cache`` is False."""
         import pyarrow as pa
 
         snapshot = self._snapshot(path)
@@ -367,8 +332,7 @@ class DeltaReader:
 
     @staticmethod
     def _size(rows: list[dict[str, Any]]) -> int:
-        """Bytes of ``rows`` in memory, roughly: each object, and what the lists, tuples and
-        dicts in it hold (a value shared by rows is counted for each)."""
+        """Bytes of ``rows`` in memory, roughly (a value shared by rows is counted for each)."""
         from sys import getsizeof
 
         def size(value: Any) -> int:
@@ -388,16 +352,11 @@ def table_metadata(path: str) -> tuple[str, dict[str, str]]:
 
 def commit_infos(path: str, first: int, attempts: int = 5,
                  load: Callable[[], DeltaTable] | None = None) -> dict[int, dict[str, Any]] | None:
-    """The commit infos of the table's versions from ``first`` to its latest, by version (a
-    version the log no longer holds is missing); None if commits kept landing while it read.
-
-    delta-rs's ``history(n)`` numbers what it lists down from the snapshot's version, but
-    lists the log from ``version - n + 1`` with no upper bound: a commit made after the
-    snapshot was loaded shifts every number. So a listing counts only if no commit came
-    before it was checked. ``load`` gives the table: by default objects of its own, never
-    the epoch scope's (which :func:`latest` moves: not while a commit to it is being made).
-    A commit without commit info (none of delta-rs's or Spark's) would shift the older ones:
-    callers take a missing version as unknown."""
+    """The commit infos of the table's versions from ``first`` to its latest, by version (those the log no longer holds
+    missing); None if commits kept landing while it read. delta-rs's ``history(n)`` numbers what it lists down from the
+    snapshot's version but lists the log with no upper bound, so a listing counts only if no commit came before it was
+    checked. ``load`` gives the table (by default objects of its own, not the epoch scope's, which :func:`latest`
+    moves). A commit without commit info would shift the older ones: callers take a missing version as unknown."""
     from deltalake import DeltaTable
 
     load = load or (lambda: DeltaTable(path))
@@ -413,9 +372,7 @@ def commit_infos(path: str, first: int, attempts: int = 5,
 
 
 def version_with_metadata(path: str, user_metadata: str, search: int = 50) -> int | None:
-    """The table version whose commit carries ``user_metadata`` (None if none of the last
-    ``search`` commits does, or their commit infos cannot be read). From the log's commit
-    infos (:func:`commit_infos`): Spark's history() would be a query of its own."""
+    """The version among the last ``search`` whose commit info carries ``user_metadata`` (None if none, or unknown)."""
     infos = commit_infos(path, max(0, latest(path).version() - search + 1), load=lambda: latest(path)) or {}
     return next((v for v, h in sorted(infos.items(), reverse=True) if h.get("userMetadata") == user_metadata), None)
 
@@ -426,8 +383,7 @@ _ARROW_TYPES = ("bigint", "int", "string", "double", "timestamp", "boolean", "bi
 
 
 def arrow_schema(columns: Iterable[tuple[str, str, bool]]):
-    """An Arrow schema from (name, Spark SQL type, nullable) columns: what delta-rs writes
-    for the Delta types Spark would (timestamps in microseconds, UTC)."""
+    """An Arrow schema from (name, Spark SQL type, nullable) columns, typed as Spark would (timestamps in us, UTC)."""
     import pyarrow as pa
 
     types = dict(zip(_ARROW_TYPES, (pa.int64(), pa.int32(), pa.string(), pa.float64(), pa.timestamp("us", tz="UTC"),
@@ -442,16 +398,13 @@ def rs_concurrent_errors() -> tuple[type[BaseException], ...]:
     return (CommitFailedError,)
 
 
-# A checkpoint every 10 commits, not delta-rs's default 100: each load of a table replays
-# the commits since its last checkpoint, and every epoch (every process) loads each of its
-# tables. With 100, an epoch's fixed cost grew through every hundred commits and fell back
-# at the checkpoint (docs/performance.md).
+# A checkpoint every 10 commits, not delta-rs's default 100: every epoch loads each of its tables, replaying the commits
+# since the last checkpoint (docs/performance.md).
 CHECKPOINT_EVERY = {"delta.checkpointInterval": "10"}
 
 
 def _cannot_make_directory(error: BaseException) -> bool:
-    """Whether delta-rs failed to make a local table's directory (no such parent, no
-    permission, a read-only file system), not for some other reason."""
+    """Whether delta-rs failed to make a local table's directory (no parent, no permission, a read-only file system)."""
     import errno
 
     if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT,
@@ -462,13 +415,10 @@ def _cannot_make_directory(error: BaseException) -> bool:
 
 def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = None,
                     partition_by: list[str] | None = None) -> None:
-    """Create an empty Delta table at ``path`` with delta-rs unless one is there; one made
-    by an older version (delta-spark's included) gets the (nullable) columns and the table
-    properties it lacks, and keeps its partitioning. Version 0 is put-if-absent like every commit: of concurrent
-    creators one wins and the others find its table. What a creator killed before its
-    commit left behind (a log directory, a temporary file) is no table, and is created over.
-
-    Every table gets :data:`CHECKPOINT_EVERY`."""
+    """Create an empty Delta table at ``path`` with delta-rs (with :data:`CHECKPOINT_EVERY`) unless one is there; one
+    made by an older version (delta-spark's included) gets the (nullable) columns and the table properties it lacks, and
+    keeps its partitioning. Of concurrent creators one wins version 0 (:func:`rs_commit_once`) and the others find its
+    table; what a creator killed before its commit left behind is no table, and is created over."""
     from deltalake import CommitProperties, DeltaTable, Schema
     from deltalake.exceptions import DeltaError, TableNotFoundError
 
@@ -476,8 +426,7 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
     table = open_table(path)
     if table is None:
         try:
-            # No retry: a retried creation is committed on top of the winner's, as a new
-            # table (another id, and its metadata replacing the winner's).
+            # No retry: a retried creation would commit a new table on top of the winner's.
             created = DeltaTable.create(path, schema=schema, mode="error", configuration=properties or None,
                                         partition_by=partition_by,
                                         commit_properties=CommitProperties(max_commit_retries=0))
@@ -492,7 +441,7 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
                     raise ConfigError(f"cannot make a table at {path}: {' '.join(str(e).split())[:200]} (check "
                                       "warehouse and the *_table settings)") from e
                 raise
-            log.info("%s was created by a concurrent run (%s)", path, str(e).splitlines()[0][:200])
+            log.info("%s was created by a concurrent run (%s)", path, first_line(e))
     have = {f.name for f in table.schema().fields}
     missing = [f for f in schema if f.name not in have]
     if missing:
@@ -513,26 +462,21 @@ def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
                    commit: Callable[[DeltaTable, CommitProperties], bool | None], attempts: int = 20,
                    markers: Callable[[int], Mapping[str, int]] | None = None,
                    floor: str | None = None) -> int | None:
-    """Make one commit to the table at ``path`` that records Delta's transaction
-    (``app_id``, ``version``), unless the table holds that transaction at that version or
-    later already (an earlier attempt's commit, or a fence), or the transaction ``floor`` at
-    ``version`` or later (transactions retired below it: :meth:`ipcount.storage.sink.Sink.retire`):
-    Delta's idempotent write, as Spark's ``txnAppId``/``txnVersion`` make it.
-    ``commit(table, properties)`` writes to the snapshot ``table`` with those commit
-    properties (returning False if it found nothing to commit). True if this call committed.
+    """Make one commit to the table at ``path`` recording Delta's transaction (``app_id``, ``version``), unless the
+    table holds it at that version or later (an earlier attempt's commit, a fence) or the transaction ``floor`` at
+    ``version`` or later (:meth:`ipcount.storage.sink.Sink.retire`): Delta's idempotent write.
+    ``commit(table, properties)`` writes to the snapshot ``table`` (False: nothing to commit). Returns the version
+    committed, or None.
 
-    The check and the commit are one step: the commit is made as exactly the next version
-    of the snapshot checked, with no retry, and the log store creates it only if absent; a
-    concurrent commit - perhaps the same epoch's, from another runner - sends this one back
-    to check again (and ``commit`` is called again, on the new snapshot).
-
-    Returns the table version this call committed, or None if it committed nothing. Since
-    that version is known before the commit, ``markers(version)`` may name more transactions
-    (app id -> version) to record in the same commit: facts the table then keeps about the
-    write through checkpoints, where commit infos are not kept."""
+    The check and the commit are one step: the commit is exactly the next version of the snapshot checked, with no
+    retry, and the log store creates it only if absent - put-if-absent across processes, locally and on object storage
+    (delta-spark's log store makes it so only within one JVM, which is why delta-rs makes every commit of the pipeline).
+    A concurrent commit, perhaps the same epoch's from another runner, sends this one back to check again.
+    ``markers(version)`` may name more transactions (app id -> version) for the same commit: facts the table keeps
+    through checkpoints, where commit infos are not kept."""
     from deltalake import CommitProperties, Transaction
 
-    for attempt in range(1, attempts + 1):
+    def attempt() -> int | None:
         table = latest(path)
         done = max((v for v in (table.transaction_version(app_id), floor and table.transaction_version(floor))
                     if v is not None), default=None)
@@ -540,23 +484,21 @@ def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
             return None
         at = table.version() + 1
         extra = [Transaction(a, v) for a, v in (markers(at) if markers else {}).items()]
-        try:
-            committed = commit(table, CommitProperties(custom_metadata={"userMetadata": user_metadata},
-                                                       max_commit_retries=0,
-                                                       app_transactions=[Transaction(app_id, version), *extra]))
-            return None if committed is False else at
-        except rs_concurrent_errors() as e:
-            log.info("%s: a concurrent commit came first (%s); checking again (%d/%d)", path,
-                     str(e).splitlines()[0][:200], attempt, attempts)
-            time.sleep(min(0.05 * attempt, 1.0))
-    raise CommitContention(f"could not commit to {path} after {attempts} attempts: other writers kept committing "
-                           "first. Nothing of this commit was written; run the command again")
+        committed = commit(table, CommitProperties(custom_metadata={"userMetadata": user_metadata},
+                                                   max_commit_retries=0,
+                                                   app_transactions=[Transaction(app_id, version), *extra]))
+        return None if committed is False else at
+    return retrying(attempt, rs_concurrent_errors(), f"{path}: a concurrent commit came first", attempts,
+                    pause=lambda n: min(0.05 * n, 1.0), again="checking again",
+                    gave_up=lambda: CommitContention(f"could not commit to {path} after {attempts} attempts: other "
+                                                     "writers kept committing first. Nothing of this commit was "
+                                                     "written; run the command again"))
 
 
 def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: str,
                    markers: Callable[[int], Mapping[str, int]] | None = None, floor: str | None = None) -> int | None:
-    """Append ``data`` (Arrow) once per transaction (:func:`rs_commit_once`), with the
-    columns of the snapshot it follows (:func:`with_table_columns`)."""
+    """Append ``data`` (Arrow) once per transaction (:func:`rs_commit_once`), with the columns of the snapshot it
+    follows (:func:`with_table_columns`)."""
     from deltalake import write_deltalake
 
     return rs_commit_once(path, app_id, version, user_metadata, lambda table, properties: write_deltalake(
@@ -565,27 +507,22 @@ def rs_append_once(path: str, data, app_id: str, version: int, user_metadata: st
 
 
 def with_table_columns(data, table):
-    """``data`` (Arrow) with each column of the snapshot ``table`` that it lacks, all nulls, in
-    the table's order: a newer version may have added a column this one does not write, and
-    delta-rs refuses an append with fewer columns than the table, even an empty one. Rows
-    for a table with such a column that is not nullable are refused (:func:`check_fillable`)."""
+    """``data`` (Arrow) with the columns of the snapshot ``table`` it lacks (a newer version's), all nulls, in the
+    table's order: delta-rs refuses an append with fewer columns than the table, even an empty one."""
     import pyarrow as pa
 
     if data.num_rows:
         check_fillable(table, data.column_names)
     schema = pa.schema(table.schema().to_arrow())
     missing = [f for f in schema if f.name not in data.column_names]
-    if not missing:
-        return data
     for f in missing:
         data = data.append_column(f.name, pa.nulls(data.num_rows, f.type))
-    return data.select(schema.names)
+    return data.select(schema.names) if missing else data
 
 
 def check_fillable(table, known: Iterable[str]) -> None:
-    """Refuse to write rows to the snapshot ``table`` if it has a NOT NULL column besides
-    ``known``: a newer version's, which this one cannot fill (delta-rs would refuse the rows
-    after the work, or, for files Spark wrote, commit files the table cannot be read with)."""
+    """Refuse to write rows to ``table`` if it has a NOT NULL column besides ``known`` (a newer version's), which this
+    version cannot fill."""
     names = set(known)
     required = [f.name for f in table.schema().fields if f.name not in names and not f.nullable]
     if required:
@@ -595,15 +532,14 @@ def check_fillable(table, known: Iterable[str]) -> None:
 
 
 def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:
-    """Run a delta-rs write, again if a concurrent writer's commit came first
-    (:func:`rs_concurrent_errors`). Only for writes that are idempotent (a Delta transaction
-    id, or MERGEs matching planned rows)."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return action()
-        except rs_concurrent_errors() as e:
-            if attempt == attempts:
-                raise
-            log.info("%s: concurrent commit (%s); retrying (%d/%d)", what, type(e).__name__, attempt, attempts)
-            time.sleep(0.2 * attempt)
-    raise AssertionError("unreachable")
+    """Run a delta-rs write, again if a concurrent writer's commit came first (:func:`rs_concurrent_errors`). Only for
+    writes that are idempotent (a Delta transaction id, or MERGEs matching planned rows)."""
+    return retrying(action, rs_concurrent_errors(), f"{what}: concurrent commit", attempts)
+
+
+def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``rows`` with exactly the columns, order and Arrow types of ``schema``: Spark's and DataFusion's answers differ
+    from the tables' in details (nullability, time zones)."""
+    import pyarrow as pa
+
+    return pa.table([rows.column(f.name).cast(f.type) for f in schema], schema=schema)

@@ -1,13 +1,8 @@
-"""Maintenance of a table set with delta-rs: compaction, the retirement of final epochs'
-transactions (:meth:`ipcount.storage.sink.Sink.retire`), checkpoints, expired logs and vacuum
-(what each decides is :mod:`ipcount.rules.maintenance`), and the maintenance log.
-
-Safe beside running epochs: compaction changes no row and commits through delta-rs's
-conflict check, so it fails - and is left for the next run - when an epoch's commit
-replaced a file it packed; an epoch whose commit comes second retries on the new version
-(:func:`ipcount.storage.delta.rs_commit_once`). Checkpoints and log cleanup add no version
-that epochs could conflict with. A vacuum deletes only files unreferenced for the retention,
-and never one the publisher still reads.
+"""Maintenance of a table set with delta-rs: compaction, the retirement of final epochs' transactions
+(:meth:`ipcount.storage.sink.Sink.retire`), checkpoints, expired logs and vacuum (the rules:
+:mod:`ipcount.rules.maintenance`), and the maintenance log. Safe beside running epochs: a compaction that loses to an
+epoch's commit is left for the next run, checkpoints and log cleanup add no version, and a vacuum deletes only files
+unreferenced for the retention and never one the publisher still reads.
 """
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ from typing import Callable
 
 from ipcount.rules.config import PipelineConfig, location_scheme
 from ipcount.rules.ledger import PLANNED, SUMMARY
-from ipcount.rules.errors import MaintenanceFailed
+from ipcount.rules.errors import MaintenanceFailed, first_line
 from ipcount.rules.maintenance import (MAINTENANCE_COLUMNS, TOMBSTONE_MARGIN_HOURS, MaintenanceRun, TableMaintenance,
                                        UNCOMMITTED_FILE_HOURS, first_open_partition, log_cleanup_due, log_properties,
                                        retirement_floor, uncommitted_files_due, vacuum_retention_hours)
@@ -45,17 +40,12 @@ def table_roles(cfg: PipelineConfig) -> tuple[tuple[str, str], ...]:
 def maintain(cfg: PipelineConfig, run_id: str | None = None,
              next_unpublished: Callable[[], int] | None = None,
              retention_hours: int | None = None) -> MaintenanceRun:
-    """Maintain every table of ``cfg``'s set once, log what was done to the maintenance log,
-    and return it. ``next_unpublished``: when the counts table is published, its oldest
-    version not yet published, whose commits the counts log keeps and whose files the vacuum
-    keeps (from that version's commit time on). ``retention_hours`` overrides ``vacuum_retention_hours``
-    (0, for tests and benchmarks, deletes what no version references: only where nothing
-    reads an older version).
+    """Maintain every table of ``cfg``'s set once and log it to the maintenance log. ``next_unpublished``: for a
+    published counts table, its oldest unpublished version, whose commits and files are kept. ``retention_hours``
+    overrides ``vacuum_retention_hours`` (0, for tests: deletes what no version references).
 
-    The tables must be one set (their manifest, as every epoch checks it): retirement is for
-    good, and a ledger of another set would retire epochs these tables have yet to see.
-    A step that fails on one table is noted there and the others go on; the run is logged,
-    then :class:`MaintenanceFailed` names what failed."""
+    Retirement needs the tables' manifest to match: a ledger of another set would retire epochs these tables have yet to
+    see. A step that fails on one table is noted and the others go on; then :class:`MaintenanceFailed`."""
     retention_hours = cfg.vacuum_retention_hours if retention_hours is None else retention_hours
     run = MaintenanceRun(run_id or f"maintenance-{uuid.uuid4().hex[:12]}", datetime.now(timezone.utc))
     now_ms = int(run.started_at.timestamp() * 1000)
@@ -70,7 +60,7 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
         try:
             retired = _retire(cfg, sink)  # before the checkpoints, which then leave out what it expired
         except Exception as e:  # noqa: BLE001 - noted on the tables, raised after the log
-            retired = (f"retirement failed: {_first_line(e)}",)
+            retired = (f"retirement failed: {first_line(e)}",)
             failed.append(retired[0])
     for role, path in table_roles(cfg):
         if open_table(path) is None:
@@ -87,8 +77,8 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
             done = _maintain_table(role, path, partitions, retention, retention_hours + TOMBSTONE_MARGIN_HOURS,
                                    notes, unsent)
         except Exception as e:  # noqa: BLE001 - noted, the other tables go on, raised after the log
-            failed.append(f"{role}: {_first_line(e)}")
-            done = TableMaintenance(role, path, notes=(*notes, f"failed: {_first_line(e)}"))
+            failed.append(f"{role}: {first_line(e)}")
+            done = TableMaintenance(role, path, notes=(*notes, f"failed: {first_line(e)}"))
         run.tables.append(done)
         log.info("maintenance %s: %s", run.run_id, done.line())
     run.finished_at = datetime.now(timezone.utc)
@@ -101,9 +91,8 @@ def maintain(cfg: PipelineConfig, run_id: str | None = None,
 
 def _kept_for_publisher(path: str, retention_hours: int, now_ms: int, next_unpublished: Callable[[], int] | None,
                         notes: list[str]) -> tuple[int | None, int | None]:
-    """(vacuum retention in hours, None: no vacuum; the version from which the counts log
-    keeps its commits, None: as its retention says) for the counts table at ``path``: what
-    its publisher has yet to read stays."""
+    """(vacuum retention in hours, None: no vacuum; the version from which the counts log keeps its commits, None: as
+    its retention says) for the counts table at ``path``: what its publisher has yet to read stays."""
     if next_unpublished is None:
         # a published table, and no publisher's position to go by: keep its log
         return retention_hours, 0 if is_published(path) else None
@@ -111,20 +100,16 @@ def _kept_for_publisher(path: str, retention_hours: int, now_ms: int, next_unpub
         unsent = next_unpublished()
         retention = vacuum_retention_hours(retention_hours, now_ms, _commit_ms_from(path, unsent))
     except Exception as e:  # noqa: BLE001 - (the broker, say): what the publisher needs is unknown
-        notes.append(f"not vacuumed, log kept: the publisher's position is unknown ({_first_line(e)})")
+        notes.append(f"not vacuumed, log kept: the publisher's position is unknown ({first_line(e)})")
         return None, 0
     if retention is not None and retention > retention_hours:
         notes.append(f"vacuum kept {retention} h of files for the publisher")
     return retention, unsent
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:200]
-
-
 def _retire(cfg: PipelineConfig, sink: Sink) -> tuple[str, ...]:
-    """Retire the sink tables' transactions of every epoch the ledger holds as final, from
-    the lowest floor up (:meth:`ipcount.storage.sink.Sink.retire`); what happened, as notes."""
+    """Retire the sink tables' transactions of every epoch the ledger holds as final, from the lowest floor up
+    (:meth:`ipcount.storage.sink.Sink.retire`); what happened, as notes."""
     floor = min(sink.floors().values())  # (tables an interrupted run left lower catch up)
     # Only the epochs above the floor: files of older ones are skipped by their statistics.
     rows = query_table(latest(cfg.ledger_path), f"SELECT epoch, bool_or(status = '{PLANNED}') AS planned FROM t "
@@ -142,10 +127,9 @@ def _retire(cfg: PipelineConfig, sink: Sink) -> tuple[str, ...]:
 
 
 def _final_partitions(cfg: PipelineConfig) -> list[tuple[str, str, str]] | None:
-    """The counts partitions compaction may pack, as a delta-rs partition filter (None: none):
-    every final partition (:data:`~ipcount.storage.sink.COUNTS_PARTITION_BY`: scheduled epochs
-    only add to them, the open day's included); in an older table, the hours before the first
-    open one of the chain's watermark."""
+    """The counts partitions compaction may pack, as a delta-rs partition filter (None: none): every final partition
+    (:data:`~ipcount.storage.sink.COUNTS_PARTITION_BY`: scheduled epochs only add to them, the open day's included); in
+    an older table, the hours before the first open one of the chain's watermark."""
     table = latest(cfg.counts_path)
     column = counts_partition(table)
     if column is None:
@@ -158,8 +142,8 @@ def _final_partitions(cfg: PipelineConfig) -> list[tuple[str, str, str]] | None:
 
 
 def _commit_ms_from(path: str, first: int) -> int | None:
-    """When the oldest of the table's versions from ``first`` on was committed (None: there is
-    none; 0: its commit info is no longer in the log, so it may be as old as any)."""
+    """When the oldest of the table's versions from ``first`` on was committed (None: there is none; 0: its commit info
+    is no longer in the log, so it may be as old as any)."""
     if first > latest(path).version():
         return None
     infos = commit_infos(path, first) or {}
@@ -184,9 +168,9 @@ def _maintain_table(role: str, path: str, partitions, retention_hours: int | Non
             compacted = int(metrics.get("numFilesRemoved", 0))
         except rs_concurrent_errors() as e:
             notes.append(f"compaction lost to a concurrent commit ({type(e).__name__}): next run")
-    # A vacuum deletes only files whose tombstone the snapshot still has, and a checkpoint
-    # leaves out those older than delta.deletedFileRetentionDuration (a week by default, the
-    # vacuum's own retention): keep them longer, or the vacuum would never meet a file.
+    # A vacuum deletes only files whose tombstone the snapshot still has, and a checkpoint leaves out those older than
+    # delta.deletedFileRetentionDuration (a week by default, the vacuum's own retention): keep them longer, or the
+    # vacuum would never meet a file.
     wanted = {DELETED_FILE_RETENTION: f"interval {tombstone_hours} hours"}
     if latest(path).metadata().configuration.get(DELETED_FILE_RETENTION) != wanted[DELETED_FILE_RETENTION]:
         retry_on_conflict(lambda: latest(path).alter.set_table_properties(wanted, raise_if_not_exists=False),
@@ -202,8 +186,8 @@ def _maintain_table(role: str, path: str, partitions, retention_hours: int | Non
         if retention_hours is not None:
             vacuumed = len(latest(path).vacuum(retention_hours=retention_hours, dry_run=False,
                                                enforce_retention_duration=False, commit_properties=properties))
-            # As of the version the publisher's position was read against: this run's own commits
-            # (and epochs' since) came after it, and their removed files' tombstones are fresh.
+            # As of the version the publisher's position was read against: this run's own commits (and epochs' since)
+            # came after it, and their removed files' tombstones are fresh.
             if uncommitted_files_due(unsent, started.version()):
                 # (delta-rs's default vacuum deletes only removed files; a full one, files of no commit too)
                 vacuumed += len(latest(path).vacuum(retention_hours=max(retention_hours, UNCOMMITTED_FILE_HOURS),
@@ -230,9 +214,8 @@ def _files(table) -> list[int]:
 
 
 def _log_sizes(path: str) -> tuple[int | None, int | None, int | None]:
-    """(bytes of ``_delta_log``, bytes of its newest checkpoint, app transactions in it), for
-    a table in a local directory; (None, None, None) on object storage, where it would take
-    a listing of its own."""
+    """(bytes of ``_delta_log``, bytes of its newest checkpoint, app transactions in it), for a table in a local
+    directory; (None, None, None) on object storage, where it would take a listing of its own."""
     import pyarrow.parquet as pq
 
     if location_scheme(path):

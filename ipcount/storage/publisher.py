@@ -1,11 +1,8 @@
-"""The sink topic's transactional producer: one Kafka transaction per published counts
-version, holding its records and the publisher group's cursor (the next version), as
-Kafka Streams commits its input offsets with its output.
+"""The sink topic's transactional producer: one Kafka transaction per published counts version, holding its records and
+the publisher group's cursor (the next version), as Kafka Streams commits its input offsets with its output.
 
-A stable ``transactional.id`` per pipeline (``<pipeline_id>-publisher``) fences any older
-publisher that is still running (a killed task's process, say): the newest one's
-``init_transactions`` aborts what the old one left open, and the old one's next call fails.
-The cursor is read only after that, so it is the last committed one.
+A stable ``transactional.id`` per pipeline fences any older publisher still running: the newest one's
+``init_transactions`` aborts what the old one left open. The cursor is read only after that: the last committed one.
 """
 from __future__ import annotations
 
@@ -39,9 +36,8 @@ def publisher_id(cfg: PipelineConfig) -> str:
 
 
 def create_sink_topic(cfg: PipelineConfig, topic: str, partitions: int = 3) -> bool:
-    """The sink topic, compacted only (the latest count per key stays) and replicated as the
-    brokers' ``default.replication.factor`` says; False if it exists. One that exists with
-    any other cleanup.policy is refused (ConfigError)."""
+    """Create the sink topic, compacted only (the latest count per key stays); False if it exists. One with any other
+    cleanup.policy is refused (ConfigError)."""
     with admin_client(cfg) as client:
         try:
             client.create_topics({topic: {"num_partitions": partitions,
@@ -57,8 +53,7 @@ def create_sink_topic(cfg: PipelineConfig, topic: str, partitions: int = 3) -> b
 
 
 def _cleanup_policy(client: KafkaAdminClient, topic: str) -> str | None:
-    """The topic's effective cleanup.policy (its own, or the brokers' default), or None if the
-    broker does not say (e.g. the login may not describe the topic's configs)."""
+    """The topic's effective cleanup.policy, or None if the broker does not say (the login may not describe it)."""
     described = client.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, ["cleanup.policy"])],
                                         config_filter="all")
     entry = described.get("topic", {}).get(topic, {}).get("cleanup.policy")
@@ -66,31 +61,25 @@ def _cleanup_policy(client: KafkaAdminClient, topic: str) -> str | None:
 
 
 def read_cursor(cfg: PipelineConfig, topic: str) -> Cursor | None:
-    """The publisher's committed cursor, or None before its first publish. Reading it fences
-    nobody (the monitor reads it too); a publisher reads it after its init."""
-    consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=publisher_id(cfg),
-                             enable_auto_commit=False, isolation_level="read_committed", **client_options(cfg))
-    try:
-        committed = consumer.committed(TopicPartition(topic, CURSOR_PARTITION), metadata=True,
-                                       timeout_ms=cfg.kafka_timeout_seconds * 1000)
-    except KafkaTimeoutError:
-        raise BrokerUnavailableError(
-            f"the publisher's cursor (group {publisher_id(cfg)}) could not be read within "
-            f"{cfg.kafka_timeout_seconds} s: the broker is slow, or a publish is in flight (its open transaction "
-            "holds the cursor until it commits, or aborts within the transaction timeout)") from None
-    finally:
-        consumer.close()
+    """The publisher's committed cursor, or None before its first publish. Reading it fences nobody (the monitor reads
+    it too)."""
+    with committed_reader(cfg, group_id=publisher_id(cfg)) as consumer:
+        try:
+            committed = consumer.committed(TopicPartition(topic, CURSOR_PARTITION), metadata=True,
+                                           timeout_ms=cfg.kafka_timeout_seconds * 1000)
+        except KafkaTimeoutError:
+            raise BrokerUnavailableError(
+                f"the publisher's cursor (group {publisher_id(cfg)}) could not be read within "
+                f"{cfg.kafka_timeout_seconds} s: the broker is slow, or a publish is in flight (its open transaction "
+                "holds the cursor until it commits, or aborts within the transaction timeout)") from None
     if committed is None or committed.offset < 0:
         return None
     return Cursor.from_committed(committed.offset, committed.metadata)
 
 
 def committed_cursor(cfg: PipelineConfig, topic: str) -> Cursor | None:
-    """The cursor, or, if its offset is gone, the one the sink topic's committed records
-    imply. Kafka deletes the offsets of a group without members
-    ``offsets.retention.minutes`` (7 days by default) after their last commit, so a pipeline
-    idle that long loses its cursor; the topic still has every published version's records
-    (compaction keeps each key's newest)."""
+    """The cursor, or, if Kafka expired it (``offsets.retention.minutes`` after the last commit of a group without
+    members), the one the sink topic's committed records imply."""
     cursor = read_cursor(cfg, topic)
     if cursor is not None:
         return cursor
@@ -103,15 +92,14 @@ def committed_cursor(cfg: PipelineConfig, topic: str) -> Cursor | None:
 
 
 def log_starts(cfg: PipelineConfig, topic: str) -> dict[int, int]:
-    """Each partition's log start offset: past 0 once retention (or a delete-records call)
-    deleted records from it; compaction leaves it be."""
+    """Each partition's log start offset: past 0 once retention or a delete-records call deleted records."""
     with committed_reader(cfg) as consumer:
         return {tp.partition: begin for tp, (begin, _) in _partition_bounds(consumer, topic).items()}
 
 
 def newest_records(cfg: PipelineConfig, topic: str) -> list:
-    """Each partition's newest committed record (read_committed), if it has any: reads back
-    from the end in growing steps (transaction markers and aborted records take offsets too)."""
+    """Each partition's newest committed record, if any: read back from the end in growing steps (transaction markers
+    and aborted records take offsets too)."""
     out = []
     with committed_reader(cfg) as consumer:
         for tp, (begin, end) in _partition_bounds(consumer, topic).items():
@@ -143,10 +131,10 @@ def _partition_bounds(consumer: KafkaConsumer, topic: str) -> dict[TopicPartitio
 
 
 @contextmanager
-def committed_reader(cfg: PipelineConfig) -> Iterator[KafkaConsumer]:
-    """A read_committed consumer without a group."""
-    consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), enable_auto_commit=False,
-                             isolation_level="read_committed", **client_options(cfg))
+def committed_reader(cfg: PipelineConfig, group_id: str | None = None) -> Iterator[KafkaConsumer]:
+    """A read_committed consumer (of no group by default) that commits nothing."""
+    consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=group_id,
+                             enable_auto_commit=False, isolation_level="read_committed", **client_options(cfg))
     try:
         yield consumer
     finally:
@@ -154,8 +142,8 @@ def committed_reader(cfg: PipelineConfig) -> Iterator[KafkaConsumer]:
 
 
 def read_range(consumer: KafkaConsumer, tp: TopicPartition, start: int, end: int, timeout_seconds: float) -> list:
-    """The committed records of ``tp`` in offsets [start, end), where ``end`` is at most the
-    last stable offset (``end_offsets`` of a read_committed consumer)."""
+    """The committed records of ``tp`` in offsets [start, end), where ``end`` is at most the last stable offset
+    (``end_offsets`` of a read_committed consumer)."""
     consumer.assign([tp])
     consumer.seek(tp, start)
     deadline = time.monotonic() + timeout_seconds
@@ -170,8 +158,8 @@ def read_range(consumer: KafkaConsumer, tp: TopicPartition, start: int, end: int
 
 
 class SinkTopic(Protocol):
-    """Where counts are published, as :func:`ipcount.jobs.publish.publish_pending` sees it
-    (:class:`KafkaSinkTopic` in production; a simulated one in the model test)."""
+    """Where counts are published, as :func:`ipcount.jobs.publish.publish_pending` sees it (:class:`KafkaSinkTopic` in
+    production; a simulated one in the model test)."""
 
     def create(self) -> None:
         """The topic, created if missing (or refused, ConfigError)."""
@@ -216,15 +204,15 @@ class Publisher:
             raise
 
     def cursor(self) -> Cursor | None:
-        """The committed cursor (after this publisher's init: the last one committed), or
-        what the topic implies if it expired."""
+        """The committed cursor (after this publisher's init: the last one committed), or what the topic implies if it
+        expired."""
         return committed_cursor(self.cfg, self.topic)
 
     def publish(self, records: Iterable[SinkRecord], after: Cursor, crash: Callable[[str], None] = lambda p: None
                 ) -> int:
-        """Send ``records`` and move the cursor to ``after`` in one transaction; how many were
-        sent. Every send is confirmed before the commit, and the cursor read back after it
-        (kafka-python can report a commit whose sends failed as done)."""
+        """Send ``records`` and move the cursor to ``after`` in one transaction; how many were sent. Every send is
+        confirmed before the commit, and the cursor read back after it (kafka-python can report a commit whose sends
+        failed as done)."""
         futures: list = []
         try:
             self.producer.begin_transaction()
@@ -257,8 +245,8 @@ class Publisher:
         return len(futures)
 
     def _bounded(self, call: Callable[[], object], what: str) -> None:
-        """kafka-python's transaction calls wait without a limit; this one waits for the
-        pipeline's broker timeout (plus the transaction's own), then gives up loudly."""
+        """kafka-python's transaction calls wait without a limit; this one waits for the pipeline's broker timeout (plus
+        the transaction's own), then gives up loudly."""
         outcome: list[BaseException | None] = []
 
         def run() -> None:
@@ -279,8 +267,7 @@ class Publisher:
     def _fenced(self, error: BaseException) -> bool:
         if isinstance(error, (ProducerFencedError, InvalidProducerEpochError)):
             return True
-        # Once fenced, kafka-python's producer fails every call with a plain KafkaError and
-        # keeps the cause here.
+        # Once fenced, kafka-python's producer fails every call with a plain KafkaError and keeps the cause here.
         manager = getattr(self.producer, "_transaction_manager", None)
         return isinstance(getattr(manager, "_last_error", None), ProducerFencedError)
 

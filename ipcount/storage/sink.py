@@ -1,35 +1,10 @@
 """The sink: counts, dead letters and late records, each written idempotently per epoch.
 
-Every write carries Delta's transaction identifier (app id ``<pipeline id>/epoch-<n>``,
-version n), recorded in the same commit as the data; a later write with that app id is
-skipped, so replaying an epoch after a crash - at any point, even by two runners at once -
-leaves each table exactly as one clean run would.
-
-An epoch that read anything ends its sink writes with one commit to the counts table (its
-MERGE, or an empty commit when it counted nothing), which records beside the epoch's own
-transaction what the ledger needs of it: the counts version and the watermark. That commit
-and a settling run's fence (:meth:`Sink.fence`) race for the same transaction id, and the
-table keeps the winner, through checkpoints: so whether an epoch's data is in, and which
-version holds it, is read from the table's own transactions (:meth:`Sink.epoch_commit`),
-never from a window of its commit history. The app id is per epoch, not per
-pipeline, because scheduled and backfill epochs commit concurrently and so not in epoch
-order: one app id with rising versions would skip a lower epoch that commits after a
-higher one.
-
-An epoch's transactions stay until maintenance retires them (:meth:`Sink.retire`): once
-the ledger holds every epoch up to N as final, one commit per table raises the floor
-transaction ``<pipeline id>/retired-through`` to N and, in the same commit, expires every
-transaction of those epochs (written again, dated 1970, under the tables'
-:data:`TXN_RETENTION`). So at every version of a table, an epoch ever written there has its
-transaction or lies under the floor, and a write of it is skipped either way; how many
-transactions a table keeps no longer grows with its age. No clock decides anything: a
-transaction written by an epoch never expires by itself.
-
-delta-rs writes all three tables (:func:`ipcount.storage.delta.rs_commit_once` checks for
-the transaction and commits as the next version of what it checked): Spark computes the
-epoch's rows, which are few (counts per window and client, and the bad or late records),
-and hands them over as Arrow. So every commit is put-if-absent across processes, on a
-local file system and on object storage, with no log store of our own.
+Every write carries Delta's transaction ``<pipeline id>/epoch-<n>`` and is skipped if the table holds it
+(:func:`ipcount.storage.delta.rs_commit_once`): a replay, even by two runners at once, leaves each table as one clean
+run would. The app id is per epoch because scheduled and backfill epochs commit out of epoch order. The counts commit
+comes last, records the epoch's :data:`FACTS` and races a settling run's fence for the same id; maintenance retires
+final epochs' transactions under a floor. docs/data-model.md ("Epoch transactions and their retirement") has the detail.
 """
 from __future__ import annotations
 
@@ -37,7 +12,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import EpochFenced
@@ -45,9 +20,11 @@ from ipcount.rules.finality import ChainCommit, adds_no_rows, finalized_below, g
 from ipcount.rules.publish import CHANGE_DATA_FEED, has_change_feed
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, PartitionMetrics
 from ipcount.rules.maintenance import COUNTS_PARTITIONS, DAY_MS, log_properties, partition_value
-from ipcount.storage.delta import (arrow_schema, check_fillable, commit_infos, latest, open_table, query_arrow,
-                                   retry_on_conflict, rs_append_once, rs_commit_once, rs_concurrent_errors,
-                                   rs_create_table, sql_timestamp, version_with_metadata, with_table_columns)
+from ipcount.storage.delta import (arrow_schema, check_fillable, commit_infos, conform, latest, open_table,
+                                   query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
+                                   rs_concurrent_errors, rs_create_table, sql_timestamp, version_with_metadata,
+                                   with_table_columns)
+from ipcount.storage.retry import retrying
 from ipcount.storage.spark import spark_ddl, task_slots
 from ipcount.storage.table_files import (TableFile, WrittenFile, add_actions, all_present, live_files, read_files,
                                          remove_actions, write_files)
@@ -68,20 +45,13 @@ COUNTS_COLUMNS: Columns = (
     ("first_epoch", "bigint", False),
     ("last_epoch", "bigint", False),
     ("is_final", "boolean", True),
-    # The window's hour (UTC, "2026-11-24T10"): the partition of counts tables made between
-    # its addition and window_day's. Each new row carries both.
-    ("window_hour", "string", True),
+    ("window_hour", "string", True),   # the window's hour (UTC, "2026-11-24T10"): an older table's partition
     ("window_day", "string", True),    # the window's day (UTC, "2026-11-24")
 )
-# A new counts table's partitions: a MERGE rewrites whole files, so the rows it may still
-# update (not final) are kept apart from the rest, and a row moves once final (the MERGE
-# that makes it final writes it into its day's final partition). An epoch then rewrites
-# only rows within the allowed lateness, and a year of days packs into 365 files, where an
-# hour partition made each MERGE rewrite the hour so far and a year 8,760 files (a snapshot
-# lists every live file: their number is a cost of every commit).
+# A new counts table's partitions: a MERGE rewrites whole files, so rows it may still update (not final) are kept apart,
+# and a year of days packs into 365 files (a snapshot lists every live file: a cost of every commit).
 COUNTS_PARTITION_BY = ("window_day", "is_final")
-# How many commits since the chain's last but one a MERGE reads to see whether they changed
-# rows (:func:`_row_neutral`); beyond, it takes a full pass.
+# How many commits since the chain's last but one a MERGE reads for rows they changed (:func:`_row_neutral`).
 NEUTRAL_LOOKBACK = 64
 # A counts MERGE's source: the epoch's counts, and (``touched`` false) rows it makes final.
 MERGE_SOURCE_COLUMNS: Columns = (*COUNTS_COLUMNS[:4], *((c, "string", False) for c in COUNTS_PARTITIONS),
@@ -112,18 +82,17 @@ LATE_COLUMNS: Columns = (
 )
 
 
-# The facts an epoch's counts commit (or its fence) records as transactions of their own
-# (app id ``<epoch's app id>/<name>``), in the same commit as the epoch's transaction.
+# The facts an epoch's counts commit (or its fence) records as transactions of their own (app id
+# ``<epoch's app id>/<name>``), in the same commit as the epoch's transaction.
 COUNTS_VERSION, NO_COUNTS, WATERMARK, FENCED = "counts-version", "no-counts", "watermark", "fenced"
 FACTS = (COUNTS_VERSION, NO_COUNTS, WATERMARK, FENCED)
-# Expires only what retirement dates to 1970 (an epoch's transactions carry no date and never
-# expire; delta-spark dated those it wrote, and ten years keeps them).
+# Expires only what retirement dates to 1970 (delta-spark dated the transactions it wrote: ten years keeps them).
 TXN_RETENTION = {"delta.setTransactionRetentionDuration": "interval 3650 days"}
 RETIRED_DATE_MS = 1
-# How many epochs one retirement commit expires at most (a first retirement of an old table
-# takes several: each raises the floor over what it expired, so a kill between them is safe).
+# How many epochs one retirement commit expires at most (each raises the floor: a kill between them is safe).
 RETIRE_BATCH = 20_000
 RETIRE_ATTEMPTS = 20  # commits lost to concurrent ones before a table's retirement waits for the next run
+SideRows = Any  # a side table's rows: Arrow (Sink.write) or a DataFrame (Sink.write_from_spark)
 
 
 @dataclass(frozen=True)
@@ -148,9 +117,7 @@ class Sink:
 
     def ensure(self) -> None:
         for path, columns in self.tables():
-            # Publishing reads each counts version's changes from Delta's change data feed. A
-            # table ever published keeps its log for the publisher even in a run with publish
-            # off: turning the cleanup on would delete the versions it has yet to send.
+            # A table ever published keeps its change data feed and log for the publisher, publish on or off.
             counts = path == self.cfg.counts_path
             published = counts and (self.cfg.publish or is_published(path))
             wanted = {**TXN_RETENTION, **log_properties(self.cfg.log_retention_hours, published),
@@ -173,44 +140,60 @@ class Sink:
     def write(self, plan: EpochPlan, counts: pa.Table, dead_letters: pa.Table, late_records: pa.Table,
               watermark_after_ms: int | None = None, chain: Sequence[ChainCommit] = (),
               stages: dict[str, float] | None = None) -> int | None:
-        """Write the epoch's dead letters, late records and ``counts`` (its counts per window
-        and client), each as Arrow (:class:`ipcount.jobs.tally.EpochTally`); return the
-        counts table version that holds this epoch (None if it counted nothing). ``chain``:
-        the scheduled chain's counts commits, newest first
-        (:meth:`ipcount.storage.ledger.Ledger.chain_commits`). ``stages``, if given, gets the
-        side tables' appends' seconds as ``side_tables``.
-
-        Each write is skipped if a previous attempt of the epoch committed it. A side table
-        write with no rows is not attempted at all (a replay finds none either); the counts
-        commit always is, last, and decides the epoch: if a settling run's fence holds its
-        transaction instead, :class:`EpochFenced` - this run must not commit the epoch.
-        """
+        """Write the epoch's dead letters, late records and ``counts`` (per window and client), as Arrow
+        (:class:`ipcount.jobs.tally.EpochTally`); the counts version holding the epoch (None if it counted nothing).
+        ``chain``: the chain's counts commits, newest first (:meth:`ipcount.storage.ledger.Ledger.chain_commits`);
+        ``stages`` gets the side tables' seconds. Each write is skipped if an earlier attempt made it; the counts
+        commit, last, decides the epoch: :class:`EpochFenced` if a settling run's fence holds its transaction."""
         epoch = plan.epoch
+        self._write_side_tables(epoch, ((dead_letters, dead_letters.num_rows), (late_records, late_records.num_rows)),
+                                self._append_rows, stages)
+        return self._write_counts(plan, counts.num_rows, watermark_after_ms, lambda watermark_ms: self._merge_counts(
+            epoch, counts, watermark_ms, plan.kind == SCHEDULED, chain, watermark_after_ms))
+
+    def write_from_spark(self, plan: EpochPlan, counts: DataFrame, dead_letters: DataFrame, late_records: DataFrame,
+                         sizes: PartitionMetrics, *, counted_windows_ms: tuple[int, int] | None,
+                         watermark_after_ms: int | None = None,
+                         chain: Sequence[ChainCommit] = (), stages: dict[str, float] | None = None,
+                         before_commit: Callable[[], None] = lambda: None) -> int | None:
+        """:meth:`write` for rows left in Spark (:class:`ipcount.jobs.tally.SparkTally`; ``counted_windows_ms``: the
+        first and last window start of ``counts``): the executors write the files, delta-rs commits them
+        (:mod:`ipcount.storage.table_files`). ``before_commit`` runs between the counts files' writes and commit."""
+        epoch = plan.epoch
+        self._write_side_tables(epoch, ((dead_letters, sizes.records_malformed), (late_records, sizes.records_late)),
+                                self._append_files, stages)
+
+        def merge(watermark_ms: int | None) -> int | None:
+            if counted_windows_ms is None:
+                raise ValueError(f"epoch {epoch} counted {sizes.records_counted} records, but in no window")
+            return self._merge_counts_in_spark(epoch, counts, counted_windows_ms, watermark_ms,
+                                               finalize_untouched=plan.kind == SCHEDULED, chain=chain,
+                                               watermark_after_ms=watermark_after_ms, before_commit=before_commit)
+        return self._write_counts(plan, sizes.records_counted, watermark_after_ms, merge)
+
+    def _write_side_tables(self, epoch: int, rows: tuple[tuple[SideRows, int], tuple[SideRows, int]],
+                           append: Callable[[str, Columns, SideRows, int], object],
+                           stages: dict[str, float] | None) -> None:
+        """Append the epoch's dead letters and late records (each with its row count) with ``append``, skipping empty
+        ones (a replay finds none either)."""
         started = time.monotonic()
-        for path, columns, rows in ((self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, dead_letters),
-                                    (self.cfg.late_path, LATE_COLUMNS, late_records)):
-            if rows.num_rows:
-                rs_append_once(path, _conform(rows, columns), self.txn_app_id(epoch), epoch, f"epoch={epoch}",
-                               floor=self.floor_id)
+        for (path, columns), (part, size) in zip(self.tables()[1:], rows):
+            if size:
+                append(path, columns, part, epoch)
         if stages is not None:
             stages["side_tables"] = time.monotonic() - started
-        if not counts.num_rows:
-            committed = self._commit_nothing_counted(epoch, watermark_after_ms)
-        elif plan.kind == SCHEDULED:
-            committed = self._merge_counts(epoch, counts, watermark_after_ms, finalize_untouched=True, chain=chain,
-                                           watermark_after_ms=watermark_after_ms)
-        else:
-            # A backfill's windows are final only against the live chain's watermark (recorded in
-            # the plan, so a replay marks the same): the chain may still count records into a
-            # window the backfill's own watermark has passed. The chain's later epochs finalize
-            # them as its watermark moves on.
-            committed = self._merge_counts(epoch, counts, plan.chain_watermark_ms, finalize_untouched=False,
-                                           watermark_after_ms=watermark_after_ms)
-        return self._outcome(epoch, committed, counts.num_rows > 0)
 
-    def _outcome(self, epoch: int, committed: int | None, counted: bool) -> int | None:
-        """The counts version holding ``epoch`` after its counts commit was tried (``committed``:
-        the version this run committed, None if the table held the transaction already)."""
+    def _write_counts(self, plan: EpochPlan, counted: int, watermark_after_ms: int | None,
+                      merge: Callable[[int | None], int | None]) -> int | None:
+        """The epoch's counts commit: ``merge(watermark)``, or an empty commit if it counted nothing; the counts version
+        holding the epoch, whichever attempt committed it."""
+        epoch = plan.epoch
+        if not counted:
+            committed = self._commit_nothing_counted(epoch, watermark_after_ms)
+        else:
+            # A backfill's windows are final only against the chain's watermark (recorded in the plan): the chain may
+            # still count into a window the backfill's own watermark has passed.
+            committed = merge(watermark_after_ms if plan.kind == SCHEDULED else plan.chain_watermark_ms)
         if committed is not None:  # this call's commit: its version holds the counts, if any
             return committed if counted else None
         # An earlier attempt's commit, or a settling run's fence, holds the transaction.
@@ -224,49 +207,19 @@ class Sink:
                               "is written and this run leaves the ledger to it")
         return done.version
 
-    def write_from_spark(self, plan: EpochPlan, counts: DataFrame, dead_letters: DataFrame, late_records: DataFrame,
-                         sizes: PartitionMetrics, *, counted_windows_ms: tuple[int, int] | None,
-                         watermark_after_ms: int | None = None,
-                         chain: Sequence[ChainCommit] = (), stages: dict[str, float] | None = None,
-                         before_commit: Callable[[], None] = lambda: None) -> int | None:
-        """:meth:`write` for rows left in Spark (:class:`ipcount.jobs.tally.SparkTally`; ``sizes``:
-        the epoch's records counted, late and malformed; ``counted_windows_ms``: the starts of
-        the first and last window ``counts`` holds): Spark's executors write the epoch's
-        files into the tables and delta-rs commits them (:mod:`ipcount.storage.table_files`),
-        each commit as idempotent as :meth:`write`'s. ``before_commit`` is called between the
-        counts files' writes and their commit."""
-        epoch = plan.epoch
-        started = time.monotonic()
-        for path, columns, rows, size in ((self.cfg.dead_letter_path, DEAD_LETTER_COLUMNS, dead_letters,
-                                           sizes.records_malformed),
-                                          (self.cfg.late_path, LATE_COLUMNS, late_records, sizes.records_late)):
-            if size:
-                self._append_files(path, columns, rows, epoch)
-        if stages is not None:
-            stages["side_tables"] = time.monotonic() - started
-        if not sizes.records_counted:
-            committed = self._commit_nothing_counted(epoch, watermark_after_ms)
-        else:
-            scheduled = plan.kind == SCHEDULED
-            if counted_windows_ms is None:
-                raise ValueError(f"epoch {epoch} counted {sizes.records_counted} records, but in no window")
-            committed = self._merge_counts_in_spark(
-                epoch, counts, counted_windows_ms, watermark_after_ms if scheduled else plan.chain_watermark_ms,
-                finalize_untouched=scheduled, chain=chain, watermark_after_ms=watermark_after_ms,
-                before_commit=before_commit)
-        return self._outcome(epoch, committed, sizes.records_counted > 0)
-
     def _commit_nothing_counted(self, epoch: int, watermark_after_ms: int | None) -> int | None:
-        """The counts commit of an epoch that counted nothing: no rows, its facts."""
         facts = self._facts(epoch, None, watermark_after_ms)
         return rs_append_once(self.cfg.counts_path, arrow_schema(COUNTS_COLUMNS).empty_table(),
                               self.txn_app_id(epoch), epoch, f"epoch={epoch}", markers=lambda _: facts,
                               floor=self.floor_id)
 
+    def _append_rows(self, path: str, columns: Columns, rows: pa.Table, epoch: int) -> int | None:
+        """Append ``rows`` (Arrow) to the table at ``path`` once per epoch."""
+        return rs_append_once(path, conform(rows, arrow_schema(columns)), self.txn_app_id(epoch), epoch,
+                              f"epoch={epoch}", floor=self.floor_id)
+
     def _append_files(self, path: str, columns: Columns, rows: DataFrame, epoch: int) -> int | None:
-        """Append ``rows`` to the table at ``path`` once per epoch: Spark writes the files
-        (only on the first try, and not at all if the table has the epoch already), delta-rs
-        commits them."""
+        """Append ``rows`` once per epoch: Spark writes the files (on the first try only), delta-rs commits them."""
         written: list[list[WrittenFile]] = []
 
         def append(table, properties) -> None:
@@ -281,26 +234,17 @@ class Sink:
                                   floor=self.floor_id)
         except _NotForExecutors as why:  # raised before this attempt wrote anything
             log.warning("epoch %d: %s, so its rows are appended by this process", epoch, why)
-            return rs_append_once(path, _conform(rows.toArrow(), columns), self.txn_app_id(epoch), epoch,
-                                  f"epoch={epoch}", floor=self.floor_id)
+            return self._append_rows(path, columns, rows.toArrow(), epoch)
 
     def _merge_counts_in_spark(self, epoch: int, counts: DataFrame, windows_ms: tuple[int, int],
                                watermark_ms: int | None, finalize_untouched: bool, chain: Sequence[ChainCommit] = (),
                                watermark_after_ms: int | None = None,
                                before_commit: Callable[[], None] = lambda: None) -> int | None:
-        """:meth:`_merge_counts` done by Spark's executors: they read the files the epoch's
-        rows can change (:func:`_read_by_merge`), at exactly the snapshot the commit follows,
-        merge the counts into them and write the merged rows as new files; the commit removes
-        the files read and adds those written. Another commit first means
-        a new snapshot and a new merge (the lost one's files are never referenced: vacuum
-        removes them), unless the commits that came first changed none of the files the merge
-        read or would read (a fence, a retirement, a backfill's commit to closed windows of
-        other days, a compaction of other files): then the same files are committed again,
-        as the merge of the new snapshot would write them. Columns this version does not know
-        (a newer one's) are carried through as they are, NULL in new rows. A table in an
-        older layout (:func:`counts_partition`), with a column Spark cannot carry, or asking
-        what only delta-rs's writes honour (:func:`unenforced_features`), takes the MERGE of
-        :meth:`_merge_counts`, with the counts collected here."""
+        """:meth:`_merge_counts` done by Spark's executors: they read the files the epoch can change
+        (:func:`_read_by_merge`) at the snapshot the commit follows and write the merged rows as new files; the commit
+        swaps them. Another commit first means a new merge, unless it changed no file this merge read or would read.
+        Unknown (newer) columns are carried through. A table the executors cannot write (an older layout, a column Spark
+        cannot carry, :func:`unenforced_features`) takes :meth:`_merge_counts` instead."""
         spark = counts.sparkSession
         path = self.cfg.counts_path
         lo_ms, hi_ms = windows_ms
@@ -347,8 +291,7 @@ class Sink:
 
     def _rewrite(self, files: Sequence[TableFile], counts: DataFrame, epoch: int, watermark_ms: int | None,
                  finalize_untouched: bool, extra: Sequence[tuple[pa.Field, str]]) -> list[WrittenFile]:
-        """The counts table's ``files`` with the epoch's ``counts`` merged in, written by
-        Spark's executors as new files (not yet committed)."""
+        """``files`` with the epoch's ``counts`` merged in, written by the executors as new (uncommitted) files."""
         import pyarrow as pa
 
         spark = counts.sparkSession
@@ -361,8 +304,7 @@ class Sink:
 
     def _read_counts(self, spark: SparkSession, files: Sequence[TableFile], with_path: bool = False,
                      extra: Sequence[tuple[pa.Field, str]] = ()) -> DataFrame:
-        """The rows of the counts table's ``files``, read by Spark's tasks, with the
-        ``extra`` columns (:func:`_carried_columns`)."""
+        """The rows of the counts table's ``files``, read by Spark's tasks, with the ``extra`` columns."""
         import pyarrow as pa
 
         schema = (*COUNTS_COLUMNS, *((f.name, kind, True) for f, kind in extra),
@@ -393,8 +335,8 @@ class Sink:
         return f"{self.txn_app_id(epoch)}/{name}"
 
     def epoch_commit(self, epoch: int) -> EpochCommit | None:
-        """What the counts table's transactions say of ``epoch``: None if it holds neither
-        the epoch's counts commit nor a fence of it."""
+        """What the counts table's transactions say of ``epoch``: None if it holds neither the epoch's counts commit nor
+        a fence of it."""
         table = latest(self.cfg.counts_path)
         if table.transaction_version(self.txn_app_id(epoch)) is None:
             floor = table.transaction_version(self.floor_id)
@@ -413,22 +355,16 @@ class Sink:
 
     def _merge_counts(self, epoch: int, counts: pa.Table, watermark_ms: int | None, finalize_untouched: bool,
                       chain: Sequence[ChainCommit] = (), watermark_after_ms: int | None = None) -> int | None:
-        """Add the epoch's counts and mark windows final (the rules of
-        :func:`~ipcount.rules.finality.merged_row`) in one idempotent commit: its version, or
-        None if the table holds the epoch's transaction already.
-
-        A scheduled epoch also finalizes rows it does not touch. Where the chain's last
-        commits allow (:func:`~ipcount.rules.finality.finalized_below`), those rows are found
-        by a read bounded by the last watermark and merged as extra source rows that add
-        nothing; otherwise through the NOT MATCHED BY SOURCE clause, which reads the whole
-        table. The ON clause bounds the target's windows by the source's, so the MERGE reads
-        only the files that can hold them."""
+        """Add the epoch's counts and mark windows final (:func:`~ipcount.rules.finality.merged_row`) in one idempotent
+        MERGE: its version, or None if the table holds the epoch's transaction already. A scheduled epoch also finalizes
+        untouched rows: found by a read bounded by the last watermark where the chain's commits allow
+        (:func:`~ipcount.rules.finality.finalized_below`), else by NOT MATCHED BY SOURCE, a full pass."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
         path, lateness_ms = self.cfg.counts_path, self.cfg.allowed_lateness_ms
-        touched = _conform(_with_partitions(counts).append_column("touched", pa.repeat(True, counts.num_rows)),
-                           MERGE_SOURCE_COLUMNS)
+        touched = conform(_with_partitions(counts).append_column("touched", pa.repeat(True, counts.num_rows)),
+                          arrow_schema(MERGE_SOURCE_COLUMNS))
         final_until = None if watermark_ms is None else sql_timestamp(watermark_ms - lateness_ms)
         matched = merged_row(epoch, final_until, finalize_untouched, new=False, touched="s.touched", end="t.window_end")
         inserted = merged_row(epoch, final_until, finalize_untouched, new=True, touched="true", end="s.window_end")
@@ -437,9 +373,8 @@ class Sink:
         def merge(table, properties) -> None:
             check_fillable(table, (c[0] for c in COUNTS_COLUMNS))
             source, full_pass = touched, False
-            # Where every row has its partition value, delta-rs reads and rewrites only the
-            # partitions the source's rows name (outside a full pass). An older table's rows may
-            # lack it, and so may rows a writer of an older version put into a partitioned table.
+            # Where every row has its partition value (older writers' may not), delta-rs rewrites only the partitions
+            # the source's rows name.
             column = partition_of(table)
             if watermark_ms is not None and finalize_untouched:
                 below = finalized_below(chain, table.version(), _row_neutral(path, table, chain))
@@ -470,10 +405,8 @@ class Sink:
 
     def _newly_final(self, table, column: str | None, touched: pa.Table, below_ms: int,
                      watermark_ms: int) -> pa.Table:
-        """The rows of ``table`` (the counts snapshot merged into; ``column``: its partition
-        column, if every row has its value) not yet final that the watermark's move from
-        ``below_ms`` to ``watermark_ms`` makes final and ``touched`` (the epoch's counts) does
-        not hold, as source rows that add nothing."""
+        """The not yet final rows of ``table`` that the watermark's move from ``below_ms`` to ``watermark_ms`` makes
+        final and ``touched`` lacks, as source rows that add nothing (``column``: the partition column, if complete)."""
         import pyarrow as pa
 
         lateness_ms, window_ms = self.cfg.allowed_lateness_ms, self.cfg.window_ms
@@ -484,57 +417,49 @@ class Sink:
                                   f"WHERE {since}window_end > {sql_timestamp(below_ms - lateness_ms)} AND "
                                   f"window_end <= {sql_timestamp(watermark_ms - lateness_ms)} AND "
                                   "NOT coalesce(is_final, false)")
-        rows = _conform(rows, MERGE_SOURCE_COLUMNS[:3])
+        rows = conform(rows, arrow_schema(MERGE_SOURCE_COLUMNS[:3]))
         rows = rows.join(touched.select(["window_start", "ip"]), ["window_start", "ip"], join_type="left anti")
-        return _conform(_with_partitions(rows)
-                        .append_column("count", pa.repeat(pa.scalar(0, pa.int64()), rows.num_rows))
-                        .append_column("touched", pa.repeat(False, rows.num_rows)), MERGE_SOURCE_COLUMNS)
+        return conform(_with_partitions(rows)
+                       .append_column("count", pa.repeat(pa.scalar(0, pa.int64()), rows.num_rows))
+                       .append_column("touched", pa.repeat(False, rows.num_rows)), arrow_schema(MERGE_SOURCE_COLUMNS))
 
     def fence(self, epoch: int) -> None:
-        """Make sure no write of ``epoch`` lands from now on: an empty commit with its
-        transaction id in each table (skipped where its write is in already), after which
-        any write with that id is skipped - a runner still busy with the epoch included.
-        The counts table's fence also says so (:meth:`epoch_commit`), so that runner does
-        not commit the epoch in the ledger either."""
+        """Make sure no write of ``epoch`` lands from now on, a runner still busy with it included: an empty commit with
+        its transaction id in each table, which the counts table marks fenced (:meth:`epoch_commit`)."""
         for path, columns in self.tables():
             rs_append_once(path, arrow_schema(columns).empty_table(), self.txn_app_id(epoch), epoch,
                            f"fenced epoch={epoch}", markers=lambda _: {self._fact(epoch, FENCED): epoch},
                            floor=self.floor_id)
 
     def retire(self, through: int) -> dict[str, int]:
-        """Raise each table's floor to ``through``, expiring the transactions of the epochs
-        it passes - the caller makes sure that every epoch up to ``through`` is final in the
-        ledger and no new epoch can take an id at or below it. Each commit adds no row, and
-        is made only as the next version of the snapshot whose floor it read, so a floor
-        never goes down (two maintenance runs may race). Returns each table's floor after."""
+        """Raise each table's floor to ``through`` (every epoch up to it final in the ledger: the caller's check),
+        expiring the passed epochs' transactions; each table's floor after. Each commit is the next version of the
+        snapshot whose floor it read, so a floor never goes down."""
         from deltalake import CommitProperties, Transaction, write_deltalake
 
         self.ensure()  # (an older table gets TXN_RETENTION, without which nothing expires)
         floors = {}
         for path, columns in self.tables():
-            conflicts = 0
-            while True:
-                table = latest(path)
-                floor = table.transaction_version(self.floor_id) or 0
-                if floor >= through or conflicts == RETIRE_ATTEMPTS:
-                    break
-                upto = min(through, floor + RETIRE_BATCH)
-                dead = [Transaction(app, e, RETIRED_DATE_MS) for e in range(floor + 1, upto + 1)
-                        for app in (self.txn_app_id(e), *(self._fact(e, f) for f in FACTS))]
-                try:
-                    empty = with_table_columns(arrow_schema(columns).empty_table(), table)
-                    write_deltalake(table, empty, mode="append",
-                                    commit_properties=CommitProperties(
-                                        custom_metadata={"userMetadata": f"retired epochs {floor + 1}..{upto}"},
-                                        max_commit_retries=0,
-                                        app_transactions=[Transaction(self.floor_id, upto), *dead]))
+            def raise_floor(path: str = path, columns: Columns = columns) -> int:
+                while True:
+                    table = latest(path)  # (the snapshot whose floor is read is the one committed to)
+                    floor = table.transaction_version(self.floor_id) or 0
+                    if floor >= through:
+                        return floor
+                    upto = min(through, floor + RETIRE_BATCH)
+                    dead = [Transaction(app, e, RETIRED_DATE_MS) for e in range(floor + 1, upto + 1)
+                            for app in (self.txn_app_id(e), *(self._fact(e, f) for f in FACTS))]
+                    note = {"userMetadata": f"retired epochs {floor + 1}..{upto}"}
+                    properties = CommitProperties(custom_metadata=note, max_commit_retries=0,
+                                                  app_transactions=[Transaction(self.floor_id, upto), *dead])
+                    write_deltalake(table, with_table_columns(arrow_schema(columns).empty_table(), table),
+                                    mode="append", commit_properties=properties)
                     log.info("%s: retired the transactions of epochs %d..%d", path, floor + 1, upto)
-                except rs_concurrent_errors() as e:
-                    conflicts += 1
-                    log.info("%s: a concurrent commit came first (%s); retiring again (%d/%d)", path,
-                             type(e).__name__, conflicts, RETIRE_ATTEMPTS)
-                    time.sleep(min(0.05 * conflicts, 1.0))
-            floors[path] = floor
+            try:
+                floors[path] = retrying(raise_floor, rs_concurrent_errors(), f"{path}: a concurrent commit came first",
+                                        RETIRE_ATTEMPTS, pause=lambda n: min(0.05 * n, 1.0), again="retiring again")
+            except rs_concurrent_errors():  # left for the next run
+                floors[path] = latest(path).transaction_version(self.floor_id) or 0
         return floors
 
     def floors(self) -> dict[str, int]:
@@ -542,25 +467,21 @@ class Sink:
         return {path: latest(path).transaction_version(self.floor_id) or 0 for path in self.paths()}
 
     def remove_epoch_rows(self, epoch: int) -> None:
-        """Delete what ``epoch`` wrote to the dead-letter and late-record tables (their rows
-        carry the epoch): for an epoch given up before its counts were written."""
+        """Delete ``epoch``'s rows from the side tables: for an epoch given up before its counts were written."""
         for path in (self.cfg.dead_letter_path, self.cfg.late_path):
             retry_on_conflict(lambda path=path: latest(path).delete(f"epoch = {int(epoch)}"),
                               f"removing epoch {epoch} from {path}")
 
 
 def is_published(counts_path: str) -> bool:
-    """Whether a counts table is (or was) published: its change data feed is on, which only
-    a run with publish on turns on."""
+    """Whether a counts table is (or was) published: its change data feed is on."""
     table = open_table(counts_path)
     return table is not None and has_change_feed(table.metadata().configuration)
 
 
 def _row_neutral(path: str, table, chain: Sequence[ChainCommit]) -> list[int]:
-    """The versions of the snapshot ``table`` (of the table at ``path``) that
-    :func:`~ipcount.rules.finality.finalized_below` asks about and that changed no row
-    (maintenance's, a fence's), from their commit infos (:func:`commit_infos`): none are
-    read when the chain's commits are the only ones in between."""
+    """The versions :func:`~ipcount.rules.finality.finalized_below` asks about that changed no row, from their commit
+    infos (none read when only the chain committed in between)."""
     gap = gap_versions(chain, table.version())
     if len(gap) <= 1 or len(gap) > NEUTRAL_LOOKBACK:
         return []
@@ -569,16 +490,13 @@ def _row_neutral(path: str, table, chain: Sequence[ChainCommit]) -> list[int]:
 
 
 def counts_partition(table) -> str | None:
-    """The column of :data:`~ipcount.rules.maintenance.COUNTS_PARTITIONS` by which the counts
-    snapshot ``table`` is partitioned in time: ``window_day`` (:data:`COUNTS_PARTITION_BY`),
-    ``window_hour`` (an older table), or None (older still, unpartitioned)."""
+    """The time partition column of the counts snapshot: ``window_day``, ``window_hour`` (older), or None."""
     column = next(iter(table.metadata().partition_columns), None)
     return column if column in COUNTS_PARTITIONS else None
 
 
 def partition_values(table) -> tuple[str, pa.ChunkedArray] | None:
-    """The counts snapshot's partition column and each live file's value of it, if no file
-    lacks one (from the snapshot's file list: no data is read); else None."""
+    """The counts snapshot's partition column and each live file's value of it, if none lacks one."""
     import pyarrow as pa
 
     column = counts_partition(table)
@@ -589,8 +507,7 @@ def partition_values(table) -> tuple[str, pa.ChunkedArray] | None:
 
 
 def has_open_partitions(table) -> bool:
-    """Whether the counts snapshot ``table`` is partitioned by :data:`COUNTS_PARTITION_BY` and
-    every live file has its values: the layout whose open rows Spark can merge apart."""
+    """Whether every live file of the counts snapshot has the values of :data:`COUNTS_PARTITION_BY`, its partitions."""
     import pyarrow as pa
 
     if tuple(table.metadata().partition_columns) != COUNTS_PARTITION_BY:
@@ -601,25 +518,20 @@ def has_open_partitions(table) -> bool:
 
 def _merge_still_holds(attempt: dict, files: Sequence[TableFile], extra, may_read: Callable[[TableFile], bool]
                        ) -> bool:
-    """Whether a Spark merge attempt's files (``attempt``: the snapshot it followed, the
-    files it read and wrote) are what a merge of the snapshot of ``files`` would write: the
-    same columns, every file it replaces still live, and no file it would read or rule out
-    added since (nor removed: a removed one's rows are in an added one)."""
+    """Whether an earlier merge attempt's files are what a merge of the snapshot of ``files`` would write: the same
+    columns, every file it replaces still live, no file it would read added since."""
     live = {f.path for f in files}
     return (attempt["extra"] == extra and all(f.path in live for f in attempt["rewrite"])
             and not any(may_read(f) for f in files if f.path not in attempt["files"]))
 
 
 class _NotForExecutors(Exception):
-    """The snapshot is one whose rows Spark's executors must not write (why: the message);
-    nothing of the attempt was written."""
+    """Spark's executors must not write the snapshot's rows (why: the message); nothing was written."""
 
 
 def _check_executors_may_write(table, columns: Columns) -> None:
-    """Before the executors write files for the snapshot ``table`` with ``columns``: a
-    ConfigError for a NOT NULL column they cannot fill (:func:`check_fillable`),
-    :class:`_NotForExecutors` where only delta-rs's own writes honour what the table asks
-    (:func:`unenforced_features`)."""
+    """Refuse executor writes to ``table``: :func:`check_fillable`, and :class:`_NotForExecutors` for
+    :func:`unenforced_features`."""
     check_fillable(table, (c[0] for c in columns))
     if unenforced := unenforced_features(table):
         raise _NotForExecutors(f"{table.table_uri} has {', '.join(unenforced)}, which only delta-rs's own writes "
@@ -627,9 +539,7 @@ def _check_executors_may_write(table, columns: Columns) -> None:
 
 
 def _carried_columns(table) -> list[tuple[pa.Field, str]]:
-    """The counts snapshot's columns that :data:`COUNTS_COLUMNS` does not name (a newer
-    version's), each as its Arrow field and Spark SQL type: rewritten files keep them.
-    :class:`_NotForExecutors` if Spark has no type for one."""
+    """The counts snapshot's columns a newer version added, as (Arrow field, Spark type): rewritten files keep them."""
     import pyarrow as pa
     from pyspark.sql.pandas.types import from_arrow_type
 
@@ -671,10 +581,8 @@ def _field_names(field) -> Iterator[str]:
 
 
 def unenforced_features(table) -> list[str]:
-    """What the snapshot ``table`` asks of every write that a commit of files written by
-    Spark's executors would not honour: CHECK constraints, generated, identity or default
-    columns, invariants (delta-rs's writes check or fill them), column mapping and deletion
-    vectors (which the executors' reads and writes do not know)."""
+    """What ``table`` asks of every write that files written by the executors would not honour (constraints, generated,
+    identity or default columns, invariants, column mapping, deletion vectors)."""
     config = table.metadata().configuration
     found = [key for key in config if key.startswith("delta.constraints.")]
     if config.get("delta.columnMapping.mode", "none") != "none":
@@ -701,11 +609,8 @@ def _unpartitioned(columns: Columns) -> Columns:
 
 
 def _read_by_merge(f: TableFile, days: set[str], lo_ms: int, hi_ms: int, finalize_untouched: bool) -> bool:
-    """Whether the executors' merge of an epoch whose windows start in [lo_ms, hi_ms], on
-    ``days``, reads counts file ``f``, or reads it to rule it out: the open partitions
-    (``is_final=false``: all of them where untouched rows are to be finalized, else the
-    epoch's days) and a final file that may hold a row the epoch counts into (a backfill
-    correcting a closed window: the files' statistics rule out the rest without reading)."""
+    """Whether the executors' merge of an epoch with windows in [lo_ms, hi_ms] on ``days`` reads counts file ``f``: the
+    open partitions it may change, and final files its windows may hit (a backfill correcting a closed window)."""
     if f.partition_values["is_final"] == "false":
         return finalize_untouched or f.partition_values["window_day"] in days
     return f.partition_values["window_day"] in days and _may_hold(f, lo_ms, hi_ms)
@@ -714,12 +619,8 @@ def _read_by_merge(f: TableFile, days: set[str], lo_ms: int, hi_ms: int, finaliz
 def _merged_counts(old: DataFrame | None, counts: DataFrame, epoch: int, watermark_ms: int | None,
                    lateness_ms: int, finalize_untouched: bool,
                    extra: Sequence[tuple[pa.Field, str]] = ()) -> DataFrame:
-    """The rows of ``old`` (counts rows) with the epoch's ``counts`` merged in by the rules
-    of :func:`~ipcount.rules.finality.merged_row`, as the MERGE of :meth:`Sink._merge_counts`
-    leaves them; new rows for windows and clients not in ``old``. Partition columns from
-    ``window_start``. No ``old`` (no file to rewrite): the epoch's rows as new ones, with no
-    join. The ``extra`` columns (:func:`_carried_columns`) as ``old`` has them, NULL in new
-    rows."""
+    """``old`` counts rows (None: no file to rewrite) with the epoch's ``counts`` merged in, as
+    :meth:`Sink._merge_counts` leaves them; ``extra`` columns kept, NULL in new rows."""
     from pyspark.sql import functions as F
 
     final_until = None if watermark_ms is None else f"timestamp_millis(CAST({watermark_ms - lateness_ms} AS BIGINT))"
@@ -751,8 +652,7 @@ def partition_of(table) -> str | None:
 
 
 def _with_partitions(rows: pa.Table) -> pa.Table:
-    """``rows`` with every partition column of :data:`~ipcount.rules.maintenance.COUNTS_PARTITIONS`,
-    from ``window_start`` in UTC."""
+    """``rows`` with every column of :data:`~ipcount.rules.maintenance.COUNTS_PARTITIONS`, from ``window_start``."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -761,11 +661,3 @@ def _with_partitions(rows: pa.Table) -> pa.Table:
         rows = rows.append_column(column, pc.strftime(start, format=fmt))
     return rows
 
-
-def _conform(rows: pa.Table, columns: Columns) -> pa.Table:
-    """``rows`` with exactly the Arrow types (and order) of ``columns``: Spark's and
-    DataFusion's answers differ from the tables' in details (nullability, time zones)."""
-    import pyarrow as pa
-
-    schema = arrow_schema(columns)
-    return pa.table([rows.column(f.name).cast(f.type) for f in schema], schema=schema)

@@ -26,11 +26,9 @@ log = logging.getLogger(__name__)
 SPARK_JARS_DIR = STATE_DIR / "jars" / "spark"
 # The record parse as a Spark function, built by bin/setup from jars/ipcount-parse.
 PARSE_JAR = STATE_DIR / "jars" / "ipcount" / "ipcount-parse.jar"
-# A spark-submitted driver must run this interpreter: the one with the pinned pyspark and
-# this package (the DAGs' operator and the benchmark pass it to spark-submit).
+# A spark-submitted driver must run this interpreter: the one with the pinned pyspark and this package (the DAGs'
+# operator and the benchmark pass it to spark-submit).
 DRIVER_ENV = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-
-
 # Java options of the driver and the executors (see spark_conf).
 JVM_OPTIONS = "-Xss4m -XX:-DontCompileHugeMethods"
 
@@ -43,15 +41,14 @@ def spark_home() -> Path:
 
 
 def spark_env() -> dict[str, str]:
-    """What a Spark process started from the pinned pyspark needs: its home, and this
-    interpreter for Python on the executors."""
+    """What a Spark process started from the pinned pyspark needs: its home, and this interpreter for Python on the
+    executors."""
     return {"SPARK_HOME": str(spark_home()), "PYSPARK_PYTHON": sys.executable}
 
 
 def spark_jars(jars_dir: Path = SPARK_JARS_DIR, parse_jar: Path = PARSE_JAR) -> list[str]:
-    """The Kafka connector's jars, which pyspark's own jars do not include, and the record
-    parse's. (Delta's jars beside them are the lab's, for the benchmark's peer: the pipeline
-    writes its tables with delta-rs, and its sessions load no Delta.)"""
+    """The Kafka connector's jars, which pyspark's own jars do not include, and the record parse's. (Delta's jars beside
+    them are the lab's, for the benchmark's peer: the pipeline's sessions load no Delta.)"""
     jars = sorted(str(p) for p in jars_dir.glob("*.jar") if not p.name.startswith("delta-"))
     needed = ("spark-sql-kafka", "kafka-clients")
     missing = [n for n in needed if not any(Path(j).name.startswith(n) for j in jars)]
@@ -82,12 +79,10 @@ def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         # Keep Spark's catalog directory out of the cwd (the pipeline uses no catalog tables).
         "spark.sql.warehouse.dir": str(STATE_DIR / "spark-warehouse"),
-        # 4 MB thread stacks: room for Spark's JSON functions, which recurse once per nesting
-        # level (the parse no longer uses them; a StackOverflowError kills the executor).
-        # Spark's generated code can have methods over HotSpot's 8,000-byte limit for JIT
-        # compilation (the parse of built-in functions had one); without
-        # -XX:-DontCompileHugeMethods they run interpreted, far slower (docs/performance.md).
-        # (These replace any extraJavaOptions of spark-defaults.conf: add these to your own.)
+        # 4 MB thread stacks: room for Spark's JSON functions, which recurse once per nesting level (a
+        # StackOverflowError kills the executor). Generated methods over HotSpot's 8,000-byte JIT limit would run
+        # interpreted without -XX:-DontCompileHugeMethods (docs/performance.md). (These replace any extraJavaOptions of
+        # spark-defaults.conf: add these to your own.)
         "spark.driver.extraJavaOptions": f"-Dlog4j2.level=warn {JVM_OPTIONS}",
         "spark.executor.extraJavaOptions": JVM_OPTIONS,
     }
@@ -95,21 +90,20 @@ def spark_conf(cfg: PipelineConfig) -> dict[str, str]:
 
 def get_spark(cfg: PipelineConfig, app_name: str = "ipcount-epoch", more_jars: Sequence[str] = (),
               more_conf: Mapping[str, str] | None = None) -> SparkSession:
-    """A session with the Kafka source and the record parse (and ``more_jars`` and
-    ``more_conf``: the lab's Delta, for sessions its peer runs in).
+    """A session with the Kafka source and the record parse (and ``more_jars`` and ``more_conf``: the lab's Delta, for
+    sessions its peer runs in).
 
-    With ``spark_remote`` set, a Spark Connect session of the server there (which has the
-    jars and settings of :func:`spark_conf`: ``ipcount connect-server``). Under
-    spark-submit (the DAG's path) the JVM is already running with the master, jars and
-    settings that were submitted, so they are used as they are.
+    With ``spark_remote`` set, a Spark Connect session of the server there (which has the jars and settings of
+    :func:`spark_conf`: ``ipcount connect-server``). Under spark-submit (the DAG's path) the JVM is already running with
+    the master, jars and settings that were submitted, so they are used as they are.
     """
     from pyspark.sql import SparkSession
 
     if cfg.spark_remote:
         return remote_session(cfg)
     builder = SparkSession.builder.appName(app_name)
-    # The Python of the tasks that write and read table files (ipcount.storage.table_files):
-    # one with pyarrow and this package, as this one (pyspark's default is any python3).
+    # The Python of the tasks that write and read table files (ipcount.storage.table_files): one with pyarrow and this
+    # package, as this one (pyspark's default is any python3).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
         builder = builder.master(cfg.spark_master).config("spark.jars", ",".join([*spark_jars(), *more_jars]))
@@ -134,19 +128,17 @@ def remote_session(cfg: PipelineConfig) -> SparkSession:
     return connect_session(connect_url(cfg), cfg.spark_remote, cfg.pipeline_id, cfg.kafka_timeout_seconds)
 
 
-# A new server-side Connect session costs a process's first epoch about half a second
-# (docs/performance.md), so a pipeline's processes share one. A server forgets a session
-# idle for its timeout (60 minutes unless configured otherwise) and refuses its id from then
-# on; the shared id is that of the current half hour, so nobody asks for an id after its half
-# hour, and a session made in it cannot have timed out before. An id refused all the same
-# (a shorter timeout; a session someone stopped) gives way to a session of the process's own.
+# A new server-side Connect session is a cost of a process's first epoch (docs/performance.md), so a pipeline's
+# processes share one. A server forgets a session idle for its timeout (60 minutes by default) and refuses its id from
+# then on; the shared id is that of the current half hour, so a session made in it cannot have timed out before. An id
+# refused all the same (a shorter timeout; a session someone stopped) gives way to one of the process's own.
 SHARED_SESSION_SECONDS = 30 * 60
 
 
 def shared_session_id(pipeline_id: str, token: str, now: float) -> str:
-    """The Spark Connect session id that ``pipeline_id``'s processes share at time ``now``
-    (seconds since the epoch): a UUID made from the pipeline, the half hour and the server's
-    token (so that only a holder of the token can name it)."""
+    """The Spark Connect session id that ``pipeline_id``'s processes share at time ``now`` (seconds since the epoch): a
+    UUID made from the pipeline, the half hour and the server's token (so that only a holder of the token can name
+    it)."""
     half_hour = int(now // SHARED_SESSION_SECONDS)
     digest = hashlib.sha256(f"{pipeline_id}\0{token}\0{half_hour}".encode()).digest()
     return str(uuid.UUID(bytes=digest[:16], version=4))
@@ -159,12 +151,11 @@ def _with_session_id(url: str, session_id: str) -> str:
 
 
 def connect_session(url: str, where: str, pipeline_id: str, timeout_seconds: float) -> SparkSession:
-    """A session of the Spark Connect server at ``url`` (``where`` names it in messages; the
-    URL may hold a token), answering: a server that is not there or refuses the token is a
-    clear error, not minutes of the client's own retries. It is the pipeline's shared session
-    (:func:`shared_session_id`), or the process's own if the server refuses that id; this
-    process's earlier one for the same URL and pipeline while the server still has it. Never
-    stop it: that ends it for every process of the pipeline."""
+    """A session of the Spark Connect server at ``url`` (``where`` names it in messages; the URL may hold a token),
+    answering: a server that is not there or refuses the token is a clear error, not minutes of the client's own
+    retries. It is the pipeline's shared session (:func:`shared_session_id`), or the process's own if the server refuses
+    that id; this process's earlier one for the same URL and pipeline while the server still has it. Never stop it: that
+    ends it for every process of the pipeline."""
     from pyspark.sql import SparkSession
 
     parts = urlsplit(url.replace("sc://", "http://", 1))
@@ -202,21 +193,19 @@ def connect_session(url: str, where: str, pipeline_id: str, timeout_seconds: flo
     return spark
 
 
-# The process's Connect sessions by URL and pipeline (pyspark's getOrCreate() would hand back
-# any session the process has, whatever its server or id).
+# The process's Connect sessions by URL and pipeline (pyspark's getOrCreate() would hand back any session the process
+# has, whatever its server or id).
 _SESSIONS: dict[tuple[str, str], SparkSession] = {}
 
 
 def _ended(error: Exception) -> bool:
-    """Whether ``error`` says the session is gone on the server (closed, timed out, or the
-    server restarted since)."""
+    """Whether ``error`` says the session is gone on the server (closed, timed out, or the server restarted since)."""
     return "INVALID_HANDLE.SESSION_CLOSED" in str(error) or "INVALID_HANDLE.SESSION_CHANGED" in str(error)
 
 
 def connect_lost(error: BaseException) -> bool:
-    """Whether ``error`` says this process's Spark Connect session went away under it: the
-    server stopped or restarted mid-command (its client retries, then finds the session gone
-    or is left with none: ``NO_ACTIVE_SESSION``)."""
+    """Whether ``error`` says this process's Spark Connect session went away under it: the server stopped or restarted
+    mid-command (its client retries, then finds the session gone or is left with none: ``NO_ACTIVE_SESSION``)."""
     return isinstance(error, Exception) and (_ended(error) or "NO_ACTIVE_SESSION" in str(error))
 
 
@@ -231,8 +220,7 @@ class _SessionClosed(Exception):
 
 
 def _first_request(spark: SparkSession, where: str) -> None:
-    """The session's first request to its server, where the token and the session id are
-    checked."""
+    """The session's first request to its server, where the token and the session id are checked."""
     try:
         spark.version  # noqa: B018
     except Exception as e:  # noqa: BLE001 - pyspark's gRPC errors have no narrower public base
@@ -245,15 +233,14 @@ def _first_request(spark: SparkSession, where: str) -> None:
                                 "spark_remote_token_file, or the connection's password)") from None
 
 
-# A Connect session's own settings besides SESSION_CONF. Adaptive execution re-plans the
-# epoch's query after each broadcast, and each re-plan asks Kafka for the range's offsets
-# again: on a small epoch that is a good part of its time (docs/performance.md).
+# A Connect session's own settings besides SESSION_CONF. Adaptive execution re-plans the epoch's query after each
+# broadcast, and each re-plan asks Kafka for the range's offsets again (docs/performance.md).
 CONNECT_SESSION_CONF = {"spark.sql.adaptive.enabled": "false"}
 
 
 def configured(spark: SparkSession) -> SparkSession:
-    """``spark`` with :data:`SESSION_CONF` and :data:`CONNECT_SESSION_CONF` set (a Spark
-    Connect session's own settings)."""
+    """``spark`` with :data:`SESSION_CONF` and :data:`CONNECT_SESSION_CONF` set (a Spark Connect session's own
+    settings)."""
     for key, value in {**SESSION_CONF, **CONNECT_SESSION_CONF}.items():
         spark.conf.set(key, value)
     return spark
@@ -268,9 +255,9 @@ _PROCESS_KEY = os.urandom(16)
 
 
 def read_group_key(spark: SparkSession) -> bytes:
-    """The key of :func:`ipcount.rules.kafka_security.read_group_id` for reads in ``spark``:
-    a Connect session's id (the processes sharing a session share the server's consumers),
-    else a key of this process's own (a classic session's executors serve this process only)."""
+    """The key of :func:`ipcount.rules.kafka_security.read_group_id` for reads in ``spark``: a Connect session's id (the
+    processes sharing a session share the server's consumers), else a key of this process's own (a classic session's
+    executors serve this process only)."""
     return spark.session_id.encode() if is_remote(spark) else _PROCESS_KEY
 
 
@@ -279,8 +266,8 @@ _SLOTS: weakref.WeakKeyDictionary[SparkSession, int | None] = weakref.WeakKeyDic
 
 
 def task_slots(spark: SparkSession) -> int | None:
-    """How many tasks the session's Spark runs at once: a classic session's default
-    parallelism, a Connect server's ``spark.default.parallelism`` (None if it does not say)."""
+    """How many tasks the session's Spark runs at once: a classic session's default parallelism, a Connect server's
+    ``spark.default.parallelism`` (None if it does not say)."""
     if not is_remote(spark):
         return spark.sparkContext.defaultParallelism
     if spark not in _SLOTS:

@@ -1,18 +1,14 @@
 """Data files that Spark's executors write into a Delta table's location, and read from it.
 
-An epoch too large for one process (:data:`ipcount.rules.config.PipelineConfig.max_driver_tally_rows`)
-has its rows written where they are computed: each Spark task writes Parquet files straight
-into the table's directory (its partition directories, as delta-rs lays them out) and
-hands back one row per file - its path, size, partition values and statistics. Only that
-metadata reaches the process that commits, which makes the files part of the table with
-delta-rs (:func:`add_actions`, committed by :func:`ipcount.storage.delta.rs_commit_once`):
-the commit stays put-if-absent on any store, and no row of the epoch passes through it.
+An epoch too large for one process (:data:`ipcount.rules.config.PipelineConfig.max_driver_tally_rows`) has its rows
+written where they are computed: each Spark task writes Parquet files straight into the table's (partition) directories,
+as delta-rs lays them out, and hands back one row per file - its path, size, partition values and statistics. Only that
+metadata reaches the process that commits the files with delta-rs (:func:`add_actions`,
+:func:`ipcount.storage.delta.rs_commit_once`), and no row of the epoch passes through it.
 
-A file no commit names is not part of the table: an attempt that dies (or loses its commit
-to another writer) before committing leaves files that no reader sees, and vacuum removes
-them once older than its retention. The writers use pyarrow's file systems, which read the
-same ``AWS_*`` variables as delta-rs, so executors need no Hadoop connector for object
-storage; they do need access to the tables' location.
+A file no commit names is not part of the table: an attempt that dies (or loses its commit) leaves files no reader sees,
+which vacuum removes once older than its retention. The writers use pyarrow's file systems, which read the same
+``AWS_*`` variables as delta-rs: executors need no Hadoop connector, only access to the tables' location.
 """
 from __future__ import annotations
 
@@ -26,15 +22,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 from ipcount.rules.config import location_scheme
 from ipcount.rules.errors import ConfigError
 from ipcount.rules.file_stats import FileStats, partition_path, partition_text
-from ipcount.storage.delta import arrow_filesystem
+from ipcount.storage.delta import arrow_filesystem, conform
 
 if TYPE_CHECKING:
     import pyarrow as pa
     from deltalake.transaction import AddAction, RemoveAction
     from pyspark.sql import DataFrame, SparkSession
 
-# Rows per Parquet row group the writers make (fewer at a file's end, or where the rows
-# buffered for one reach ROW_GROUP_BYTES first: dead letters keep values of up to 64 KiB).
+# Rows per Parquet row group the writers make (fewer at a file's end, or where the rows buffered for one reach
+# ROW_GROUP_BYTES first: dead letters keep values of up to 64 KiB).
 ROW_GROUP_ROWS = 131_072
 ROW_GROUP_BYTES = 64 * 2**20
 # What a writing task returns per file.
@@ -64,12 +60,9 @@ class TableFile:
 
 def write_files(rows: DataFrame, location: str, schema: pa.Schema, partition_by: Sequence[str] = (),
                 tag: str = "part") -> list[WrittenFile]:
-    """Have Spark's tasks write ``rows`` as Parquet files into the table at ``location``:
-    ``schema`` is the files' (the table's columns but its partition columns, which the rows
-    also carry and the files do not), ``partition_by`` the table's partition columns. Each
-    task writes one file per partition value it holds; a file is named ``<tag>-<uuid>``.
-    Returns the files written, none for no rows; each checked to be there as written, as this
-    process sees the location (:class:`ConfigError` if not: nothing is committed then)."""
+    """Have Spark's tasks write ``rows`` as Parquet files (``<tag>-<uuid>``, one per task and partition value) into the
+    table at ``location``: ``schema`` is the files' (the table's columns but ``partition_by``). Returns the files
+    written, each checked to be there as this process sees the location (else :class:`ConfigError`)."""
     location = absolute_location(location)
     written = rows.mapInArrow(_file_writer(location, schema.serialize().to_pybytes(), tuple(partition_by), tag),
                               WRITTEN_FILE_SCHEMA).collect()
@@ -80,14 +73,12 @@ def write_files(rows: DataFrame, location: str, schema: pa.Schema, partition_by:
 
 
 def absolute_location(location: str) -> str:
-    """``location`` as every process reads it: a local path made absolute here (an executor's
-    working directory is not this process's)."""
+    """``location`` as every process reads it (an executor's working directory is not this process's)."""
     return location if location_scheme(location) else str(Path(location).absolute())
 
 
 def all_present(location: str, files: Sequence[WrittenFile]) -> bool:
-    """Whether each of ``files`` is still at ``location`` with its size (a full vacuum deletes
-    files no commit names once they are old enough)."""
+    """Whether each of ``files`` is still at ``location`` with its size (a full vacuum deletes uncommitted files)."""
     try:
         _check_written(absolute_location(location), files)
         return True
@@ -113,12 +104,9 @@ def _check_written(location: str, files: Sequence[WrittenFile]) -> None:
 
 def read_files(spark: SparkSession, location: str, files: Sequence[TableFile], schema: pa.Schema,
                spark_schema: str, tasks: int, with_path: bool = False) -> DataFrame:
-    """The rows of ``files`` of the table at ``location`` as a DataFrame of ``spark_schema``,
-    read by Spark's tasks (at most ``tasks``): exactly what those files hold, so read at the
-    snapshot that listed them. ``schema``: the table's columns in Arrow; a partition
-    column's values come from each file's partition values, as the files do not hold them.
-    ``with_path``: each row also says which file it came from (``_file``, a string column
-    that ``spark_schema`` must end with)."""
+    """The rows of ``files`` of the table at ``location``, read by at most ``tasks`` Spark tasks, as a DataFrame of
+    ``spark_schema`` (``schema``: the table's columns in Arrow; partition columns from the files' partition values).
+    ``with_path``: each row also names its file (``_file``, the last column of ``spark_schema``)."""
     import pyspark.sql.types as T
 
     location = absolute_location(location)
@@ -144,8 +132,8 @@ def remove_actions(files: Sequence[TableFile]) -> list[RemoveAction]:
 
 
 def live_files(table, bounds_of: str | None = None) -> list[TableFile]:
-    """The live files of the delta-rs snapshot ``table`` (from its file list: no data is
-    read), with the statistics' minimum and maximum of the column ``bounds_of``."""
+    """The live files of the delta-rs snapshot ``table`` (from its file list: no data is read), with the statistics'
+    minimum and maximum of the column ``bounds_of``."""
     import pyarrow as pa
 
     actions = pa.table(table.get_add_actions(flatten=True))
@@ -193,17 +181,15 @@ def _file_writer(location: str, schema_bytes: bytes, partition_by: tuple[str, ..
                 if key not in open_files:
                     values = {c: partition_text(v) for c, v in zip(partition_by, key)}
                     directory = partition_path(values)
-                    relative = f"{directory}/{tag}-{uuid.uuid4().hex}.parquet" if directory \
-                        else f"{tag}-{uuid.uuid4().hex}.parquet"
+                    relative = "/".join(filter(None, (directory, f"{tag}-{uuid.uuid4().hex}.parquet")))
                     if fs.type_name == "local":  # (on object storage a directory is only a marker object)
                         fs.create_dir(f"{root}/{directory}" if directory else root, recursive=True)
                     stream = fs.open_output_stream(f"{root}/{relative}")
                     open_files[key] = (pq.ParquetWriter(stream, schema, compression="snappy"), stream, relative,
                                        FileStats())
-                # Spark's Arrow batches are small (10,000 rows by default): a row group of each
-                # would make files slow to read.
+                # Spark's Arrow batches are small: a row group of each would make files slow to read.
                 rows = pending.setdefault(key, [])
-                rows.append(pa.table([part.column(f.name).cast(f.type) for f in schema], schema=schema))
+                rows.append(conform(part, schema))
                 if sum(t.nbytes for t in rows) >= ROW_GROUP_BYTES:
                     flush(key)
                 elif sum(t.num_rows for t in rows) >= ROW_GROUP_ROWS:
@@ -245,9 +231,8 @@ def _column_stats(data, pc) -> Iterator[tuple[str, Any, Any, int]]:
         if pa.types.is_binary(column.type) or pa.types.is_nested(column.type):
             continue
         kind = column.type
-        # Bounds only where they come out as Delta spells them (a newer version's column may
-        # be a decimal or a date, which JSON does not take as they come, or a float, whose
-        # NaN min_max skips): the others keep their null count, and are never skipped by.
+        # Bounds only where they come out as Delta spells them (not a decimal, date or float, say); the others keep
+        # their null count, and are never skipped by.
         if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)
                 or pa.types.is_timestamp(kind) or pa.types.is_boolean(kind)):
             yield name, None, None, column.null_count

@@ -1,5 +1,4 @@
-"""The table set's manifest on Delta: read and written once with delta-rs, the engine that
-writes the tables.
+"""The table set's manifest on Delta: read and written once with delta-rs, the engine that writes the tables.
 
 See :mod:`ipcount.rules.tableset` for what the manifest is and why.
 """
@@ -21,21 +20,20 @@ log = logging.getLogger(__name__)
 def claim(cfg: PipelineConfig, rebuild_of: str | None = None, attempts: int = 10) -> None:
     """Record ``cfg``'s manifest on a new table set, or check it against the recorded one.
 
-    All four tables must exist. A table without a manifest (new, or made by a version that
-    recorded none on it) gets it, unless it holds epoch commits of another set
-    (:func:`ipcount.rules.tableset.check_unclaimed`); a manifest recorded before the side
-    tables joined it gains their ids. If a concurrent run recorded another first, the ALTER
-    conflicts, and the loop reads again and checks against the winner's.
+    All four tables must exist. A table without a manifest (new, or made by a version that recorded none on it) gets it,
+    unless it holds epoch commits of another set (:func:`ipcount.rules.tableset.check_unclaimed`); a manifest recorded
+    before the side tables joined it gains their ids. Once recorded, the manifests are read and checked again: a
+    concurrent run that recorded another first makes the ALTER conflict, or the check fail.
 
-    ``rebuild_of``: a rebuild claims its target as the rebuild of the ledger with this Delta
-    table id, which only a fresh target, or one recording the same, accepts.
+    ``rebuild_of``: a rebuild claims its target as the rebuild of the ledger with this Delta table id, which only a
+    fresh target, or one recording the same, accepts.
     """
     where = tableset.locations(cfg)
     for attempt in range(1, attempts + 1):
         found = {name: table_metadata(path) for name, path in where.items()}
         wanted = tableset.manifest(cfg, {name: table_id for name, (table_id, _) in found.items()}, rebuild_of)
-        # Checked before anything is recorded: a run never records its settings on one table
-        # of a set whose other tables hold another run's.
+        # Checked before anything is recorded: a run never records its settings on one table of a set whose other tables
+        # hold another run's.
         for name, (_, props) in found.items():
             if tableset.has_manifest(props):
                 tableset.check(where[name], props, wanted)
@@ -60,9 +58,8 @@ def claim(cfg: PipelineConfig, rebuild_of: str | None = None, attempts: int = 10
 
 
 def _holds_epochs(cfg: PipelineConfig, path: str) -> bool:
-    """Whether the table at ``path`` holds epoch commits: data files, or the transaction of
-    ``cfg``'s epoch 1 or a floor of retired epochs (a later epoch 1 of this pipeline id would
-    be skipped for either)."""
+    """Whether the table at ``path`` holds epoch commits: data files, or the transaction of ``cfg``'s epoch 1 or a floor
+    of retired epochs (a later epoch 1 of this pipeline id would be skipped for either)."""
     table, sink = latest(path), Sink(cfg)
     return bool(table.file_uris()) or any(table.transaction_version(app) is not None
                                           for app in (sink.txn_app_id(1), sink.floor_id))
@@ -83,8 +80,8 @@ def replay_targets(cfg: PipelineConfig) -> list[str]:
 
 def existing(cfg: PipelineConfig, target: str = MAIN_TARGET, command: str = "this command",
              ledger: bool = True) -> PipelineConfig:
-    """``cfg.for_target(target)`` when its counts table and (``ledger``) its ledger exist;
-    else a :class:`MissingTablesError` saying what is there, for a command that reads them."""
+    """``cfg.for_target(target)`` when its counts table and (``ledger``) its ledger exist; else a
+    :class:`MissingTablesError` saying what is there, for a command that reads them."""
     t = cfg.for_target(target)
     missing = [path for path in (t.ledger_path if ledger else None, t.counts_path) if path and not has_table(path)]
     if not missing:
