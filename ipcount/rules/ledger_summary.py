@@ -1,16 +1,9 @@
-"""The ledger's summary: what every final epoch up to one id left behind, in one row (pure).
+"""The ledger's summary: what every final epoch up to one id left behind, in one row (pure; docs/data-model.md).
 
-A minute schedule writes 525,600 epochs a year, a ledger row per partition each. Planning,
-resuming, the chain's counts commits, the group commit and the idle check need only a few
-facts of them: the offsets owned, the chain's positions, its newest epoch and two newest
-counts commits, each backfill lane's watermark, and the epochs still planned. An epoch is
-*final* once no row of it is planned: commit and release change only planned rows, and no
-plan takes an id that has rows, so a final epoch's rows never change again. The summary
-folds every final epoch up to ``through`` (:class:`ipcount.rules.ledger.Folded`, per topic);
-a reader adds the *tail*: the rows of epochs above ``through`` and of the ``open`` ones at
-or below it (planned when it was folded), which holds every planned row. Folding is exact:
-what the summary and its tail give is what every row gives (checked by the unit tests
-against random histories).
+An epoch is *final* once no row of it is planned: its rows never change again. The summary folds every final epoch up
+to ``through`` (:class:`ipcount.rules.ledger.Folded`, per topic); a reader adds the *tail*: the rows of epochs above
+``through`` and of the ``open`` ones at or below it, which holds every planned row. Summary and tail give exactly
+what every row gives (the unit tests check it over random histories).
 """
 from __future__ import annotations
 
@@ -25,8 +18,8 @@ from ipcount.rules.ledger import (COMMITTED, LOST, PLANNED, Folded, LedgerState,
                                   unfinished_chain_epochs)
 
 FORMAT = 1
-# A plan folds the summary anew once its tail holds this many final epochs: the tail a reader
-# reads stays a few epochs long (the open ones aside), and the summary changes once in so many.
+# A plan folds the summary anew once its tail holds this many final epochs: the tail a reader reads stays a few
+# epochs long (the open ones aside), and the summary changes once in so many.
 FOLD_AFTER_EPOCHS = 16
 
 
@@ -52,8 +45,8 @@ class LedgerSummary:
 
     @classmethod
     def from_json(cls, text: str | None) -> LedgerSummary | None:
-        """The summary :meth:`to_json` wrote; None for none, for one of another format or a
-        damaged one (a reader then reads every row, and the next plan folds a new one)."""
+        """The summary :meth:`to_json` wrote; None for none, for one of another format or a damaged one (a reader
+        then reads every row, and the next plan folds a new one)."""
         if not text:
             return None
         try:
@@ -84,9 +77,9 @@ def _folded_of(data: Mapping) -> Folded:
 
 
 def fold(summary: LedgerSummary | None, tail: Iterable[Row]) -> LedgerSummary:
-    """``summary`` with the final epochs of its ``tail`` folded in: ``tail`` must be every row
-    the summary does not hold (:meth:`LedgerSummary.in_tail`; every row when ``summary`` is
-    None), and may add rows about to be recorded. Its planned epochs stay open."""
+    """``summary`` with the final epochs of its ``tail`` folded in: ``tail`` must be every row the summary does not
+    hold (:meth:`LedgerSummary.in_tail`; every row when ``summary`` is None), and may add rows about to be recorded.
+    Its planned epochs stay open."""
     summary = summary or LedgerSummary()
     by_epoch = rows_by_epoch(tail)
     still_open = {e for e, rows in by_epoch.items() if any(r["status"] == PLANNED for r in rows)}
@@ -98,42 +91,48 @@ def fold(summary: LedgerSummary | None, tail: Iterable[Row]) -> LedgerSummary:
     topics = dict(summary.topics)
     for topic, rows in final.items():
         topics[topic] = _fold_topic(summary.folded(topic), rows)
-    through = max([summary.through, *by_epoch])
-    return LedgerSummary(through=through, last_epoch=max([summary.last_epoch, *by_epoch]),
+    return LedgerSummary(through=max([summary.through, *by_epoch]), last_epoch=max([summary.last_epoch, *by_epoch]),
                          open=tuple(sorted(still_open)), topics=topics)
 
 
 def fold_due(summary: LedgerSummary | None, epoch: int, tail: Iterable[Row]) -> bool:
-    """Whether the plan of ``epoch`` must record a new summary with its rows: none yet; an
-    id the summary counts as folded (a rebuild records the source's ids in its own order),
-    which only a new summary can list as open; or a tail of :data:`FOLD_AFTER_EPOCHS` final
-    epochs."""
+    """Whether the plan of ``epoch`` must record a new summary with its rows: none yet; an id the summary counts as
+    folded (a rebuild records the source's ids in its own order), which only a new summary can list as open; or a
+    tail of :data:`FOLD_AFTER_EPOCHS` final epochs."""
     if summary is None or not summary.in_tail(epoch):
         return True
-    by_epoch = rows_by_epoch(tail)
-    final = sum(1 for rows in by_epoch.values() if all(r["status"] != PLANNED for r in rows))
-    return final >= FOLD_AFTER_EPOCHS
+    return sum(all(r["status"] != PLANNED for r in rows) for rows in rows_by_epoch(tail).values()) >= FOLD_AFTER_EPOCHS
 
 
 def _fold_topic(before: Folded, rows: list[Row]) -> Folded:
     """``before`` with one topic's rows of final epochs folded in."""
-    owned: dict[int, list[tuple[int, int]]] = {p: list(spans) for p, spans in before.owned.items()}
-    for r in rows:
-        owned.setdefault(r["partition"], []).append((r["from_offset"], r["until_offset"]))
     commits = _newest_two([ChainCommit(v, w) for v, w in before.chain_commits], chain_commits(rows))
-    return Folded(owned={p: merge(spans) for p, spans in owned.items()},
+    return Folded(owned=_owned(before, rows),
                   chain_until=furthest(before.chain_until, chain_positions(rows, statuses=(COMMITTED, LOST))),
                   committed_until=furthest(before.committed_until, chain_positions(rows)),
-                  chain_last=newest_chain_epoch(rows, before), chain_commits=tuple((c.version, c.watermark_ms)
-                                                                                 for c in commits),
+                  chain_last=newest_chain_epoch(rows, before),
+                  chain_commits=tuple((c.version, c.watermark_ms) for c in commits),
                   lanes=lane_watermarks(rows, before))
 
 
+def _owned(folded: Folded, rows: Iterable[Row]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Per partition, the merged offsets that ``folded`` and ``rows`` own."""
+    owned: dict[int, list[tuple[int, int]]] = {p: list(spans) for p, spans in folded.owned.items()}
+    for r in rows:
+        owned.setdefault(r["partition"], []).append((r["from_offset"], r["until_offset"]))
+    return {p: merge(spans) for p, spans in owned.items()}
+
+
 def _newest_two(*commits: list[ChainCommit]) -> list[ChainCommit]:
-    """The two newest counts commits (by table version) of the chain among ``commits``:
-    all that :func:`ipcount.rules.finality.finalized_below` looks at."""
+    """The two newest counts commits (by table version) of the chain among ``commits``: all that
+    :func:`ipcount.rules.finality.finalized_below` looks at."""
     by_version = {c.version: c for group in commits for c in group}
     return [by_version[v] for v in sorted(by_version, reverse=True)[:2]]
+
+
+def of_topic(summary: LedgerSummary | None, topic: str, tail: Iterable[Row]) -> tuple[list[Row], Folded]:
+    """``topic``'s rows of the tail, and what the summary (if any) folded of it."""
+    return [r for r in tail if r["topic"] == topic], summary.folded(topic) if summary is not None else Folded()
 
 
 def state(summary: LedgerSummary | None, topic: str, tail: Iterable[Row]) -> LedgerState:
@@ -144,40 +143,32 @@ def state(summary: LedgerSummary | None, topic: str, tail: Iterable[Row]) -> Led
 
 
 def chain_commits_of(summary: LedgerSummary | None, topic: str, tail: Iterable[Row]) -> list[ChainCommit]:
-    """The scheduled chain's two newest counts commits, newest first
-    (:func:`ipcount.rules.finality.chain_commits`), from a summary and its tail."""
-    mine = [r for r in tail if r["topic"] == topic]
-    folded = summary.folded(topic) if summary is not None else Folded()
+    """The scheduled chain's two newest counts commits, newest first, from a summary and its tail."""
+    mine, folded = of_topic(summary, topic, tail)
     return _newest_two([ChainCommit(v, w) for v, w in folded.chain_commits], chain_commits(mine))
 
 
 def chain_lag(summary: LedgerSummary | None, topic: str, tail: Iterable[Row], log_start: Mapping[int, int],
               log_end: Mapping[int, int]) -> dict[int, int]:
-    """Per partition of ``log_end``, the offsets from the chain's position (or the log start,
-    while it has none) to the log end that no committed or lost row owns: what is not
-    counted yet. A backfill's committed chunk ahead of the chain is counted (the chain's
-    next plan passes it), an unfinished epoch's offsets are not."""
-    mine = [r for r in tail if r["topic"] == topic]
-    folded = summary.folded(topic) if summary is not None else Folded()
+    """Per partition of ``log_end``, the offsets from the chain's position (or the log start, while it has none) to
+    the log end that no committed or lost row owns: what is not counted yet. A backfill's committed chunk ahead of
+    the chain is counted (the chain's next plan passes it), an unfinished epoch's offsets are not."""
+    mine, folded = of_topic(summary, topic, tail)
     position = chain_passed(mine, folded)
-    done: dict[int, list[tuple[int, int]]] = {p: list(spans) for p, spans in folded.owned.items()}
-    for r in mine:
-        if r["status"] in (COMMITTED, LOST):
-            done.setdefault(r["partition"], []).append((r["from_offset"], r["until_offset"]))
+    done = _owned(folded, (r for r in mine if r["status"] in (COMMITTED, LOST)))
     out = {}
     for p, end in log_end.items():
         start = position.get(p, log_start.get(p, 0))
-        out[p] = sum(b - a for a, b in subtract((start, end), merge(done.get(p, ())))) if end > start else 0
+        out[p] = sum(b - a for a, b in subtract((start, end), done.get(p, ()))) if end > start else 0
     return out
 
 
 def committed_chain(summary: LedgerSummary | None, topic: str,
                     tail: Iterable[Row]) -> tuple[int, dict[int, int], list[int]]:
-    """The scheduled chain's newest committed epoch (0 if none), its next offset per
-    partition, and its unfinished (planned) epochs: what the group commit, the idle check and
-    the lag follow. The positions are the planner's (:func:`ipcount.rules.ledger.chain_passed`):
-    offsets the chain gave up as deleted are not waiting, and it never plans them again."""
-    mine = [r for r in tail if r["topic"] == topic]
-    folded = summary.folded(topic) if summary is not None else Folded()
+    """The scheduled chain's newest committed epoch (0 if none), its next offset per partition, and its unfinished
+    (planned) epochs: what the group commit, the idle check and the lag follow. The positions are the planner's
+    (:func:`ipcount.rules.ledger.chain_passed`): offsets the chain gave up as deleted are not waiting, and it never
+    plans them again."""
+    mine, folded = of_topic(summary, topic, tail)
     newest = newest_chain_epoch(mine, folded)
     return (newest[0] if newest is not None else 0, chain_passed(mine, folded), unfinished_chain_epochs(mine))

@@ -1,24 +1,15 @@
-"""The offset ledger's I/O, all of it with delta-rs (no JVM): the write-ahead of a plan, the
-commit after the sink, and the reads (the DAG's tasks, the CLI's watcher and the idle check
-use them too). What the ledger's rows mean - statuses, kinds, how rows become plans, chain
-positions and summaries - is :mod:`ipcount.rules.ledger`.
+"""The offset ledger's I/O, all of it with delta-rs (no JVM; why: docs/data-model.md): the write-ahead of a plan,
+the commit after the sink, and the reads (the DAG's tasks, the CLI's watcher and the idle check use them too). What
+the rows mean - statuses, kinds, plans, chain positions, summaries - is :mod:`ipcount.rules.ledger`.
 
-Whatever the kind, the rows of one ledger never overlap: every planner takes only offsets
-no row covers, and :meth:`Ledger.record_plan` refuses - atomically - a plan that a
-concurrent planner's rows overlap: it checks the plan against one snapshot of the ledger and
-commits it as exactly the next version, which the log store creates only if absent (a
-hard link on a local file system, a conditional put on object storage). Any commit after
-that snapshot, by any runner in any process, makes it fail and plan again.
-
-One engine writes the ledger, delta-rs, as it writes every table of the pipeline
-(:mod:`ipcount.storage.delta`): delta-spark's log store makes a commit put-if-absent only
-within one JVM, and the ledger's writers are many processes (the chain, backfills, DAG
-tasks on spark-submit or Spark Connect).
+Whatever the kind, the rows of one ledger never overlap: :meth:`Ledger.record_plan` checks a plan against one snapshot
+and commits it as exactly that snapshot's next version, put-if-absent: any commit after the snapshot, by any runner in
+any process, makes it fail and plan again.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -41,28 +32,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A commit adds a file (an append) or rewrites one (a MERGE); past this many files of less
-# than half LEDGER_FILE_BYTES the ledger is compacted after a commit. Compaction packs files
-# into bins of at most LEDGER_FILE_BYTES, so a file near that size is no longer rewritten: it
-# holds epochs the summary has folded, which readers skip by the files' epoch statistics, so
-# what they read stays as long however old the ledger.
+# Past this many files under half LEDGER_FILE_BYTES a commit compacts the ledger into files of up to
+# LEDGER_FILE_BYTES; a file near that size holds folded epochs only, which readers skip (docs/data-model.md).
 COMPACT_AFTER_FILES = 16
 LEDGER_FILE_BYTES = 1 << 20
-# The Delta app transaction id whose version names the newest summary row (from_offset =
-# -version: no other row's offset is negative, so file statistics find it).
+# The Delta app transaction whose version names the newest summary row (its from_offset is -version).
 SUMMARY_TXN = "ipcount/ledger-summary"
 
 
 @dataclass(frozen=True)
 class LedgerView:
-    """One snapshot of the ledger as its bookkeeping reads it: the newest summary (None:
-    none yet) and the rows it does not hold (every row when there is none)."""
+    """One snapshot of the ledger: its newest summary (None: none yet) and the rows it does not hold (or every row)."""
 
     summary: LedgerSummary | None
     tail: list[Row]
+    _states: dict[str, LedgerState] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def state(self, topic: str) -> LedgerState:
-        return summary_state(self.summary, topic, self.tail)
+        """Folded once per topic: a view is one snapshot, and the watcher and the monitor keep theirs."""
+        if topic not in self._states:
+            self._states[topic] = summary_state(self.summary, topic, self.tail)
+        return self._states[topic]
 
 
 def ledger_schema() -> pa.Schema:
@@ -75,18 +65,18 @@ class Ledger:
         self.path = path
 
     def ensure(self, log_retention_hours: int = PipelineConfig.log_retention_hours) -> None:
-        """Create the ledger unless it is there; one made by an older version gets the
-        columns it lacks, and a log kept ``log_retention_hours`` (:func:`log_properties`)."""
+        """Create the ledger unless it is there; one made by an older version gets the columns it lacks, and a log
+        kept ``log_retention_hours`` (:func:`log_properties`)."""
         rs_create_table(self.path, ledger_schema(), log_properties(log_retention_hours))
 
     def view(self, table=None) -> LedgerView:
-        """The ledger's summary and tail, both read from one snapshot (``table``, default the
-        latest): from two, a plan folded between the reads would hide its epochs from both."""
+        """The ledger's summary and tail, both read from one snapshot (``table``, default the latest): from two, a plan
+        folded between the reads would hide its epochs from both."""
         table = table if table is not None else open_table(self.path)
         if table is None:
             return LedgerView(None, [])
         summary = _summary_in(table)
-        tail = "" if summary is None else f" AND ({_tail_condition(summary)})"
+        tail = "" if summary is None else f" AND {tail_sql(summary)}"
         columns = ", ".join(sql_identifier(c) for c in VIEW_COLUMNS)
         return LedgerView(summary, query_table(table, f"SELECT {columns} FROM t WHERE status <> '{SUMMARY}'{tail}"))
 
@@ -95,8 +85,8 @@ class Ledger:
         return self.view().state(topic)
 
     def epochs(self, topic: str, statuses: tuple[str, ...] = (COMMITTED, LOST)) -> list[tuple[EpochPlan, int | None]]:
-        """Every epoch with rows of the given statuses, as (plan, counts sink version), in the
-        order its sink commits happened: what a rebuild replays."""
+        """Every epoch with rows of the given statuses, as (plan, counts sink version), in the order its sink commits
+        happened: what a rebuild replays."""
         rows = [{**r, "kind": r["kind"] or SCHEDULED}
                 for r in read_rows(self.path, filters=[("topic", "=", topic)]) if r["status"] in statuses]
         out = []
@@ -109,24 +99,20 @@ class Ledger:
         return sorted(out, key=lambda pv: (pv[1] if pv[1] is not None else -1, pv[0].epoch))
 
     def chain_commits(self, topic: str) -> list[ChainCommit]:
-        """The scheduled chain's two newest counts commits, newest first
-        (:mod:`ipcount.rules.finality`)."""
+        """The scheduled chain's two newest counts commits, newest first (:mod:`ipcount.rules.finality`)."""
         view = self.view()
         return chain_commits_of(view.summary, topic, view.tail)
 
     def record_plan(self, plan: EpochPlan, run_id: str | None) -> None:
         """The write-ahead: the epoch's ranges are durable before anything is read or written.
 
-        Also the guard against concurrent planners: a row in the snapshot that overlaps one
-        of these ranges (or holds this epoch id) refuses the plan, and so does any commit
-        made after the snapshot was read (the append is the snapshot's next version or
-        nothing: no automatic retry, which would commit it on top of rows it never
-        checked). Either way :class:`PlanConflict`: nothing of this plan was written, and the
-        caller plans again from the new state.
+        Also the guard against concurrent planners: a row in the snapshot that overlaps one of these ranges (or holds
+        this epoch id) refuses the plan, and so does any commit made after the snapshot was read (the append is the
+        snapshot's next version or nothing: a retry would commit it on top of rows it never checked). Either way
+        :class:`PlanConflict`: nothing of this plan was written, and the caller plans again from the new state.
 
-        A commit refused after it landed (an object store that stored the PUT but lost its
-        answer, and answered the retry "already exists") is no conflict: if the ledger holds
-        exactly this plan, made at this plan's time, it is this planner's, and is kept.
+        A commit refused after it landed (an object store that stored the PUT but lost its answer, and answered the
+        retry "already exists") is no conflict: a ledger holding exactly this plan, made at this plan's time, keeps it.
         """
         from deltalake import CommitProperties, Transaction, write_deltalake
 
@@ -146,7 +132,7 @@ class Ledger:
             f"AND from_offset < {int(r.until_offset)} AND {int(r.from_offset)} < until_offset "
             "AND from_offset < until_offset)"  # (an empty range owns nothing, folded or not)
             for r in ranges)
-        tail = "" if view.summary is None else f"({_tail_condition(view.summary)}) AND "
+        tail = "" if view.summary is None else f"{tail_sql(view.summary)} AND "
         taken = query_table(snapshot, f"SELECT count(*) AS n FROM t WHERE epoch = {int(plan.epoch)} "
                                       f"OR ({tail}status <> '{SUMMARY}' AND ({overlaps}))")
         if taken[0]["n"]:
@@ -155,8 +141,8 @@ class Ledger:
         properties = {"max_commit_retries": 0}
         if fold_due(view.summary, plan.epoch, view.tail):
             summary = fold(view.summary, [*view.tail, *rows])
-            # Its epoch is the plan's: with a negative one every file holding a summary row
-            # would span all older epochs, and none could be skipped for a stale open epoch.
+            # Its epoch is the plan's: with a negative one every file holding a summary row would span all older
+            # epochs, and none could be skipped for a stale open epoch.
             rows.append({"epoch": plan.epoch, "topic": "", "partition": -1, "from_offset": -version,
                          "until_offset": -version, "status": SUMMARY, "planned_at": planned_at,
                          "summary": summary.to_json()})
@@ -182,21 +168,18 @@ class Ledger:
     def release(self, plan: EpochPlan, lost: tuple[OffsetRange, ...],
                 again: Callable[[LedgerState], tuple[EpochPlan, ...]] | None = None,
                 run_id: str | None = None) -> bool:
-        """Give up an unfinished epoch whose offsets aged out before it was run, in one
-        commit: each of its partitions' lost head (``lost``, one range per partition at
-        most, starting where its planned range does) becomes a ``lost`` row of the epoch,
-        and its other planned rows go. The lost rows keep the epoch id taken: its
+        """Give up an unfinished epoch whose offsets aged out before it was run, in one commit: each of its partitions'
+        lost head (``lost``, one range per partition at most, starting where its planned range does) becomes a
+        ``lost`` row of the epoch, and its other planned rows go. The lost rows keep the epoch id taken: its
         transaction id may be in the sink tables' logs already.
 
-        ``again``: the plans that take over the rest of its ranges, made from the ledger's
-        state (new epoch ids), recorded in the same commit - a backfill's rest, which no
-        later plan would take if it were left to a second commit that a death can skip, or
-        the chain's, which offsets the chain had passed must never leave. Without it the
-        rest is free for a new plan.
-        ``run_id``: the run that plans them.
+        ``again``: the plans that take over the rest of its ranges, made from the ledger's state (new epoch ids),
+        recorded in the same commit - a backfill's rest, which no later plan would take if it were left to a second
+        commit that a death can skip, or the chain's, which offsets the chain had passed must never leave. Without it
+        the rest is free for a new plan. ``run_id``: the run that plans them.
 
-        Committed against the snapshot it was planned from or not at all; after a
-        concurrent commit it reads again. False if another run released the epoch first.
+        Committed against the snapshot it was planned from or not at all; after a concurrent commit it reads again.
+        False if another run released the epoch first.
         """
         from deltalake import CommitProperties
 
@@ -230,9 +213,8 @@ class Ledger:
                watermark_after_ms: int | None,
                sink_version: int | None, duration_seconds: float, run_id: str | None,
                lag_after: Mapping[int, int] | None = None, stage_seconds: Mapping[str, float] | None = None) -> None:
-        """Mark the epoch committed. Matches only ``planned`` rows, so a replay after a crash
-        that happened after this commit changes nothing. ``metrics`` None: not known (the
-        record counts stay empty)."""
+        """Mark the epoch committed. Matches only ``planned`` rows, so a replay after a crash that happened after this
+        commit changes nothing. ``metrics`` None: not known (the record counts stay empty)."""
         now = datetime.now(timezone.utc)
         rows = []
         for r in plan.ranges:
@@ -248,8 +230,8 @@ class Ledger:
         set_cols = ["status", "committed_at", *METRICS, "watermark_after_ms", "sink_version", "duration_seconds",
                     "run_id", "lag_after", "stage_seconds"]
 
-        # The epoch as a literal: delta-rs then skips every file of other epochs by its
-        # statistics (the filter it derives from the source's values alone skips fewer).
+        # The epoch as a literal: delta-rs then skips every file of other epochs by its statistics (the filter it
+        # derives from the source's values alone skips fewer).
         match = (f"t.epoch = {int(plan.epoch)} AND t.epoch = s.epoch AND t.topic = s.topic "
                  f"AND t.\"partition\" = s.\"partition\" AND t.status = '{PLANNED}'")
 
@@ -262,9 +244,8 @@ class Ledger:
         self._compact_if_due()
 
     def _compact_if_due(self) -> None:
-        """Fold the ledger's small files into files of up to :data:`LEDGER_FILE_BYTES` once
-        enough pile up. Best effort: a concurrent
-        commit that wins leaves it for the next time (compaction changes no row)."""
+        """Fold the ledger's small files into files of up to :data:`LEDGER_FILE_BYTES` once enough pile up. Best
+        effort: a concurrent commit that wins leaves it for the next time (compaction changes no row)."""
         import pyarrow as pa
 
         table = latest(self.path)
@@ -292,15 +273,15 @@ def _summary_in(table) -> LedgerSummary | None:
     return summary
 
 
-def _tail_condition(summary: LedgerSummary) -> str:
-    """SQL for the rows a summary does not hold (:meth:`LedgerSummary.in_tail`)."""
+def tail_sql(summary: LedgerSummary) -> str:
+    """SQL for the rows a summary does not hold (:meth:`LedgerSummary.in_tail`), in parentheses."""
     open_epochs = ", ".join(str(int(e)) for e in summary.open)
-    return f"epoch > {int(summary.through)}" + (f" OR epoch IN ({open_epochs})" if open_epochs else "")
+    return f"(epoch > {int(summary.through)}" + (f" OR epoch IN ({open_epochs})" if open_epochs else "") + ")"
 
 
 def arrow_rows(rows: list[Mapping[str, Any]]) -> pa.Table:
-    """Ledger rows (column name -> value; a column left out is null) as an Arrow table of the
-    ledger's schema. A name that is no column is refused: it would be dropped silently."""
+    """Ledger rows (column name -> value; a column left out is null) as an Arrow table of the ledger's schema. A name
+    that is no column is refused: it would be dropped silently."""
     import pyarrow as pa
 
     schema = ledger_schema()
@@ -312,8 +293,7 @@ def arrow_rows(rows: list[Mapping[str, Any]]) -> pa.Table:
 
 def _uncommitted_rows(plan: EpochPlan, status: str, ranges: tuple[OffsetRange, ...], planned_at: datetime,
                       run_id: str | None) -> list[dict[str, Any]]:
-    """Ledger rows of ``plan``'s ``ranges`` with a status before the commit (planned or
-    lost): no counts, no commit time."""
+    """Ledger rows of ``plan``'s ``ranges`` with a status before the commit (planned or lost)."""
     return [{"epoch": plan.epoch, "topic": r.topic, "partition": r.partition, "from_offset": r.from_offset,
              "until_offset": r.until_offset, "status": status, "planned_at": planned_at,
              "watermark_before_ms": plan.watermark_ms, "run_id": run_id, "kind": plan.kind,
@@ -324,8 +304,7 @@ def _uncommitted_rows(plan: EpochPlan, status: str, ranges: tuple[OffsetRange, .
 # -- reads without a JVM ------------------------------------------------------------------
 
 def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None = None) -> list[EpochSummary]:
-    """Committed epochs with id > ``after_epoch`` (optionally only those a run committed),
-    oldest first."""
+    """Committed epochs with id > ``after_epoch`` (optionally only those a run committed), oldest first."""
     filters = [("status", "=", COMMITTED), ("epoch", ">", after_epoch)]
     if run_id is not None:
         filters.append(("run_id", "=", run_id))
@@ -333,8 +312,7 @@ def committed_epochs(ledger_path: str, after_epoch: int = 0, run_id: str | None 
 
 
 def committed_positions(ledger_path: str, topic: str) -> tuple[int, dict[int, int]]:
-    """(last committed epoch, partition -> next offset) of the scheduled chain for ``topic``;
-    (0, {}) if none. The consumer group follows the chain."""
+    """(last committed epoch, partition -> next offset) of the chain for ``topic`` ((0, {}) if none)."""
     view = Ledger(ledger_path).view()
     epoch, positions, _ = committed_chain(view.summary, topic, view.tail)
     return epoch, positions

@@ -1,10 +1,8 @@
-"""The monitoring app the Airflow api-server mounts under ``/ipcount`` (see
-``plugins/ipcount_monitor.py``): HTML pages for people and the same data as JSON under
-``/ipcount/api/`` for scripts. Every route needs an authenticated Airflow user allowed to
-read the epoch DAG, checked by Airflow's own security dependency (JWT in the
-``Authorization`` header, or the UI's session cookie). Backfills - their epochs in the
-ledger, their DAG runs, the replay targets they make - are shown only to a user the auth
-manager also lets read the backfill DAG (:class:`model.Access`)."""
+"""The monitoring app the Airflow api-server mounts under ``/ipcount`` (see ``plugins/ipcount_monitor.py``): HTML
+pages for people and the same data as JSON under ``/ipcount/api/`` for scripts. Every route needs an authenticated
+Airflow user allowed to read the epoch DAG, checked by Airflow's own security dependency (JWT in the ``Authorization``
+header, or the UI's session cookie). Backfills - their epochs in the ledger, their DAG runs, the replay targets they
+make - are shown only to a user the auth manager also lets read the backfill DAG (:class:`model.Access`)."""
 from __future__ import annotations
 
 import hmac
@@ -23,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from ipcount.orchestration.dags import BACKFILL_DAG_ID, EPOCH_DAG_ID, maintenance_schedule
 from ipcount.orchestration.monitor import model
 from ipcount.orchestration.monitor.charts import bar_chart, line_chart, time_chart
-from ipcount.orchestration.monitor.data import BrokerProbe, PipelineTables, publish_groups
+from ipcount.orchestration.monitor.data import BrokerPositions, BrokerProbe, PipelineTables, publish_groups
 from ipcount.orchestration.monitor.runs import failed_since_success, run_states, run_target
 from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import ConfigError
@@ -43,8 +41,7 @@ def _authorized():
 
 
 def _may_read(user: Any, dag_id: str) -> bool:
-    """Whether Airflow's auth manager lets ``user`` read the DAG (per DAG: e.g. FAB's or
-    Keycloak's DAG permissions); a look at the metadata database."""
+    """Whether Airflow's auth manager lets ``user`` read the DAG (its per-DAG permissions; a database look)."""
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
     from airflow.models.dag import DagModel
@@ -57,8 +54,8 @@ def _access():
     """The caller's :class:`model.Access`, from Airflow's auth manager."""
     from airflow.api_fastapi.core_api.security import get_user
 
-    # (Depends as the default, not in an annotation: this module's annotations are strings,
-    # which FastAPI resolves in the module, where get_user is not.)
+    # (Depends as the default, not in an annotation: this module's annotations are strings, which FastAPI resolves in
+    # the module, where get_user is not.)
     def access(user: Any = Depends(get_user)) -> model.Access:
         return model.Access(backfills=_may_read(user, BACKFILL_DAG_ID), backfill_dag_id=BACKFILL_DAG_ID)
     return Depends(access)
@@ -97,20 +94,16 @@ class Monitor:
         kind = model.check_choice("kind", kind, model.KINDS)
         kinds = access.kinds((kind,) if kind else model.KINDS)
         run_id = run_id or None
-
-        def mine(ref) -> bool:
-            return ref.kind in kinds and (run_id is None or ref.run_id == run_id)
+        planned = [r for r in tables.unfinished() if r.matches(kinds, run_id)]
         if status in (model.RUNNING, model.FAILED):  # planned epochs: Airflow tells running from failed
-            refs = [r for r in tables.unfinished() if mine(r)]
-            states = run_states(r.run_id for r in refs)
-            refs = [r for r in refs if model.epoch_status(True, states.get(r.run_id or "", (None, None))[1]) == status]
+            states = run_states(r.run_id for r in planned)
+            refs = [r for r in planned
+                    if model.epoch_status(True, states.get(r.run_id or "", (None, None))[1]) == status]
             pg = model.page_of(len(refs), page, page_size)
             shown = refs[pg.start:pg.start + pg.size]
         else:  # counted and paged in the ledger: the newest ids, or every row for a page far back
             committed = status == model.COMMITTED
-            total = tables.epoch_count(kinds, run_id) - (sum(1 for r in tables.unfinished() if mine(r))
-                                                         if committed else 0)
-            pg = model.page_of(total, page, page_size)
+            pg = model.page_of(tables.epoch_count(kinds, run_id) - (len(planned) if committed else 0), page, page_size)
             shown = tables.epoch_page(kinds, run_id, pg.start, pg.size, committed_only=committed)
         rows = tables.epoch_rows([r.epoch for r in shown])
         epochs = model.epoch_rows(rows, run_states(r.run_id for r in shown))
@@ -119,16 +112,29 @@ class Monitor:
         return {"target": target, "total": pg.total, "page": pg.number, "pages": pg.pages, "page_size": pg.size,
                 "epochs": epochs, "page_info": pg, "published_column": published_until is not None}
 
-    def health(self, target: str, access: model.Access) -> model.Health:
+    def partitions(self, cfg: PipelineConfig, tables: PipelineTables) -> tuple[BrokerPositions, list[dict[str, Any]]]:
+        """The broker's answer, and per partition: log start and end, chain position, group offset and both lags."""
+        positions = self.broker.positions(cfg)
+        chain = tables.chain_positions()
+        waiting = tables.chain_lag(positions.log_start, positions.log_end)
+        partitions = []
+        for p in sorted(set(positions.log_end) | set(chain)):
+            end, group = positions.log_end.get(p), positions.group.get(p)
+            partitions.append({"partition": p, "log_start": positions.log_start.get(p), "log_end": end,
+                               "ledger_position": chain.get(p), "group_offset": group, "lag": waiting.get(p),
+                               "group_lag": None if end is None or group is None else end - group})
+        return positions, partitions
+
+    def health(self, target: str, access: model.Access,
+               partitions: tuple[BrokerPositions, list[dict[str, Any]]] | None = None) -> model.Health:
+        """The health line (``partitions``: the target's :meth:`partitions`, if read already)."""
         cfg, tables = self.target(target, access)
+        positions, per_partition = partitions or self.partitions(cfg, tables)
         planned = access.visible(tables.unfinished())
         unfinished = model.epoch_rows(tables.epoch_rows([r.epoch for r in planned]),
                                       run_states(r.run_id for r in planned)) if planned else []
         last = tables.last_committed()
-        positions = self.broker.positions(cfg)
-        lag = None
-        if positions.log_end:
-            lag = sum(tables.chain_lag(positions.log_start, positions.log_end).values())
+        lag = sum(p["lag"] for p in per_partition if p["lag"] is not None) if positions.log_end else None
         now = datetime.now(timezone.utc)
         interval = model.schedule_interval(cfg.schedule, now, cfg.on_data_poll_seconds)
         health = model.assess_health(
@@ -142,15 +148,7 @@ class Monitor:
         if not 1 <= last <= 1000:
             raise model.BadQueryError(f"epochs must be between 1 and 1000, got {last}")
         cfg, tables = self.target(target, access)
-        positions = self.broker.positions(cfg)
-        chain = tables.chain_positions()
-        waiting = tables.chain_lag(positions.log_start, positions.log_end)
-        partitions = []
-        for p in sorted(set(positions.log_end) | set(chain)):
-            end, ledger, group = positions.log_end.get(p), chain.get(p), positions.group.get(p)
-            partitions.append({"partition": p, "log_start": positions.log_start.get(p), "log_end": end,
-                               "ledger_position": ledger, "group_offset": group, "lag": waiting.get(p),
-                               "group_lag": None if end is None or group is None else end - group})
+        positions, partitions = self.partitions(cfg, tables)
         history = tables.lag_history(last)
         return {"target": target, "partitions": partitions, "broker_error": positions.error,
                 "group_id": cfg.group_id, "topic": cfg.topic,
@@ -199,8 +197,8 @@ def _add_metrics_route(app: FastAPI, monitor: Monitor) -> None:
 
     @app.get("/metrics", response_class=Response)
     async def metrics(request: Request, bearer: Any = Depends(bearer_scheme)) -> Response:
-        """The pipeline's metrics in Prometheus's text format, for a scraper with the token of
-        ``metrics_token_file`` or any Airflow login that may read the epoch DAG."""
+        """The pipeline's metrics in Prometheus's text format, for a scraper with the token of ``metrics_token_file``
+        or any Airflow login that may read the epoch DAG."""
         from ipcount.orchestration.monitor.metrics import exposition
 
         who = await _scraper(request, bearer, monitor)
@@ -209,9 +207,8 @@ def _add_metrics_route(app: FastAPI, monitor: Monitor) -> None:
 
 
 async def _scraper(request: Request, bearer: Any, monitor: Monitor) -> model.Access:
-    """Who scrapes: the holder of the scrape token sees every kind of epoch; anyone else
-    needs an Airflow login allowed to read the epoch DAG, as the pages do (401 without one,
-    403 for a forged or refused one)."""
+    """Who scrapes: the holder of the scrape token sees every kind of epoch; anyone else needs an Airflow login
+    allowed to read the epoch DAG, as the pages do (401 without one, 403 for a forged or refused one)."""
     from airflow.api_fastapi.core_api.security import get_user
 
     presented = bearer.credentials if bearer is not None and bearer.scheme.lower() == "bearer" else None
@@ -308,8 +305,8 @@ def _add_api_routes(app: FastAPI, router: APIRouter, monitor: Monitor, access: A
 
     @router.get("/api/publish")
     def api_publish(group: str | None = None, who: model.Access = access) -> dict[str, Any]:
-        """Publishing to the sink topic: the publisher's cursor against the counts versions,
-        and the lag on the sink topic of one of the pipeline's own consumer groups (``group``)."""
+        """Publishing to the sink topic: the publisher's cursor against the counts versions, and the lag on the sink
+        topic of one of the pipeline's own consumer groups (``group``)."""
         return monitor.publish(group)
 
     @router.get("/api/counts")
@@ -341,7 +338,7 @@ def _add_page_routes(router: APIRouter, monitor: Monitor, access: Any) -> None:
                     run_id: str | None = None, page: int = 1, page_size: int = 50, who: model.Access = access):
         data = monitor.epochs(target, status, kind, run_id, page, page_size, who)
         return render(request, "epochs.html", who, status=status or "", kind=kind or "", run_id=run_id or "",
-                      chart=_epochs_chart(data["epochs"]), time_chart=_records_time_chart(data["epochs"]), **data)
+                      **_epoch_charts(data["epochs"]), **data)
 
     @router.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse)
     def run_page(request: Request, dag_id: str, run_id: str, who: model.Access = access):
@@ -351,7 +348,7 @@ def _add_page_routes(router: APIRouter, monitor: Monitor, access: Any) -> None:
             raise HTTPException(404, f"no run {run_id!r} of DAG {dag_id!r}")
         data = monitor.epochs(target, None, None, run_id, 1, 500, who)
         return render(request, "epochs.html", who, status="", kind="", run_id=run_id, run_dag_id=dag_id,
-                      chart=_epochs_chart(data["epochs"]), time_chart=_records_time_chart(data["epochs"]), **data)
+                      **_epoch_charts(data["epochs"]), **data)
 
     @router.get("/lag", response_class=HTMLResponse)
     def lag_page(request: Request, target: str = "main", epochs: int = 50, who: model.Access = access):
@@ -372,24 +369,21 @@ def _add_page_routes(router: APIRouter, monitor: Monitor, access: Any) -> None:
         windows = data["windows"]
         chart = bar_chart("window-chart", "Requests per window", [w["window_start"][11:19] for w in windows],
                           [w["requests"] for w in windows], [not w["final"] for w in windows])
-        return render(request, "counts.html", who, chart=chart, top=top, this_from=data["from"], this_until=data["until"],
-                      **data)
+        return render(request, "counts.html", who, chart=chart, top=top, this_from=data["from"],
+                      this_until=data["until"], **data)
 
 
-def _epochs_chart(epochs: list[model.EpochRow]) -> str:
-    shown = list(reversed(epochs))  # oldest on the left
-    return bar_chart("epochs-chart", "Records counted per epoch (lighter: not committed)",
-                     [f"epoch {e.epoch}" for e in shown], [e.records_counted for e in shown],
-                     [e.status != model.COMMITTED for e in shown])
-
-
-def _records_time_chart(epochs: list[model.EpochRow]) -> str:
-    """The page's committed epochs' records by commit time: idle stretches show as gaps."""
-    shown = sorted((e for e in epochs if e.committed_at is not None), key=lambda e: e.committed_at)
-    return time_chart("records-time-chart", "Records per epoch over time (committed epochs of this page)",
-                      [e.committed_at for e in shown],
-                      {name: [getattr(e, f"records_{name}") for e in shown]
-                       for name in ("read", "counted", "late", "malformed")})
+def _epoch_charts(epochs: list[model.EpochRow]) -> dict[str, str]:
+    """The epochs page's charts: records counted per epoch (oldest left), and records by commit time."""
+    shown = list(reversed(epochs))
+    committed = sorted((e for e in epochs if e.committed_at is not None), key=lambda e: e.committed_at)
+    records = {n: [getattr(e, f"records_{n}") for e in committed] for n in ("read", "counted", "late", "malformed")}
+    chart = bar_chart("epochs-chart", "Records counted per epoch (lighter: not committed)",
+                      [f"epoch {e.epoch}" for e in shown], [e.records_counted for e in shown],
+                      [e.status != model.COMMITTED for e in shown])
+    over_time = time_chart("records-time-chart", "Records per epoch over time (committed epochs of this page)",
+                           [e.committed_at for e in committed], records)
+    return {"chart": chart, "time_chart": over_time}
 
 
 def _error(request: Request, status: int, message: str, headers: dict | None = None):

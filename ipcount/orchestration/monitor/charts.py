@@ -1,5 +1,5 @@
-"""Small SVG charts rendered on the server: the pages need no JavaScript, so they work in
-the Airflow UI's sandboxed iframes and in any browser. Pure functions of their data."""
+"""Small SVG charts rendered on the server: the pages need no JavaScript, so they work in the Airflow UI's sandboxed
+iframes and in any browser. Pure functions of their data."""
 from __future__ import annotations
 
 from datetime import datetime
@@ -8,23 +8,29 @@ from typing import Mapping, Sequence
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM = 760, 220, 56, 110, 12, 28
+PLOT_WIDTH = WIDTH - LEFT - RIGHT
 
 
 def _y(value: float, top: float) -> float:
     return TOP + (HEIGHT - TOP - BOTTOM) * (1 - value / top)
 
 
+def _top(series: Mapping[str, Sequence[float | None]]) -> float:
+    """The y axis' top: the largest value (1 when there is none above 0)."""
+    return max((v for values in series.values() for v in values if v is not None), default=0) or 1
+
+
 def _frame(chart_id: str, title: str, top: float, x_labels: tuple[str, str], body: list[str]) -> str:
-    plot_w = WIDTH - LEFT - RIGHT
     lines = [f'<svg id="{escape(chart_id)}" class="chart" role="img" xmlns="http://www.w3.org/2000/svg" '
              f'viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}">',
              f"<title>{escape(title)}</title>",
-             f'<line x1="{LEFT}" y1="{HEIGHT - BOTTOM}" x2="{LEFT + plot_w}" y2="{HEIGHT - BOTTOM}" stroke="#999"/>',
+             f'<line x1="{LEFT}" y1="{HEIGHT - BOTTOM}" x2="{WIDTH - RIGHT}" y2="{HEIGHT - BOTTOM}" stroke="#999"/>',
              f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{HEIGHT - BOTTOM}" stroke="#999"/>',
              f'<text x="{LEFT - 6}" y="{TOP + 10}" text-anchor="end" font-size="11">{_short(top)}</text>',
              f'<text x="{LEFT - 6}" y="{HEIGHT - BOTTOM}" text-anchor="end" font-size="11">0</text>',
              f'<text x="{LEFT}" y="{HEIGHT - 8}" font-size="11">{escape(x_labels[0])}</text>',
-             f'<text x="{LEFT + plot_w}" y="{HEIGHT - 8}" text-anchor="end" font-size="11">{escape(x_labels[1])}</text>']
+             f'<text x="{WIDTH - RIGHT}" y="{HEIGHT - 8}" text-anchor="end" font-size="11">'
+             f'{escape(x_labels[1])}</text>']
     return "\n".join(lines + body + ["</svg>"])
 
 
@@ -32,9 +38,7 @@ def line_chart(chart_id: str, title: str, xs: Sequence[int], series: Mapping[str
     """One polyline per series over the shared ``xs`` (None: no point)."""
     if not xs:
         return empty_chart(chart_id, title)
-    top = max((v for values in series.values() for v in values if v is not None), default=0) or 1
-    plot_w = WIDTH - LEFT - RIGHT
-    step = plot_w / max(1, len(xs) - 1)
+    top, step = _top(series), PLOT_WIDTH / max(1, len(xs) - 1)
     body = []
     for i, (name, values) in enumerate(series.items()):
         body += _series(i, name, [(LEFT + j * step, _y(v, top), str(xs[j]), v)
@@ -43,8 +47,7 @@ def line_chart(chart_id: str, title: str, xs: Sequence[int], series: Mapping[str
 
 
 def _series(i: int, name: str, points: list[tuple[float, float, str, float]]) -> list[str]:
-    """The ``i``-th series' polyline, its points (x, y, label, value; the label and value in
-    each point's tooltip) and its legend entry."""
+    """The ``i``-th series' polyline, its points (x, y, label, value: each with a tooltip) and its legend entry."""
     color = PALETTE[i % len(PALETTE)]
     path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _, _ in points)
     return [f'<polyline class="series" data-series="{escape(name)}" fill="none" stroke="{color}" '
@@ -57,18 +60,15 @@ def _series(i: int, name: str, points: list[tuple[float, float, str, float]]) ->
 
 def time_chart(chart_id: str, title: str, times: Sequence[datetime | None],
                series: Mapping[str, Sequence[float | None]]) -> str:
-    """One polyline per series, each point placed by its time (None: no point), so a pause
-    between epochs shows as a long segment."""
+    """One polyline per series, points placed by time (None: no point): a pause between epochs is a long segment."""
     known = [t for t in times if t is not None]
     if not known:
         return empty_chart(chart_id, title)
     first, last = min(known), max(known)
-    span = (last - first).total_seconds()
-    plot_w = WIDTH - LEFT - RIGHT
+    span, top = (last - first).total_seconds(), _top(series)
 
     def x(t: datetime) -> float:
-        return LEFT + (plot_w * (t - first).total_seconds() / span if span else plot_w / 2)
-    top = max((v for values in series.values() for v in values if v is not None), default=0) or 1
+        return LEFT + (PLOT_WIDTH * (t - first).total_seconds() / span if span else PLOT_WIDTH / 2)
     body = []
     for i, (name, values) in enumerate(series.items()):
         body += _series(i, name, [(x(t), _y(v, top), f"{t:%H:%M:%S}", v)
@@ -81,9 +81,7 @@ def bar_chart(chart_id: str, title: str, labels: Sequence[str], values: Sequence
     """One bar per value; ``muted`` bars (e.g. windows not final yet) are drawn lighter."""
     if not values:
         return empty_chart(chart_id, title)
-    top = max(values) or 1
-    plot_w = WIDTH - LEFT - RIGHT
-    width = plot_w / len(values)
+    top, width = max(values) or 1, PLOT_WIDTH / len(values)
     body = []
     for j, (label, v) in enumerate(zip(labels, values)):
         y = _y(v, top)

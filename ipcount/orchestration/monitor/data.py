@@ -1,12 +1,6 @@
-"""What the monitoring pages read: the Delta tables through delta-rs (no JVM, one open
-table per path kept up to date incrementally) and the broker's offsets.
-
-Answers are cached per table version, so the pages cost one small log read between
-epochs; ranges from a page's parameters are read in whole blocks (:func:`model.epoch_blocks`,
-:func:`model.time_blocks`) so that they share cache keys, and cut to what was asked here. Every
-query prunes files by the Delta statistics where it can (epoch ranges, window times); the ledger
-compacts itself (see ``ipcount.storage.ledger``), so a full look at it
-stays a handful of files however many epochs it holds.
+"""What the monitoring pages read: the Delta tables through delta-rs (no JVM), answers cached per table version and
+ranges read in whole blocks (:func:`model.epoch_blocks`, :func:`model.time_blocks`) so that they share cache keys;
+and the broker's offsets, asked at most every few seconds (docs/monitoring.md says how little a page reads).
 """
 from __future__ import annotations
 
@@ -20,11 +14,11 @@ from typing import Any, Callable, Mapping
 from ipcount.orchestration.kafka_connection import resolved
 from ipcount.orchestration.monitor.model import epoch_blocks, time_blocks
 from ipcount.rules.config import PipelineConfig
-from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED, Folded, newest_chain_epoch
-from ipcount.rules.ledger_summary import chain_lag, committed_chain
+from ipcount.rules.ledger import COMMITTED, PLANNED, SCHEDULED, newest_chain_epoch
+from ipcount.rules.ledger_summary import chain_lag, committed_chain, of_topic
 from ipcount.storage import broker
 from ipcount.storage.delta import DeltaReader, has_table, query_table, sql_identifier, sql_literal, table_metadata
-from ipcount.storage.ledger import SUMMARY_TXN, Ledger, LedgerView
+from ipcount.storage.ledger import SUMMARY_TXN, Ledger, LedgerView, tail_sql
 from ipcount.storage.sink import partition_values
 from ipcount.storage.publisher import committed_cursor, publisher_id
 
@@ -35,11 +29,10 @@ log = logging.getLogger(__name__)
 KIND_SQL = f"coalesce(kind, {sql_literal(SCHEDULED)})"
 PLANNED_SQL = sql_literal(PLANNED)
 CHAIN_COMMITTED_SQL = f"status = {sql_literal(COMMITTED)} AND {KIND_SQL} = {sql_literal(SCHEDULED)}"
-# The epochs page reads the newest NEWEST_WINDOW ids (or twice a page) and widens from there;
-# a page past the newest DEEP_PAGE epochs reads every row.
+# The epochs page reads the newest NEWEST_WINDOW ids (or twice a page) and widens from there; a page past the newest
+# DEEP_PAGE epochs reads every row.
 NEWEST_WINDOW, DEEP_PAGE = 256, 5_000
-# Epochs counted (or their record totals) among those a ledger summary holds, by (ledger,
-# table id, summary version, filter).
+# What is counted of the epochs a ledger summary holds, by (ledger, table id, summary version, what): never changes.
 _FOLDED_COUNTS: dict[tuple, Any] = {}
 _FOLDED_LOCK = threading.Lock()
 
@@ -51,6 +44,10 @@ class EpochRef:
     kind: str
     run_id: str | None
 
+    def matches(self, kinds: tuple[str, ...], run_id: str | None) -> bool:
+        """Of one of ``kinds`` and (if given) of the run ``run_id``."""
+        return self.kind in kinds and (run_id is None or self.run_id == run_id)
+
 
 class PipelineTables:
     """The ledger and counts of one target (``main`` or a replay table set)."""
@@ -59,14 +56,12 @@ class PipelineTables:
         self.cfg, self.reader = cfg, reader
 
     def view(self) -> LedgerView:
-        """The ledger's summary and the rows it does not hold, from one snapshot, kept per
-        version: what the health line, the positions and the counts of epochs start from."""
+        """The ledger's summary and the rows it does not hold, from one snapshot, kept per version."""
         return self._view()[0]
 
     def _view(self) -> tuple[LedgerView, tuple]:
-        """The view, and a key naming its summary (the ledger's table id and the summary's
-        version): the final epochs a summary holds never change, so what is counted of them
-        is kept by that key (a rebuild's out-of-order epoch comes with a new summary)."""
+        """The view, and a key naming its summary (the ledger's table id and the summary's version), by which what is
+        counted of the epochs it holds is kept (a rebuild's out-of-order epoch comes with a new summary)."""
         def compute(table) -> tuple[LedgerView, tuple]:
             return (Ledger(self.cfg.ledger_path).view(table),
                     (self.cfg.ledger_path, table.metadata().id, table.transaction_version(SUMMARY_TXN)))
@@ -86,9 +81,8 @@ class PipelineTables:
         return self._index(f" AND epoch IN ({', '.join(str(int(e)) for e in epochs)})") if epochs else []
 
     def newest_epochs(self, count: int, keep: Callable[[EpochRef], bool] = lambda ref: True) -> list[EpochRef]:
-        """The ``count`` newest epochs ``keep`` keeps, newest first: read from a window of ids
-        below the newest (Delta's statistics skip the files of older ones), widened until it
-        holds them or reaches the first epoch."""
+        """The ``count`` newest epochs ``keep`` keeps, newest first: read from a window of ids below the newest
+        (Delta's statistics skip the files of older ones), widened until it holds them or reaches the first epoch."""
         newest = self.view().state(self.cfg.topic).last_epoch
         width = max(NEWEST_WINDOW, 2 * count)
         while True:
@@ -99,37 +93,35 @@ class PipelineTables:
             width *= 4
 
     def epoch_count(self, kinds: tuple[str, ...], run_id: str | None = None) -> int:
-        """How many of the topic's epochs are of ``kinds`` (and, if given, ran in ``run_id``):
-        those the ledger's summary holds counted once per summary, the others per version."""
+        """How many of the topic's epochs are of ``kinds`` (and, if given, ran in ``run_id``)."""
         if not kinds:   # (a user who may see none of the kinds asked for)
             return 0
-        view, summary_key = self._view()
         where = f" AND {KIND_SQL} IN ({', '.join(sql_literal(k) for k in kinds)})"
         if run_id is not None:   # an epoch belongs to the least run id of its rows, as on the page
             rows = self.reader.query(self.cfg.ledger_path, (
                 f"SELECT count(*) AS n FROM (SELECT epoch FROM t WHERE topic = {sql_literal(self.cfg.topic)}{where} "
                 f"GROUP BY epoch HAVING min(run_id) = {sql_literal(run_id)})"))
             return int(rows[0]["n"]) if rows else 0
-        if view.summary is None:
-            return self._count(where)
-        in_tail = _tail_sql(view)
-        folded = _folded(summary_key, where, lambda: self._count(f"{where} AND NOT {in_tail}"))
-        return folded + self._count(f"{where} AND {in_tail}")
+        return sum(self._by_summary(where, lambda tail: self._count(where + tail)))
 
     def record_totals(self) -> dict[str, dict[str, int]]:
-        """kind -> committed epochs and their records read, counted, late and malformed: the
-        epochs a ledger summary holds summed once per summary, the others per version."""
+        """kind -> committed epochs and their records read, counted, late and malformed."""
+        totals: dict[str, dict[str, int]] = {}
+        for part in self._by_summary("record totals", self._totals):
+            for kind, values in part.items():
+                mine = totals.setdefault(kind, dict.fromkeys(values, 0))
+                for name, n in values.items():
+                    mine[name] += n
+        return totals
+
+    def _by_summary(self, what: str, query: Callable[[str], Any]) -> list[Any]:
+        """``query`` (of an SQL condition to add) over the epochs the ledger's summary holds, computed once per
+        summary (:func:`_folded`), and over the others, per version: the parts to add up."""
         view, summary_key = self._view()
         if view.summary is None:
-            return self._totals("")
-        in_tail = _tail_sql(view)
-        folded = _folded(summary_key, "record totals", lambda: self._totals(f" AND NOT {in_tail}"))
-        totals = {kind: dict(values) for kind, values in folded.items()}
-        for kind, values in self._totals(f" AND {in_tail}").items():
-            mine = totals.setdefault(kind, dict.fromkeys(values, 0))
-            for name, n in values.items():
-                mine[name] += n
-        return totals
+            return [query("")]
+        in_tail = tail_sql(view.summary)
+        return [_folded(summary_key, what, lambda: query(f" AND NOT {in_tail}")), query(f" AND {in_tail}")]
 
     def _totals(self, where: str) -> dict[str, dict[str, int]]:
         sums = ", ".join(f"sum({m}) AS {m}" for m in TOTALS[1:])
@@ -145,21 +137,19 @@ class PipelineTables:
 
     def epoch_page(self, kinds: tuple[str, ...], run_id: str | None, start: int, size: int,
                    committed_only: bool = False) -> list[EpochRef]:
-        """Epochs ``start``..``start + size`` (newest first) of ``kinds`` and ``run_id`` (and no
-        longer planned): from a window of the newest ids, or (a page far back) from every row."""
+        """Epochs ``start``..``start + size`` (newest first) of ``kinds`` and ``run_id`` (and no longer planned): from
+        a window of the newest ids, or (a page far back) from every row."""
         if not kinds:
             return []
 
         def keep(ref: EpochRef) -> bool:
-            return (ref.kind in kinds and (run_id is None or ref.run_id == run_id)
-                    and not (committed_only and ref.planned))
+            return ref.matches(kinds, run_id) and not (committed_only and ref.planned)
         if start + size <= DEEP_PAGE:
             return self.newest_epochs(start + size, keep)[start:]
         return [ref for ref in self._index("") if keep(ref)][start:start + size]
 
     def epoch_rows(self, epochs: list[int]) -> list[dict[str, Any]]:
-        """The ledger rows of the given epochs (one range query, of whole blocks: Delta's
-        statistics skip the files outside it)."""
+        """The ledger rows of ``epochs``: one query of whole blocks (Delta's statistics skip the files outside it)."""
         if not epochs:
             return []
         wanted = set(epochs)
@@ -174,16 +164,14 @@ class PipelineTables:
         return committed_chain(view.summary, self.cfg.topic, view.tail)[1]
 
     def chain_lag(self, log_start: Mapping[int, int], log_end: Mapping[int, int]) -> dict[int, int]:
-        """partition -> offsets not counted yet, from the chain's position to the log end
-        (:func:`ipcount.rules.ledger_summary.chain_lag`)."""
+        """partition -> offsets not counted yet (:func:`ipcount.rules.ledger_summary.chain_lag`)."""
         view = self.view()
         return chain_lag(view.summary, self.cfg.topic, view.tail, log_start, log_end)
 
     def last_committed(self) -> tuple[int, datetime, int | None] | None:
         """(epoch, committed at, watermark after it) of the chain's last committed epoch."""
         view = self.view()
-        folded = view.summary.folded(self.cfg.topic) if view.summary is not None else Folded()
-        newest = newest_chain_epoch((r for r in view.tail if r["topic"] == self.cfg.topic), folded)
+        newest = newest_chain_epoch(*of_topic(view.summary, self.cfg.topic, view.tail))
         if newest is None:
             return None
         rows = self.reader.query(self.cfg.ledger_path, (
@@ -200,8 +188,7 @@ class PipelineTables:
         return self.reader.query(path, f"SELECT * FROM t WHERE run_id = {sql_literal(newest[0]['run_id'])}")
 
     def lag_history(self, last: int) -> list[tuple[int, datetime | None, dict[int, int]]]:
-        """(epoch, committed at, partition -> lag after it) of the chain's last ``last``
-        committed epochs, oldest first."""
+        """(epoch, committed at, partition -> lag after) of the chain's last ``last`` committed epochs, oldest first."""
         chain = [e.epoch for e in self.newest_epochs(last, lambda e: e.kind == SCHEDULED and not e.planned)]
         by_epoch: dict[int, dict[int, int]] = {}
         committed: dict[int, datetime] = {}
@@ -212,8 +199,8 @@ class PipelineTables:
         return [(e, committed.get(e), lags) for e, lags in sorted(by_epoch.items())]
 
     def latest_window_end(self) -> datetime | None:
-        """The newest window's end: read from the newest partition when every file has its
-        partition value (the snapshot's file list says so), else from the whole table."""
+        """The newest window's end: read from the newest partition when every file has its partition value (the
+        snapshot's file list says so), else from the whole table."""
         def compute(table) -> datetime | None:
             import pyarrow.compute as pc
 
@@ -227,16 +214,15 @@ class PipelineTables:
         return self.reader.computed(self.cfg.counts_path, "latest-window-end", compute)
 
     def top_ips(self, start: datetime, until: datetime, limit: int, cache: bool = True) -> list[dict[str, Any]]:
-        """IPs by requests counted in the windows inside [start, until). (A top list cannot be
-        cut from a wider range's: ``cache`` False for a range from a page's parameters.)"""
+        """IPs by requests counted in the windows inside [start, until). (A top list cannot be cut from a wider
+        range's: ``cache`` False for a range from a page's parameters.)"""
         return self.reader.query(self.cfg.counts_path, (
             "SELECT ip, sum(count) AS requests, count(*) AS windows FROM t "
             f"WHERE {_window_filter(start, until)} GROUP BY ip ORDER BY requests DESC, ip LIMIT {int(limit)}"),
             cache=cache)
 
     def requests_per_window(self, start: datetime, until: datetime) -> list[dict[str, Any]]:
-        """Per window inside [start, until): requests, IPs, and whether it is final (read
-        for whole hours)."""
+        """Per window inside [start, until): requests, IPs, and whether it is final (read for whole hours)."""
         rows = self.reader.query(self.cfg.counts_path, (
             "SELECT window_start, window_end, sum(count) AS requests, count(*) AS ips, "
             f"bool_and(coalesce(is_final, false)) AS final FROM t WHERE {_window_filter(*time_blocks(start, until))} "
@@ -248,15 +234,8 @@ class PipelineTables:
 TOTALS = ("epochs", "records_read", "records_counted", "records_late", "records_malformed")
 
 
-def _tail_sql(view: LedgerView) -> str:
-    """SQL: the rows a ledger summary does not hold (newer epochs, and those it left open)."""
-    open_epochs = ", ".join(str(int(e)) for e in view.summary.open)
-    return f"(epoch > {int(view.summary.through)}" + (f" OR epoch IN ({open_epochs})" if open_epochs else "") + ")"
-
-
 def _folded(summary_key: tuple, what: str, compute: Callable[[], Any]) -> Any:
-    """``compute()`` over the epochs a summary holds, kept by the summary's key: those never
-    change."""
+    """``compute()`` over the epochs a summary holds, kept by the summary's key: those never change."""
     key = (*summary_key, what)
     with _FOLDED_LOCK:
         folded = _FOLDED_COUNTS.get(key)
@@ -286,15 +265,15 @@ class BrokerPositions:
 
 
 def publish_groups(cfg: PipelineConfig) -> tuple[str, ...]:
-    """The consumer groups the monitor shows on the sink topic: the pipeline's own (its
-    configured group and the publisher's). Other groups' offsets are not for every reader of
-    the epoch DAG, and a few groups keep the broker's cached answers few."""
+    """The consumer groups the monitor shows on the sink topic: the pipeline's own (its configured group and the
+    publisher's). Other groups' offsets are not for every reader of the epoch DAG, and a few groups keep the broker's
+    cached answers few."""
     return cfg.group_id, publisher_id(cfg)
 
 
 def publish_status(cfg: PipelineConfig, group: str | None = None) -> dict[str, Any]:
-    """How far publishing got: the publisher's cursor against the counts table's versions,
-    and (for ``group``) how far a consumer of the sink topic is behind its end."""
+    """How far publishing got: the publisher's cursor against the counts table's versions, and (for ``group``) how far
+    a consumer of the sink topic is behind its end."""
     from deltalake import DeltaTable
 
     if not cfg.publish:
@@ -320,8 +299,8 @@ def publish_status(cfg: PipelineConfig, group: str | None = None) -> dict[str, A
 
 
 class BrokerProbe:
-    """What the pages ask the broker, asked at most every ``ttl_seconds`` (pages poll; the
-    broker should not feel it). An unreachable broker is an answer, not an exception."""
+    """What the pages ask the broker, asked at most every ``ttl_seconds`` (pages poll; the broker should not feel it).
+    An unreachable broker is an answer, not an exception."""
 
     def __init__(self, ttl_seconds: float = 5.0) -> None:
         self.ttl_seconds = ttl_seconds

@@ -1,6 +1,5 @@
-"""The "Epoch page" extra link on the tasks that run epochs: it opens the monitoring page
-of the epochs that task's DAG run committed (Airflow 3 computes the link on the worker
-when the task ends and keeps it in XCom; the UI shows it as a button on the task)."""
+"""The "Epoch page" extra link on the tasks that run epochs: it opens the monitoring page of the epochs that task's DAG
+run committed (Airflow 3 computes the link on the worker when the task ends and keeps it in XCom)."""
 from __future__ import annotations
 
 import os

@@ -1,12 +1,6 @@
-"""The pipeline's metrics in Prometheus's text format (``/ipcount/metrics``), from what the
-pages read: the ledger (through delta-rs, cached per version), the broker's offsets (asked
-at most every few seconds) and Airflow's runs. A scrape between two epochs reads no table.
-
-Gauges describe now: per partition the log end, the chain's position and the lag between
-them; the last committed epoch, when it committed and its stages; unfinished epochs; the
-health line's state; publishing's versions behind; maintenance's last run. Counters sum the
-committed epochs of the ledger per kind (scheduled, backfill): records read, counted, late
-and malformed. Every series has the label ``pipeline``.
+"""The pipeline's metrics in Prometheus's text format (``/ipcount/metrics``; the list: docs/monitoring.md), from what
+the pages read: the ledger (through delta-rs, cached per version), the broker's offsets (asked at most every few
+seconds) and Airflow's runs. A scrape between two epochs reads no table. Every series has the label ``pipeline``.
 """
 from __future__ import annotations
 
@@ -33,10 +27,8 @@ class PipelineCollector(Collector):
         cfg = self.monitor.cfg
         pipeline = cfg.pipeline_id
         tables = PipelineTables(cfg, self.monitor.reader)
-        health = self.monitor.health(MAIN_TARGET, self.access)
-        positions = self.monitor.broker.positions(cfg)
-        chain = tables.chain_positions()
-        waiting = tables.chain_lag(positions.log_start, positions.log_end)
+        positions, partitions = self.monitor.partitions(cfg, tables)
+        health = self.monitor.health(MAIN_TARGET, self.access, (positions, partitions))
 
         def gauge(name: str, text: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, text, labels=("pipeline", *labels))
@@ -47,12 +39,13 @@ class PipelineCollector(Collector):
         end = gauge("ipcount_log_end_offset", "the topic's last stable offset (read_committed)", ("partition",))
         at = gauge("ipcount_chain_position", "the next offset the scheduled chain counts (the ledger)", ("partition",))
         lag = gauge("ipcount_lag_records", "offsets past the chain's position not counted yet", ("partition",))
-        for p in sorted(set(positions.log_end) | set(chain)):
-            if p in positions.log_end:
-                end.add_metric([pipeline, str(p)], positions.log_end[p])
-                lag.add_metric([pipeline, str(p)], waiting[p])
-            if p in chain:
-                at.add_metric([pipeline, str(p)], chain[p])
+        for row in partitions:
+            labels = [pipeline, str(row["partition"])]
+            if row["log_end"] is not None:
+                end.add_metric(labels, row["log_end"])
+                lag.add_metric(labels, row["lag"])
+            if row["ledger_position"] is not None:
+                at.add_metric(labels, row["ledger_position"])
         yield from (end, at, lag)
 
         state = gauge("ipcount_health", "1 for the health line's state (ok, late, idle, failing)", ("state",))

@@ -10,8 +10,8 @@ from ipcount.rules.config import ON_DATA, cron_expression
 from ipcount.rules.ledger import BACKFILL, COMMITTED, EPOCH_KINDS, LOST, PLANNED, kind_of, metric_totals, rows_by_epoch
 from ipcount.rules.maintenance import TableMaintenance
 
-# An epoch's status on the pages. The ledger knows "planned" and "committed"; whether a
-# planned epoch is still running or was left behind by a failed run, only Airflow knows.
+# An epoch's status on the pages. The ledger knows "planned" and "committed"; whether a planned epoch is still running
+# or was left behind by a failed run, only Airflow knows.
 RUNNING, FAILED = "running", "failed"
 STATUSES = (COMMITTED, RUNNING, FAILED)
 ACTIVE_RUN_STATES = ("queued", "running")
@@ -19,9 +19,8 @@ KINDS = EPOCH_KINDS
 
 
 def epoch_status(planned: bool, run_state: str | None) -> str:
-    """``committed`` once the ledger says so; a planned epoch is ``running`` while its DAG
-    run is, and ``failed`` otherwise (its run failed, or ended without committing it, or
-    is unknown, e.g. a CLI run that died). The next run on that lane resumes it."""
+    """``committed`` once the ledger says so; a planned epoch is ``running`` while its DAG run is, and ``failed``
+    otherwise (its run failed, or ended without committing it, or is unknown, e.g. a CLI run that died)."""
     if not planned:
         return COMMITTED
     return RUNNING if run_state in ACTIVE_RUN_STATES else FAILED
@@ -37,8 +36,8 @@ class ForbiddenError(PermissionError):
 
 @dataclass(frozen=True)
 class Access:
-    """What the user may see besides the epoch DAG's pipeline (which every route needs):
-    backfills - their epochs, runs and replay targets - need read access to the backfill DAG."""
+    """What the user may see besides the epoch DAG's pipeline (which every route needs): backfills - their epochs,
+    runs and replay targets - need read access to the backfill DAG."""
     backfills: bool
     backfill_dag_id: str
 
@@ -138,8 +137,8 @@ class EpochRow:
 
 
 def epoch_rows(rows: Iterable[Mapping[str, Any]], run_states: Mapping[str, tuple[str, str]]) -> list[EpochRow]:
-    """Per-partition ledger rows -> one :class:`EpochRow` per epoch, newest first.
-    ``run_states``: run_id -> (dag_id, state) of the DAG runs Airflow knows."""
+    """Per-partition ledger rows -> one :class:`EpochRow` per epoch, newest first. ``run_states``: run_id ->
+    (dag_id, state) of the DAG runs Airflow knows."""
     by_epoch = rows_by_epoch(rows)
     out = []
     for epoch in sorted(by_epoch, reverse=True):
@@ -161,8 +160,8 @@ def epoch_rows(rows: Iterable[Mapping[str, Any]], run_states: Mapping[str, tuple
 
 
 def with_published(epochs: Iterable[EpochRow], published_until: int | None) -> list[EpochRow]:
-    """Marks each committed epoch that made a counts version published or not, given the
-    first version the publisher has not sent (None: publishing off or its cursor unknown)."""
+    """Marks each committed epoch that made a counts version published or not, given the first version the publisher
+    has not sent (None: publishing off or its cursor unknown)."""
     if published_until is None:
         return list(epochs)
     return [replace(e, published=e.sink_version < published_until)
@@ -179,9 +178,8 @@ def _in_stage_order(stages: Mapping[str, float] | Iterable[tuple[str, float]]) -
 
 
 def schedule_interval(cron: str, now: datetime, poll_seconds: int = 0) -> timedelta | None:
-    """The time between the schedule's fire times around ``now`` (None if it is not a
-    periodic cron expression or preset); for ``on-data``, how often its watcher looks
-    (``poll_seconds``): a run follows new records that soon."""
+    """The time between the schedule's fire times around ``now`` (None if it is not a periodic cron expression or
+    preset); for ``on-data``, how often its watcher looks (``poll_seconds``): a run follows new records that soon."""
     from croniter import croniter
 
     if cron.strip() == ON_DATA:
@@ -226,9 +224,8 @@ class Health:
 
 def with_maintenance(health: Health, now: datetime, rows: Iterable[Mapping[str, Any]],
                      interval: timedelta | None) -> Health:
-    """``health`` with the newest maintenance run (``rows``: its maintenance-log rows, none if
-    it never ran), and a problem when a scheduled maintenance (every ``interval``; None: by
-    hand only) that ran once has not run for two intervals since."""
+    """``health`` with the newest maintenance run (``rows``: its log rows; none: it never ran), and a problem when a
+    scheduled one (every ``interval``; None: by hand only) that ran once has not run for two intervals since."""
     rows = sorted(rows, key=lambda r: r["table"])
     at = max((r["finished_at"] for r in rows), default=None)
     problems = list(health.problems)
@@ -244,12 +241,9 @@ def assess_health(now: datetime, last_epoch: int | None, last_committed_at: date
                   interval: timedelta | None, total_lag: int | None, unfinished: Iterable[EpochRow],
                   failed_runs: Iterable[str], broker_error: str | None = None,
                   watermark_ms: int | None = None) -> Health:
-    """``late`` when records are waiting and the last commit is older than two schedule
-    intervals plus a minute (an epoch with nothing to read commits nothing, so age alone is
-    no problem); ``failing`` when a failed run left an epoch unfinished, runs failed since
-    the last successful one, the broker does not answer, or the chain's watermark is ahead
-    of the wall clock (by more than :data:`WATERMARK_TOLERANCE`: every record of the
-    windows it has passed is then late)."""
+    """The health line's state and problems (docs/monitoring.md). Age alone is no problem: an epoch with nothing to
+    read commits nothing. A chain's watermark ahead of the wall clock (by more than :data:`WATERMARK_TOLERANCE`) is
+    failing: every record of the windows it has passed is then late."""
     unfinished = list(unfinished)
     failed_runs = tuple(failed_runs)
     age = (now - last_committed_at).total_seconds() if last_committed_at else None
@@ -267,9 +261,8 @@ def assess_health(now: datetime, last_epoch: int | None, last_committed_at: date
     ahead = lead is not None and lead > WATERMARK_TOLERANCE
     if ahead:
         problems.append(f"watermark {_iso(now + lead)} is {lead.total_seconds() / 60:.0f} min ahead of the wall "
-                        "clock: records "
-                        "of the windows it passed are counted late (a producer's clock ahead? see the dead letters "
-                        "with reason event_time_ahead and the max_event_time_ahead_seconds setting)")
+                        "clock: records of the windows it passed are counted late (a producer's clock ahead? see the "
+                        "dead letters with reason event_time_ahead and the max_event_time_ahead_seconds setting)")
     late = (age is not None and interval is not None and total_lag
             and age > 2 * interval.total_seconds() + 60)
     if late:
@@ -289,16 +282,15 @@ def assess_health(now: datetime, last_epoch: int | None, last_committed_at: date
                   problems=tuple(problems))
 
 
-# Event times the pipeline counts (rules.records) lie in 2000..2100; a little room either
-# way, and no arithmetic near datetime's own limits.
+# Event times the pipeline counts (rules.records) lie in 2000..2100; a little room either way, and no arithmetic near
+# datetime's own limits.
 EARLIEST_INSTANT = datetime(1970, 1, 1, tzinfo=timezone.utc)
 LATEST_INSTANT = datetime(2200, 1, 1, tzinfo=timezone.utc)
 MAX_COUNTS_WINDOWS = 10_000  # the counts page lists one row per window: bounded work and size
 
 
 def parse_instant(name: str, value: str | None) -> datetime | None:
-    """An ISO-8601 instant from a page parameter (naive means UTC, as the form's
-    datetime-local inputs send it)."""
+    """An ISO-8601 instant from a page parameter (naive means UTC, as the form's datetime-local inputs send it)."""
     if value in (None, ""):
         return None
     try:
@@ -314,8 +306,7 @@ def parse_instant(name: str, value: str | None) -> datetime | None:
 
 def counts_range(start: datetime | None, until: datetime | None, latest_end: datetime | None,
                  window_seconds: int, default_span: timedelta = timedelta(hours=1)) -> tuple[datetime, datetime]:
-    """The counts page's time range: as given, or the last hour of counted windows; at
-    most :data:`MAX_COUNTS_WINDOWS` windows."""
+    """The counts page's range: as given, or the last hour of counted windows; at most :data:`MAX_COUNTS_WINDOWS`."""
     end = until or latest_end or datetime.now(timezone.utc)
     begin = start or max(EARLIEST_INSTANT, end - default_span)
     if begin >= end:
@@ -328,8 +319,8 @@ def counts_range(start: datetime | None, until: datetime | None, latest_end: dat
     return begin, end
 
 
-# Ranges from a page's parameters are read (and cached) in whole blocks, so that however many
-# distinct ranges are asked for, they share a few cache keys; the page keeps what it asked for.
+# Ranges from a page's parameters are read (and cached) in whole blocks, so that however many distinct ranges are
+# asked for, they share a few cache keys; the page keeps what it asked for.
 EPOCH_BLOCK = 100
 TIME_BLOCK = timedelta(hours=1)
 

@@ -1,13 +1,9 @@
-"""A listener (registered by the monitoring plugin) that writes each pipeline DAG run's
-epoch summary into the run's note, where the Airflow UI shows it on the run's page.
-
-Airflow calls it in the scheduler's loop when a run succeeds or fails; the run's own tasks
-cannot set notes (the Task SDK has no call for it), and a failed run's tasks may never get
-to. So the hook only queues the run for one background thread, which reads the run's ledger
-rows in a child process (:mod:`.run_rows`, killed after :data:`READ_TIMEOUT_SECONDS`) and
-writes the note through a session of its own: the ledger may be on an object store that is
-slow or down, and reading it inside the hook would stall every DAG. The note never overwrites
-one someone wrote, and a failure is logged, never raised: the run's state is what matters.
+"""A listener (registered by the monitoring plugin) that writes each pipeline DAG run's epochs into the run's note,
+shown on the run's page (the run's tasks cannot set notes, and a failed run's may never get to). Airflow calls it in
+the scheduler's loop, so the hook only queues the run for one background thread, which reads the run's ledger rows in
+a child process (:mod:`.run_rows`, killed after :data:`READ_TIMEOUT_SECONDS`: a slow store must not stall every DAG)
+and writes the note through a session of its own. A note someone wrote is never overwritten; a failure is logged,
+never raised: the run's state is what matters.
 """
 from __future__ import annotations
 
@@ -41,14 +37,10 @@ EXIT_WAIT_SECONDS = 60    # how long a process that ends (e.g. `airflow dags tes
 
 def run_note(dag_id: str, run_id: str, rows: Iterable[Mapping[str, Any]], target: str = MAIN_TARGET,
              request_id: str | None = None) -> str:
-    """Markdown for the run's note from the ledger rows that carry its run id (pure).
-
-    A commit writes the committing run's id, so these rows hold the epochs the run finished
-    first for another run too (the chain's unfinished epoch, another backfill's chunk); the
-    ledger's ``planned_by`` tells them apart (None: a run without a run id, or a ledger from
-    before the column). They, and an epoch counted for another backfill request than the
-    run's own (``request_id``; None for the chain's runs), are listed apart, after the run's
-    own."""
+    """Markdown for the run's note from the ledger rows that carry its run id (pure). A commit writes the committing
+    run's id, so these include epochs the run finished for another run (``planned_by`` differs; None: a run without a
+    run id, or a ledger from before the column) or for another backfill request than ``request_id`` (None for the
+    chain's runs): those are listed apart, after the run's own."""
     rows = list(rows)
     planners = {r["epoch"]: r.get("planned_by", run_id) for r in rows}
     own, others = [], []
@@ -98,8 +90,8 @@ class _Run:
 
     @classmethod
     def of(cls, dag_run) -> _Run:
-        """The run, with the request its epoch task hands the CLI: the backfill DAG's form, or
-        the data interval of an `airflow backfill create` run of the epoch DAG."""
+        """The run, with the request its epoch task hands the CLI: the backfill DAG's form, or the data interval of an
+        `airflow backfill create` run of the epoch DAG."""
         conf = dag_run.conf or {}
         if dag_run.dag_id == BACKFILL_DAG_ID:
             fields = {k: conf.get(k) for k in REQUEST_FIELDS}
@@ -175,8 +167,7 @@ def _write_note(run: _Run) -> None:
 
 
 def wait_idle(timeout: float) -> bool:
-    """Whether every run queued got its note written (or its failure logged) within
-    ``timeout`` seconds."""
+    """Whether every run queued got its note written (or its failure logged) within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while _pending.unfinished_tasks:
         if time.monotonic() > deadline:
@@ -192,8 +183,8 @@ def _finish() -> None:
 
 
 def _forget_after_fork() -> None:
-    """A forked child (Airflow forks its task and file processors) has no worker thread: it
-    must neither wait for the parent's queued runs at exit nor share the queue's lock."""
+    """A forked child (Airflow forks its task and file processors) has no worker thread: it must neither wait for the
+    parent's queued runs at exit nor share the queue's lock."""
     global _pending, _worker, _worker_lock
     _pending, _worker, _worker_lock = queue.Queue(PENDING_LIMIT), None, threading.Lock()
 

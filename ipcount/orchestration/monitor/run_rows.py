@@ -1,12 +1,7 @@
-"""The ledger rows one DAG run wrote, printed as JSON with the id of the backfill request it
-counts: what the run-note listener (:mod:`.notes`) reads in a child process of the scheduler.
-Not in a thread: delta-rs holds Python's GIL through some calls (its table check on object
-storage waits out every retry, minutes), which would stall every thread of the scheduler; a
-child can be killed, too. Imports neither Airflow nor Spark, so it starts in well under a second.
-
-Each row says which run planned its epoch (``planned_by``): a run also commits epochs that
-another run planned (the chain's unfinished epoch, another backfill's chunk), and a commit
-writes its own run's id into ``run_id``.
+"""The ledger rows one DAG run wrote, printed as JSON with the id of the backfill request it counts: what the run-note
+listener (:mod:`.notes`) reads in a child process of the scheduler. Not in a thread: delta-rs holds Python's GIL
+through some calls (its table check on object storage waits out every retry, minutes), which would stall every thread
+of the scheduler; a child can be killed, too. Imports neither Airflow nor Spark, so it starts in well under a second.
 
     python -m ipcount.orchestration.monitor.run_rows TARGET RUN_ID [REQUEST_JSON]
 """
@@ -29,8 +24,8 @@ def main(target: str, run_id: str, request: str = "") -> None:
 
 
 def request_id(fields: str, topic: str) -> str | None:
-    """The id of the backfill request whose fields (JSON) the run was given; None for a run of
-    the chain or a request it refused (then it counted nothing)."""
+    """The id of the backfill request whose fields (JSON) the run was given; None for a run of the chain or a request
+    it refused (then it counted nothing)."""
     if not fields:
         return None
     try:

@@ -1,5 +1,5 @@
-"""Airflow's own view of the pipeline's DAG runs, read from its metadata database. Only
-for code running inside Airflow's api-server or scheduler (the plugin and the listener)."""
+"""Airflow's own view of the pipeline's DAG runs, read from its metadata database. Only for code running inside
+Airflow's api-server or scheduler (the plugin and the listener)."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
@@ -49,8 +49,7 @@ def failed_since_success(dag_id: str = EPOCH_DAG_ID, look_back: int = 50) -> lis
 
 
 def run_target(dag_id: str, run_id: str) -> str | None:
-    """The target the run counted into (``main`` unless a backfill run's conf names a
-    replay table set); None if Airflow has no such run of the pipeline's DAGs."""
+    """The target the run counted into (:func:`target_of`); None if Airflow has no such run of the pipeline's DAGs."""
     from airflow.models.dagrun import DagRun
     from airflow.utils.session import create_session
     from sqlalchemy import select
@@ -63,6 +62,5 @@ def run_target(dag_id: str, run_id: str) -> str | None:
 
 
 def target_of(dag_id: str, conf: Mapping[str, Any]) -> str:
-    """The target a run of a pipeline DAG counts into: ``main``, unless a backfill run's
-    conf names a replay table set."""
+    """A pipeline DAG run's target: ``main``, unless a backfill run's conf names a replay table set."""
     return str(conf.get("target") or MAIN_TARGET) if dag_id == BACKFILL_DAG_ID else MAIN_TARGET
