@@ -27,6 +27,8 @@ its peers (Spark Structured Streaming, Flink SQL).
 - :mod:`.bench_profile`      where an epoch's read stage spends its time
 - :mod:`.bench_growth`       how the counts MERGE's cost grows with the table
 - :mod:`.bench_year`         real epochs on table sets a year old (synthesized), maintained or not
+- :mod:`.bench_log`          the results log (docs/performance/results.csv): a report's figures as rows
+- :mod:`.bench_charts`       the results log drawn: SVG charts and the performance page's table
 - :mod:`.peer`               the Structured Streaming contender
 - :mod:`.bench_flink`        the Flink contender: runs its job, checks its sink topic against a recount
 - :mod:`.flink_job`          the seeds' job in Flink SQL (runs under PyFlink's own virtualenv)

@@ -27,7 +27,8 @@ warm and cold against cold.
 
 Every figure is a median with its min and max (:mod:`ipcount_lab.bench_stats`), every
 ratio is taken run by run, and every total is read back from its Delta table and checked
-against the others. The figures go to a table on stdout and to a JSON file.
+against the others. The figures go to a table on stdout and to a JSON file, and with ``--log``
+to the results log (:mod:`ipcount_lab.bench_log`).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from typing import Sequence
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig
 from ipcount.rules.ledger import EpochSummary, summaries_in
 from ipcount.storage.spark import DRIVER_ENV
-from ipcount_lab import bench_rounds, bench_stats
+from ipcount_lab import bench_log, bench_rounds, bench_stats
 from ipcount_lab.service import free_port
 
 MEASUREMENTS = ("warm", "cold", "flink", "paths", "kafka_python", "profile", "history", "growth", "year",
@@ -435,6 +436,8 @@ def measure_paths(cfg: PipelineConfig, per_epoch: int, warm_epochs: int, partiti
     in_process = warm_cfg.replace(group_id=f"g_{topic}_in_process", pipeline_id=f"p_{topic}_in_process",
                                   warehouse=str(workdir / "paths_in_process"))
     out["warm_in_process"] = _warm_series(in_process, logs, "paths-in-process", warmup, warm_epochs, warm_records)
+    out["connect_over_in_process"] = round(out["warm"]["epoch"]["median"]
+                                           / out["warm_in_process"]["epoch"]["median"], 3)
     command = [sys.executable, BENCH_APPLICATION, "idle_check", "--bootstrap-servers", cfg.bootstrap_servers,
                "--topic", topic, "--ending", "{}", "--workdir", paths_cfg.warehouse]
     wall, _, text = run_process(command, logs / "idle_check.log")
@@ -838,16 +841,29 @@ def _render_flink(report: dict) -> list[str]:
              f"{_range(warm['job'])}; peak JVM {warm['peak_mb'] or 0:.0f} MB",
              f"  cold, a process per job: job {_range(cold['job'])}, process wall {_range(cold['wall'])}; peak JVM "
              f"{cold['peak_mb']:.0f} MB"]
-    # Ratios of medians (the contenders run in processes of their own, so not round by round).
-    pipeline = report.get("warm", {}).get("contenders", {}).get("pipeline")
-    if pipeline and warm["job"]:
+    ratios = flink_ratios(report)
+    if "warm" in ratios:
         lines.append(f"  pipeline / flink, warm (the pipeline's warm epoch against Flink's warm job): "
-                     f"{warm['job']['median'] / pipeline['warm']['median']:.2f}")
+                     f"{ratios['warm']:.2f}")
+    if "cold" in ratios:
+        lines.append(f"  pipeline / flink, cold (process wall against process wall): {ratios['cold']:.2f}")
+    return [*lines, ""]
+
+
+def flink_ratios(report: dict) -> dict[str, float]:
+    """Flink's medians over the pipeline's, warm (job against warm epoch) and cold (process
+    wall against process wall), as far as the report holds both: ratios of medians, since
+    the contenders run in processes of their own (not round by round)."""
+    flink, out = report.get("flink") or {}, {}
+    if "warm" not in flink:
+        return out
+    pipeline = report.get("warm", {}).get("contenders", {}).get("pipeline")
+    if pipeline and flink["warm"]["job"]:
+        out["warm"] = flink["warm"]["job"]["median"] / pipeline["warm"]["median"]
     cold_pipeline = report.get("cold", {}).get("contenders", {}).get("pipeline")
     if cold_pipeline:
-        lines.append(f"  pipeline / flink, cold (process wall against process wall): "
-                     f"{cold['wall']['median'] / cold_pipeline['wall']['median']:.2f}")
-    return [*lines, ""]
+        out["cold"] = flink["cold"]["wall"]["median"] / cold_pipeline["wall"]["median"]
+    return out
 
 
 def _render_cardinality(card: dict | None) -> list[str]:
@@ -927,7 +943,8 @@ def _distinct_numbers(text: str, least: int) -> list[int] | None:
     return numbers if numbers and min(numbers) >= least and len(set(numbers)) == len(numbers) else None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """bin/benchmark's options."""
     p = argparse.ArgumentParser(prog="bin/benchmark", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=int, default=1_000_000, help="records to generate (default 1M; 5M and more work)")
@@ -997,6 +1014,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="where to write the figures (default .local/benchmark/<time>.json)")
     p.add_argument("--workdir", type=Path, help="tables, checkpoints and logs (default: a new temp dir)")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--log", type=Path, nargs="?", const=bench_log.LOG,
+                   help="also append the figures to the results log (default, with no path: "
+                        "docs/performance/results.csv; see ipcount_lab/bench_log.py)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = arguments()
     args = p.parse_args(argv)
     for flag, value, least in (("--records", args.records, 1), ("--rounds", args.rounds, 2),
                                ("--epochs", args.epochs, 1), ("--small-epochs", args.small_epochs, 2),
@@ -1068,6 +1093,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ending = generate(cfg, args.records, args.partitions, args.seed)
             say(f"generated in {time.monotonic() - started:.1f} s: log ends {ending}")
         report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+                        "commit": git_commit(), "argv": list(sys.argv[1:] if argv is None else argv),
                         "records": args.records, "partitions": args.partitions, "spark_master": cfg.spark_master}
         if "warm" in only:
             small_cfg = cfg.replace(topic=f"{topic}_small")
@@ -1133,12 +1159,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg.replace(max_driver_tally_rows=args.max_driver_tally_rows), args.cluster_records, workers,
                 args.cluster_rounds, args.partitions, args.seed, logs, workdir,
                 driver_memory=args.cluster_driver_memory, executor_memory=args.cluster_executor_memory)
+        if "warm" in report.get("flink", {}):
+            report["flink"]["ratios"] = {k: round(v, 3) for k, v in flink_ratios(report).items()}
         check_totals(report)
         print(render(report), flush=True)
         out = args.json or STATE_DIR / "benchmark" / f"{datetime.now():%Y%m%d-%H%M%S}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
         say(f"figures written to {out}")
+        if args.log:
+            say(f"{bench_log.append(report, args.log)} rows appended to {args.log}")
         finished = True
         return 0
     finally:
@@ -1157,6 +1187,21 @@ def machine() -> dict:
     return {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
             "python": platform.python_version(), "java": java[0] if java else None,
             "platform": platform.platform()}
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (``git rev-parse --short HEAD``), with "+dirty" when files outside
+    docs/ differ from it; None without git or a repository."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return None
+    return head + ("+dirty" if git("status", "--porcelain", "--", ".", ":(exclude)docs") else "")
 
 
 def say(text: str) -> None:
