@@ -14,8 +14,8 @@
     consumer-groups  Kafka's kafka-consumer-groups tool, logged in with the pipeline's settings
     config     print the effective configuration
 
-In a checkout, the lab (the embedded stack on one machine, traffic, chaos, the benchmark)
-has its own command line: ``ipcount-lab --help`` (``bin/lab``).
+In a checkout, the lab (the embedded stack on one machine, traffic, chaos, the benchmark) has its own command line:
+``ipcount-lab --help`` (``bin/lab``).
 """
 from __future__ import annotations
 
@@ -100,9 +100,8 @@ def not_empty(text: str) -> str:
 
 
 def load_config(args: argparse.Namespace) -> PipelineConfig:
-    """The settings, from the command's flags where it has them (a command without the
-    settings flags reads the file and IPCOUNT_* variables only; one that reads no setting
-    gets the defaults)."""
+    """The settings, from the command's flags where it has them (a command without the settings flags reads the file and
+    IPCOUNT_* variables only; one that reads no setting gets the defaults)."""
     if COMMAND_SETTINGS.get(args.command) == ():
         return PipelineConfig()
     overrides = {f.name: getattr(args, f.name, None) for f in fields(PipelineConfig)}

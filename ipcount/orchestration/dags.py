@@ -1,5 +1,5 @@
-"""What the Airflow DAG needs from the core package: how to submit the epoch, and what to
-publish after it. Kept here so the DAG file stays wiring only."""
+"""What the Airflow DAG needs from the core package: how to submit the epoch, and what to publish after it. Kept here so
+the DAG file stays wiring only."""
 from __future__ import annotations
 
 import logging
@@ -23,9 +23,9 @@ EPOCH_APPLICATION = str(REPO_ROOT / "spark_jobs" / "epoch_job.py")
 EPOCH_DAG_ID, BACKFILL_DAG_ID, MAINTENANCE_DAG_ID = "ipcount_epoch", "ipcount_backfill", "ipcount_maintenance"
 
 
-# Settings a DAG run may override from the trigger form or `airflow dags trigger --conf`
-# (scope RUN in ipcount.rules.config): name -> (JSON schema, title). The pipeline's topic and
-# tables are not among them: they define the pipeline, and an epoch must chain with the ones before it.
+# Settings a DAG run may override from the trigger form or `airflow dags trigger --conf` (scope RUN in
+# ipcount.rules.config): name -> (JSON schema, title). The pipeline's topic and tables are not among them: they define
+# the pipeline, and an epoch must chain with the ones before it.
 JSON_TYPES = {"str": "string", "int": "integer", "bool": "boolean"}
 
 
@@ -44,16 +44,15 @@ RUN_PARAMS: dict[str, tuple[dict[str, Any], str]] = {s.name: (param_schema(s), s
 # What the tables mean is fixed with them (ipcount.rules.tableset), never a per-run choice.
 
 
-# The schedule that starts each run as the last one ends (Airflow's continuous timetable;
-# the DAG's max_active_runs=1 keeps runs one at a time): the lowest latency a schedule gives.
+# The schedule that starts each run as the last one ends (Airflow's continuous timetable; the DAG's max_active_runs=1
+# keeps runs one at a time): the lowest latency a schedule gives.
 CONTINUOUS = "@continuous"
 
 
 def epoch_timetable(cfg: PipelineConfig):
-    """The epoch DAG's schedule: ``@continuous``; ``on-data``, the source Asset (its watcher
-    fires on new records) or ``on_data_fallback``'s clock; else the cron expression (or
-    preset). Clocks run as data intervals - not trigger instants - so a backfill run counts
-    its interval's records."""
+    """The epoch DAG's schedule: ``@continuous``; ``on-data``, the source Asset (its watcher fires on new records) or
+    ``on_data_fallback``'s clock; else the cron expression (or preset). Clocks run as data intervals - not trigger
+    instants - so a backfill run counts its interval's records."""
     from airflow.timetables.interval import CronDataIntervalTimetable
 
     schedule = cfg.schedule.strip()
@@ -71,8 +70,7 @@ def epoch_timetable(cfg: PipelineConfig):
 
 
 def maintenance_schedule(cfg: PipelineConfig) -> str | None:
-    """The maintenance DAG's schedule: ``maintenance_schedule``, or None (only when
-    triggered) for ``none``."""
+    """The maintenance DAG's schedule: ``maintenance_schedule``, or None (only when triggered) for ``none``."""
     schedule = cfg.maintenance_schedule.strip()
     return None if schedule.lower() == "none" else schedule
 
@@ -160,14 +158,14 @@ def dagrun_timeout(cfg: PipelineConfig) -> timedelta:
 
 
 def spark_submit_kwargs(cfg: PipelineConfig, task_id: str) -> dict[str, Any]:
-    """The spark-submit settings of an epoch task (its run, the one argument, is added when
-    the task runs). The master comes from the ``spark_default`` connection."""
+    """The spark-submit settings of an epoch task (its run, the one argument, is added when the task runs). The master
+    comes from the ``spark_default`` connection."""
     return {"application": EPOCH_APPLICATION, "conn_id": "spark_default", "name": f"{cfg.pipeline_id}-{task_id}",
             "jars": ",".join(spark_jars()), "conf": spark_conf(cfg), "env_vars": dict(DRIVER_ENV)}
 
 
-# The runs of the DAGs' Spark tasks, built when each runs from the pipeline's settings and
-# the task's context (ipcount.orchestration.operators.epoch_operator).
+# The runs of the DAGs' Spark tasks, built when each runs from the pipeline's settings and the task's context
+# (ipcount.orchestration.operators.epoch_operator).
 
 def epoch_run(cfg: PipelineConfig, context: Mapping[str, Any]) -> Run:
     """The epoch DAG's ``run_epoch``: one epoch with the run's Params; the group offset commit
@@ -193,8 +191,7 @@ def request_run(cfg: PipelineConfig, context: Mapping[str, Any]) -> Run:
 
 
 def epoch_summary(cfg: PipelineConfig, run_id: str, target: str = MAIN_TARGET) -> dict[str, Any]:
-    """The epoch(s) this DAG run committed, as logged, returned to XCom and put in the
-    counts Asset event's extra."""
+    """The epoch(s) this DAG run committed, as logged, returned to XCom and put in the counts Asset event's extra."""
     cfg = cfg.for_target(target)
     epochs = committed_epochs(cfg.ledger_path, run_id=run_id)
     for e in epochs:

@@ -25,16 +25,15 @@ from ipcount.rules.config import PipelineConfig
 from ipcount.rules.errors import PERMANENT_EXIT_CODES, ConfigError, IpcountError
 from ipcount.storage.spark import connect_session
 
-# Builds a task's run from the pipeline's settings and the task's context (its Params, run
-# id and data interval): ipcount.orchestration.dags.epoch_run and the like.
+# Builds a task's run from the pipeline's settings and the task's context (its Params, run id and data interval):
+# ipcount.orchestration.dags.epoch_run and the like.
 RunOf = Callable[[PipelineConfig, Mapping[str, Any]], Run]
 
 
 @contextmanager
 def failing_fast() -> Iterator[None]:
-    """Within (or, as ``@failing_fast()``, in a ``@task``'s function), a permanent pipeline
-    error fails the task at once (the same work would fail the same way on every retry); a
-    transient one is raised as it is, for the retries."""
+    """Within (or, as ``@failing_fast()``, in a ``@task``'s function), a permanent pipeline error fails the task at once
+    (the same work would fail the same way on every retry); a transient one is raised as it is, for the retries."""
     try:
         yield
     except IpcountError as e:
@@ -45,9 +44,8 @@ def failing_fast() -> Iterator[None]:
 
 
 class _RunsEpochs(LineageMixin):
-    """What both epoch operators share: the run, built when the task runs, with the Kafka
-    settings of the pipeline's ``kafka_connection`` (its secrets in private files until the
-    run is done)."""
+    """What both epoch operators share: the run, built when the task runs, with the Kafka settings of the pipeline's
+    ``kafka_connection`` (its secrets in private files until the run is done)."""
 
     operator_extra_links = (EpochPageLink(),)
 
@@ -108,8 +106,8 @@ class EpochConnectOperator(_RunsEpochs, BaseOperator):
         if conn.conn_type != SparkConnectHook.conn_type:
             raise ConfigError(f"spark_connect_connection {self.conn_id!r} is a connection of type {conn.conn_type!r}, "
                               f"not {SparkConnectHook.conn_type!r}")
-        # The URL holds the connection's token, user and use_ssl. Settings in its extra would
-        # change the session every process of the pipeline shares, mid-epoch for some.
+        # The URL holds the connection's token, user and use_ssl. Settings in its extra would change the session every
+        # process of the pipeline shares, mid-epoch for some.
         if settings := sorted(set(conn.extra_dejson) - {SparkConnectHook.PARAM_USE_SSL}):
             raise ConfigError(f"spark_connect_connection {self.conn_id!r} has {', '.join(settings)} in its extra, which "
                               f"may hold only {SparkConnectHook.PARAM_USE_SSL}: set Spark settings on the server")
@@ -120,8 +118,8 @@ class EpochConnectOperator(_RunsEpochs, BaseOperator):
         quiet_clients()
         with failing_fast(), self.task_run(context) as run:
             spark = self.session()
-            # Tags are the client's, per thread (the run's queries run on this one), and match
-            # within the session, which other tasks share: so one of this task's own.
+            # Tags are the client's, per thread (the run's queries run on this one), and match within the session, which
+            # other tasks share: so one of this task's own.
             tag = f"ipcount-task-{uuid.uuid4().hex}"
             spark.addTag(tag)
             self._running = (spark, tag)
@@ -158,8 +156,8 @@ class EpochConnectOperator(_RunsEpochs, BaseOperator):
 
 
 class LineageTaskOperator(LineageMixin, _PythonDecoratedOperator):
-    """The operator ``@task`` builds (the standard provider's, whose class name is private),
-    naming its datasets to OpenLineage (``lineage_outputs``: see :class:`LineageMixin`)."""
+    """The operator ``@task`` builds (the standard provider's, whose class name is private), naming its datasets to
+    OpenLineage (``lineage_outputs``: see :class:`LineageMixin`)."""
 
     def __init__(self, *, lineage_outputs: list | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -175,10 +173,9 @@ def lineage_task(python_callable: Callable | None = None, **kwargs):
 
 
 def epoch_operator(cfg: PipelineConfig, task_id: str, run_of: RunOf, **task_kwargs) -> BaseOperator:
-    """The task executing ``run_of``'s run: in the task's own process on the Spark Connect
-    server of ``spark_connect_connection`` when that is set, else spark-submit
-    (:func:`spark_submit_kwargs`). Chosen by configuration, never by probing.
-    ``task_kwargs`` (inlets, outlets, ``lineage_outputs``) go to the operator."""
+    """The task executing ``run_of``'s run: in the task's own process on the Spark Connect server of
+    ``spark_connect_connection`` when that is set, else spark-submit (:func:`spark_submit_kwargs`). Chosen by
+    configuration, never by probing. ``task_kwargs`` (inlets, outlets, ``lineage_outputs``) go to the operator."""
     if not cfg.spark_connect_connection:
         return EpochSubmitOperator(task_id=task_id, pipeline=cfg, run_of=run_of, **spark_submit_kwargs(cfg, task_id),
                                    **task_kwargs)

@@ -22,15 +22,15 @@ from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
 from ipcount.rules.config import KAFKA_CLIENT_SETTINGS, TABLE_SETTINGS, PipelineConfig
 
-# What the trigger needs to know of the pipeline: where the ledger is, the topic, how to
-# reach the broker (a connection's secrets are read in the triggerer, never serialised).
+# What the trigger needs to know of the pipeline: where the ledger is, the topic, how to reach the broker (a
+# connection's secrets are read in the triggerer, never serialised).
 WATCH_SETTINGS = (*TABLE_SETTINGS, "topic", *KAFKA_CLIENT_SETTINGS)
 REFIRE_SECONDS = 60.0
 
 
 def watch_settings(cfg: PipelineConfig) -> dict[str, Any]:
-    """The trigger's settings: the same in every process that parses the DAGs (Airflow
-    identifies a watcher's trigger by them)."""
+    """The trigger's settings: the same in every process that parses the DAGs (Airflow identifies a watcher's trigger by
+    them)."""
     values = cfg.to_dict()
     return {name: values[name] for name in WATCH_SETTINGS}
 

@@ -1,8 +1,8 @@
 """Pipeline configuration: one frozen, validated object passed to every component.
 
-Precedence, lowest first: built-in defaults, a TOML/JSON config file, ``IPCOUNT_*``
-environment variables, explicit overrides (CLI flags, DAG params). Nothing deeper in the
-code reads ``os.environ``; it receives a :class:`PipelineConfig`.
+Precedence, lowest first: built-in defaults, a TOML/JSON config file, ``IPCOUNT_*`` environment variables, explicit
+overrides (CLI flags, DAG params). Nothing deeper in the code reads ``os.environ``; it receives a
+:class:`PipelineConfig`.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from ipcount.rules.errors import ConfigError
 from ipcount.rules.kafka_properties import parse_properties
 from ipcount.rules.requests import MAIN_TARGET, check_target
 
-# Where the jars, the Spark job file and the bin/ tools are: the checkout the package is in (an editable
-# install), or IPCOUNT_HOME where the package is installed from a wheel (the product image's /opt/ipcount).
+# Where the jars, the Spark job file and the bin/ tools are: the checkout the package is in (an editable install), or
+# IPCOUNT_HOME where the package is installed from a wheel (the product image's /opt/ipcount).
 REPO_ROOT = Path(os.environ.get("IPCOUNT_HOME") or Path(__file__).resolve().parents[2])
 STATE_DIR = REPO_ROOT / ".local"
 ENV_PREFIX = "IPCOUNT_"
@@ -39,22 +39,21 @@ HOUR, WEEK, MONTH, YEAR = 3_600, 7 * 86_400, 31 * 86_400, 365 * 86_400
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 LAST_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the last time Python and Spark both hold
 
-# Who may set a setting. PIPELINE: the pipeline's settings. RUN: one run may set it differently
-# (the epoch DAG's Params).
+# Who may set a setting. PIPELINE: the pipeline's settings. RUN: one run may set it differently (the epoch DAG's
+# Params).
 PIPELINE, RUN = "pipeline", "run"
-# What a setting is for. identity: whose tables (the manifest's owner); location: where a
-# table is; meaning: what the rows mean, fixed when a table set is created (its manifest);
-# kafka: the Kafka client's connection; epochs: how epochs plan and read; spark: where they
-# run; airflow: the DAGs' schedules, limits and alerts; publishing; maintenance.
+# What a setting is for. identity: whose tables (the manifest's owner); location: where a table is; meaning: what the
+# rows mean, fixed when a table set is created (its manifest); kafka: the Kafka client's connection; epochs: how epochs
+# plan and read; spark: where they run; airflow: the DAGs' schedules, limits and alerts; publishing; maintenance.
 USES = ("identity", "location", "meaning", "kafka", "epochs", "spark", "airflow", "publishing", "maintenance")
 START_OFFSETS_PATTERN = r"^\s*(\d+\s*:\s*\d+\s*(,\s*\d+\s*:\s*\d+\s*)*)?$"
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting, declared once as a field of :class:`PipelineConfig`: its CLI flag, its
-    ``IPCOUNT_*`` variable, its config-file key, its DAG Param (scope RUN) and its row in
-    docs/configuration.md all come from here (tests/unit/test_docs.py checks the table)."""
+    """One setting, declared once as a field of :class:`PipelineConfig`: its CLI flag, its ``IPCOUNT_*`` variable, its
+    config-file key, its DAG Param (scope RUN) and its row in docs/configuration.md all come from here
+    (tests/unit/test_docs.py checks the table)."""
 
     name: str
     type: str                        # "str", "int" or "bool": the field's annotation
@@ -98,8 +97,8 @@ def negated_flag(name: str) -> str:
 
 
 def setting_arg(name: str, value: Any) -> str:
-    """A setting as one command-line argument: ``--topic=-events``, ``--no-commit-offsets``.
-    One token, so that argparse cannot take a value starting with '-' for a flag."""
+    """A setting as one command-line argument: ``--topic=-events``, ``--no-commit-offsets``. One token, so that argparse
+    cannot take a value starting with '-' for a flag."""
     if isinstance(value, bool):
         return flag(name) if value else negated_flag(name)
     return f"{flag(name)}={value}"
@@ -109,8 +108,7 @@ def setting_arg(name: str, value: Any) -> str:
 class PipelineConfig:
     """Everything an epoch needs to know. Validated when built.
 
-    Table locations default to ``<warehouse>/<table>``; set them one by one to place a
-    table elsewhere.
+    Table locations default to ``<warehouse>/<table>``; set them one by one to place a table elsewhere.
     """
 
     pipeline_id: str = setting(
@@ -407,9 +405,8 @@ class PipelineConfig:
             parse_host_port(hostport, "bootstrap_servers entry")
 
     def _absolute_locations(self) -> None:
-        """A local table location as an absolute path (``~`` expanded): one given relative to
-        where a command was typed must name the same tables for the DAG's tasks, the Spark
-        executors and the next command, wherever they run."""
+        """A local table location as an absolute path (``~`` expanded): one given relative to where a command was typed
+        must name the same tables for the DAG's tasks, the Spark executors and the next command, wherever they run."""
         for name in LOCATION_SETTINGS:
             value = getattr(self, name)
             if value != value.strip():
@@ -599,8 +596,8 @@ COMMAND_SETTINGS = {
     "scram-user": ("pipeline_id", *KAFKA_CLIENT_SETTINGS),
     "consumer-groups": ("pipeline_id", *KAFKA_CLIENT_SETTINGS, "kafka_consumer_properties"),
     "generate": ("pipeline_id", "topic", *KAFKA_CLIENT_SETTINGS),
-    # Spark's server with the epochs' own Spark settings, which are no pipeline settings:
-    # it reads no file or IPCOUNT_* variable, so none meant for the pipeline can stop it.
+    # Spark's server with the epochs' own Spark settings, which are no pipeline settings: it reads no file or IPCOUNT_*
+    # variable, so none meant for the pipeline can stop it.
     "connect-server": (),
 }
 
@@ -610,15 +607,14 @@ ON_DATA = "on-data"
 
 
 def cron_expression(schedule: str) -> str:
-    """``schedule`` as croniter reads it: croniter knows every preset of Airflow's but
-    @quarterly."""
+    """``schedule`` as croniter reads it: croniter knows every preset of Airflow's but @quarterly."""
     schedule = schedule.strip()
     return "0 0 1 */3 *" if schedule == "@quarterly" else schedule
 
 
 def is_cron(expression: str) -> bool:
-    """Whether Airflow's cron timetables take ``expression``: a preset, or what croniter
-    parses (Airflow's own check)."""
+    """Whether Airflow's cron timetables take ``expression``: a preset, or what croniter parses (Airflow's own check).
+    """
     from croniter import croniter
 
     return croniter.is_valid(cron_expression(expression))
@@ -647,8 +643,7 @@ def parse_host_port(text: str, what: str) -> tuple[str, int]:
 
 
 def _check_spark_remote(url: str) -> None:
-    """``sc://host[:port][/]``. (No ;parameters: a token there would be in every command
-    line; it has its file.)"""
+    """``sc://host[:port][/]``. (No ;parameters: a token there would be in every command line; it has its file.)"""
     netloc = url[len("sc://"):].removesuffix("/") if url.startswith("sc://") else ""
     if not netloc or ";" in netloc or "/" in netloc:
         raise ConfigError(f"spark_remote must be a Spark Connect URL such as sc://localhost:15002, with no "
@@ -658,8 +653,8 @@ def _check_spark_remote(url: str) -> None:
     parse_host_port(netloc if has_port else f"{netloc}:15002", "spark_remote's address")
 
 
-# Where delta-rs can keep tables besides a local directory (its credentials and endpoint
-# come from the standard AWS_* environment variables).
+# Where delta-rs can keep tables besides a local directory (its credentials and endpoint come from the standard AWS_*
+# environment variables).
 OBJECT_STORAGE_SCHEMES = ("s3", "s3a")
 
 
@@ -712,8 +707,8 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(settings)
 
 
-# IPCOUNT_* variables that are not settings: the config file, the install's home, the test and lab hooks, and
-# the secrets bin/compose-env writes to .env for docker-compose (a shell may have sourced it).
+# IPCOUNT_* variables that are not settings: the config file, the install's home, the test and lab hooks, and the
+# secrets bin/compose-env writes to .env for docker-compose (a shell may have sourced it).
 OTHER_VARIABLES = frozenset(ENV_PREFIX + name for name in (
     "CONFIG", "HOME", "CRASH_AT", "MODEL_EXAMPLES", "MODEL_STEPS", "MODEL_REPORT", "TEST_DAG_DENY", "TEST_ARTIFACTS",
     "AIRFLOW_ADMIN_PASSWORD", "AIRFLOW_JWT_SECRET", "CONNECT_TOKEN", "KAFKA_EXTERNAL_PASSWORD",
@@ -721,8 +716,8 @@ OTHER_VARIABLES = frozenset(ENV_PREFIX + name for name in (
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The settings of the ``IPCOUNT_*`` variables; one that is no setting (a typo such as
-    ``IPCOUNT_WINDOW_SECOND``) is refused, as an unknown key of a config file is."""
+    """The settings of the ``IPCOUNT_*`` variables; one that is no setting (a typo such as ``IPCOUNT_WINDOW_SECOND``) is
+    refused, as an unknown key of a config file is."""
     names = {f.name for f in fields(PipelineConfig)}
     out = {}
     for key, value in environ.items():
