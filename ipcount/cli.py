@@ -180,10 +180,8 @@ def _epoch_arguments(sub) -> None:
                                    "or nothing to read, 2 bad settings, 3 data loss, 4 broker unreachable.")
     add_config_flags(p)
     p.add_argument("--run-id", help="a run id to record in the ledger (a DAG run records its own)")
-    p.add_argument("--skip-offset-commit", action="store_true",
-                   help="stop after the ledger commit; the DAG commits offsets in its own task")
     p.add_argument("--skip-publish", action="store_true",
-                   help="do not publish to publish_topic after each epoch; the DAG publishes in its own task")
+                   help="do not publish to publish_topic after each epoch (ipcount publish does it later)")
     p.add_argument("--summary-json", action="store_true", help="print the epoch summary as JSON")
     p.add_argument("--epochs", type=positive_int, default=1, metavar="N",
                    help="run up to N epochs one after another in one Spark session, stopping at the first "
@@ -193,8 +191,7 @@ def _epoch_arguments(sub) -> None:
 def _epoch(args: argparse.Namespace, cfg: PipelineConfig) -> int:
     from ipcount.jobs.runs import EPOCH, Run, execute
 
-    run = Run(EPOCH, cfg, run_id=args.run_id, epochs=args.epochs, commit_offsets=not args.skip_offset_commit,
-              publish=not args.skip_publish)
+    run = Run(EPOCH, cfg, run_id=args.run_id, epochs=args.epochs, publish=not args.skip_publish)
     execute(run, report=_reporter(args.summary_json))
     return EXIT_OK
 
@@ -223,9 +220,6 @@ def _backfill_arguments(sub) -> None:
     what.add_argument("--from-time", metavar="TIME",
                       help="start of a time range (ISO 8601, e.g. 2026-11-21T10:00:00Z, or epoch ms); "
                            "resolved per partition with the broker's offsets-for-times lookup")
-    what.add_argument("--request-json", metavar="JSON",
-                      help='the request as one JSON object, the backfill form\'s fields: {"target": ..., '
-                           '"offsets": ... | "from_time": ..., "until_time": ...} (empty values are ignored)')
     p.add_argument("--until-time", metavar="TIME", help="end of the time range (exclusive); needs --from-time")
     p.add_argument("--target", type=not_empty,
                    help="'main' (the pipeline's tables, default) or a replay table name: a plain identifier; "
@@ -238,13 +232,6 @@ def _backfill_arguments(sub) -> None:
 def _backfill_request(args: argparse.Namespace, cfg: PipelineConfig):
     from ipcount.rules.requests import request_from_fields
 
-    if args.request_json is not None:
-        given = [name for name, value in (("--target", args.target), ("--until-time", args.until_time))
-                 if value is not None]
-        if given:
-            raise BadRequestError(f"{' and '.join(given)} cannot go with --request-json: put "
-                                  f"{'them' if len(given) > 1 else 'it'} in the request")
-        return request_from_fields(args.request_json, cfg.topic)
     if args.offsets is not None and args.until_time is not None:
         raise BadRequestError("--until-time goes with --from-time, not with --offsets")
     if args.from_time is not None and args.until_time is None:

@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ipcount.rules.config import REPO_ROOT, STATE_DIR, PipelineConfig
-from ipcount.rules.ledger import EpochSummary, summaries_in
+from ipcount.rules.ledger import METRICS, SCHEDULED, EpochPlan, EpochSummary
+from ipcount.rules.offsets import OffsetRange
 from ipcount.storage.spark import DRIVER_ENV
 from ipcount_lab import bench_log, bench_rounds, bench_stats
 from ipcount_lab.service import free_port
@@ -139,6 +140,26 @@ class ProcessFailed(RuntimeError):
         super().__init__(f"{Path(command[0]).name} {why}; its output: {log_path}")
         self.returncode, self.log_path = returncode, log_path
 
+
+
+def summaries_in(output: str) -> list[EpochSummary]:
+    """The summaries in the output of ``ipcount epoch --summary-json`` (one JSON line per epoch attempted, among the
+    human-readable lines): what :meth:`EpochSummary.to_dict` made."""
+    return [summary_from_dict(json.loads(line)) for line in output.splitlines() if line.startswith("{")]
+
+
+def summary_from_dict(data: dict) -> EpochSummary:
+    plan = None
+    if data.get("epoch") is not None:
+        ranges = tuple(OffsetRange("", int(p), r["from_offset"], r["until_offset"])
+                       for p, r in sorted(data.get("ranges", {}).items(), key=lambda kv: int(kv[0])))
+        plan = EpochPlan(data["epoch"], ranges, kind=data.get("kind") or SCHEDULED, request_id=data.get("request_id"))
+    lag = data.get("lag_after")
+    return EpochSummary(plan, **{m: data.get(m) or 0 for m in METRICS}, watermark_ms=data.get("watermark_after_ms"),
+                        sink_version=data.get("sink_version"), seconds=data.get("seconds") or 0.0,
+                        stage_seconds=dict(data.get("stage_seconds") or {}),
+                        lag_after=None if lag is None else {int(p): n for p, n in lag.items()},
+                        run_id=data.get("run_id"))
 
 def run_process(command: Sequence[str], log_path: Path, env: dict | None = None,
                 timeout: float | None = None) -> tuple[float, float | None, str]:

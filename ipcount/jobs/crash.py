@@ -8,6 +8,8 @@ import os
 import signal
 from typing import Callable
 
+from ipcount.rules.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 # An epoch's step boundaries (tests SIGKILL the process there).
@@ -42,8 +44,7 @@ def crash_hook(crash_at: str | None) -> Crash:
     """A hook that kills this process with SIGKILL at the named step boundary."""
     points = (*CRASH_POINTS, *FILE_CRASH_POINTS, *PUBLISH_CRASH_POINTS)
     if crash_at is not None and crash_at not in points:
-        raise ValueError(f"crash point must be one of {', '.join(points)}; "
-                         f"found {crash_at!r}")
+        raise ConfigError(f"IPCOUNT_CRASH_AT (a test hook) must be one of {', '.join(points)}; found {crash_at!r}")
 
     def hook(point: str) -> None:
         if point == crash_at:

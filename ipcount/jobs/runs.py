@@ -18,7 +18,6 @@ from ipcount.rules.requests import MAIN_TARGET, BackfillRequest, json_object, re
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-log = logging.getLogger(__name__)
 
 EPOCH, BACKFILL, REBUILD = "epoch", "backfill", "rebuild"
 COMMANDS = (EPOCH, BACKFILL, REBUILD)
@@ -94,12 +93,11 @@ def quiet_clients() -> None:
     os.environ.setdefault("RUST_LOG", "error")
 
 
-def execute(run: Run, spark: SparkSession | None = None, report: Report = lambda result: None,
-            crash: Crash | None = None) -> list:
+def execute(run: Run, spark: SparkSession | None = None, report: Report = lambda result: None) -> list:
     """Run ``run`` on ``spark`` (default: the session its settings name, started here), printing a line per epoch (or
     the backfill's or rebuild's), and return its summaries or its report. Every check that needs no Spark happens before
-    a JVM starts; ``crash`` defaults to ``IPCOUNT_CRASH_AT``'s."""
-    crash = crash or crash_from_env()
+    a JVM starts. ``IPCOUNT_CRASH_AT`` names a step to be killed at (a test hook)."""
+    crash = crash_from_env()
     try:
         return {EPOCH: _epochs, BACKFILL: _backfill, REBUILD: _rebuild}[run.command](run, spark, report, crash)
     except Exception as e:
@@ -172,7 +170,7 @@ def _rebuild(run: Run, spark: SparkSession | None, report: Report, crash: Crash)
 
     check_request(run.config, run.into, run.source)  # the request, the tables' locations and the broker,
     partition_offsets(run.config)                    # before the JVM starts (rebuild checks the offsets again)
-    done = rebuild(run.config, _session(run, spark), run.into, run.source, run_id=run.run_id)
+    done = rebuild(run.config, _session(run, spark), run.into, run.source, run_id=run.run_id, crash=crash)
     print(done.line(), flush=True)
     report(done)
     return [done]

@@ -4,7 +4,6 @@ window by window, IP by IP.
 """
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -18,8 +17,6 @@ from ipcount.rules.tableset import recorded_settings
 from ipcount.storage import broker
 from ipcount.storage import tableset as tableset_io
 from ipcount.storage.delta import read_rows
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -494,9 +494,8 @@ class PipelineConfig:
         return {env_name(name): str(value) for name, value in self.to_dict().items()}
 
     def to_args(self, names: Iterable[str] | None = None) -> list[str]:
-        """The settings (or only ``names``) as CLI flags: all of them for ``ipcount epoch``,
-        ``backfill`` and ``rebuild`` (how the DAGs hand them to spark-submit), a command's own
-        group for the others (:data:`COMMAND_SETTINGS`)."""
+        """The settings (or only ``names``) as the command line's flags: all of them for ``ipcount epoch``, ``backfill``
+        and ``rebuild``, a command's own group for the others (:data:`COMMAND_SETTINGS`)."""
         wanted = None if names is None else set(names)
         return [setting_arg(name, value) for name, value in self.to_dict().items()
                 if wanted is None or name in wanted]

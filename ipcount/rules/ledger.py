@@ -9,7 +9,6 @@ the request). The rows of one ledger never overlap. Rows are plain mappings (col
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Iterable, Mapping
@@ -316,22 +315,6 @@ class EpochSummary:
                 "kind": plan.kind if plan else None, "request_id": plan.request_id if plan else None}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], topic: str = "") -> EpochSummary:
-        """The summary :meth:`to_dict` made (e.g. a line of ``ipcount epoch --summary-json``)."""
-        plan = None
-        if data.get("epoch") is not None:
-            ranges = tuple(OffsetRange(topic, int(p), r["from_offset"], r["until_offset"])
-                           for p, r in sorted(data.get("ranges", {}).items(), key=lambda kv: int(kv[0])))
-            plan = EpochPlan(data["epoch"], ranges, kind=data.get("kind") or SCHEDULED,
-                             request_id=data.get("request_id"))
-        lag = data.get("lag_after")
-        return cls(plan, **{m: data.get(m) or 0 for m in METRICS}, watermark_ms=data.get("watermark_after_ms"),
-                   sink_version=data.get("sink_version"), seconds=data.get("seconds") or 0.0,
-                   stage_seconds=dict(data.get("stage_seconds") or {}),
-                   lag_after=None if lag is None else {int(p): n for p, n in lag.items()},
-                   run_id=data.get("run_id"))
-
-    @classmethod
     def from_rows(cls, rows: Iterable[Row]) -> EpochSummary:
         """A committed epoch, assembled from its per-partition ledger rows."""
         rows = list(rows)
@@ -349,9 +332,3 @@ def committed_summaries(rows: Iterable[Row]) -> list[EpochSummary]:
     """One summary per committed epoch among ``rows``, oldest first."""
     committed = rows_by_epoch(r for r in rows if r["status"] == COMMITTED)
     return [EpochSummary.from_rows(rs) for _, rs in sorted(committed.items())]
-
-
-def summaries_in(output: str) -> list[EpochSummary]:
-    """The summaries in the output of ``ipcount epoch --summary-json`` (one JSON line per epoch attempted, among the
-    human-readable lines)."""
-    return [EpochSummary.from_dict(json.loads(line)) for line in output.splitlines() if line.startswith("{")]

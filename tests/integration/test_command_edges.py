@@ -273,9 +273,6 @@ EDGES: dict[str, Edge] = {
                                                   *(BACKFILL if c == "backfill" else ())], EXIT_BROKER, NO_TOPIC)
        for c in ("epoch", "backfill", "verify", "latency")},
     # -- conflicting or empty requests
-    "backfill --target with --request-json": Edge(own("backfill", "--request-json", '{"offsets": "0:0-5"}',
-                                                      "--target", "r1"), EXIT_USAGE,
-                                                  "--target cannot go with --request-json"),
     "backfill --offsets with --until-time": Edge(own("backfill", *BACKFILL, "--until-time", "2026-01-01T00:00:00Z"),
                                                  EXIT_USAGE, "--until-time goes with --from-time, not with --offsets"),
     "backfill --offsets and --from-time": Edge(own("backfill", *BACKFILL, "--from-time", "1"), EXIT_USAGE,

@@ -92,3 +92,15 @@ def test_an_error_is_permanent_exactly_when_its_exit_code_says_so():
     assert permanent == {"ConfigError", "BadRequestError", "StartPositionError", "MissingJarsError",
                          "DataLossError", "MissingTablesError", "TableSetMismatch"}
     assert all(cls("x").permanent == (cls.exit_code in errors.PERMANENT_EXIT_CODES) for cls in classes)
+
+
+def test_an_unknown_crash_point_is_a_bad_setting_before_anything_runs(monkeypatch, tmp_path, caplog):
+    """IPCOUNT_CRASH_AT (the tests' hook) with a typo: exit 2 naming the variable, not a traceback, and
+    nothing made (the check comes before the tables, the broker or a JVM)."""
+    from ipcount import cli
+
+    monkeypatch.setenv("IPCOUNT_CRASH_AT", "after_plam")
+    warehouse = tmp_path / "tables"
+    assert cli.main(["epoch", "--warehouse", str(warehouse)]) == errors.EXIT_USAGE
+    assert "IPCOUNT_CRASH_AT (a test hook) must be one of after_plan," in caplog.text
+    assert not warehouse.exists()

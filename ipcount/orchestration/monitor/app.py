@@ -6,7 +6,6 @@ make - are shown only to a user the auth manager also lets read the backfill DAG
 from __future__ import annotations
 
 import hmac
-import logging
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,7 +28,6 @@ from ipcount.rules.requests import MAIN_TARGET
 from ipcount.storage.delta import DeltaReader
 from ipcount.storage.tableset import replay_targets
 
-log = logging.getLogger(__name__)
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 
