@@ -39,7 +39,7 @@ RUN pip install --no-cache-dir -r requirements.txt -c constraints.txt \
  && if [ "$WITH_OPENLINEAGE" = true ]; then \
       pip install --no-cache-dir -r requirements-lineage.txt -c constraints.txt; fi
 COPY jars ./jars
-# The Spark jars (Kafka source, Delta) and Kafka's, for bin/kafka-consumer-groups.
+# The Spark jars (the Kafka source) and Kafka's, for bin/kafka-consumer-groups.
 RUN for pom in kafka-broker:kafka spark-extras:spark; do \
       mvn -s jars/maven-settings.xml -B -q -f "jars/${pom%%:*}.xml" dependency:copy-dependencies \
         -DoutputDirectory="/opt/ipcount/.local/jars/${pom##*:}" -DincludeScope=runtime; \

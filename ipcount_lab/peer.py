@@ -17,7 +17,7 @@ from pyspark.sql import functions as F
 
 from ipcount.jobs import transform
 from ipcount.jobs.epoch import read_options
-from ipcount.rules.config import PipelineConfig
+from ipcount.rules.config import STATE_DIR, PipelineConfig
 from ipcount.rules.kafka_security import sasl_password, spark_kafka_options
 from ipcount.storage.broker import client_options
 
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 PEER_APP_ID = "ipcount-peer"
 # The peer writes with delta-spark, which the pipeline's sessions do not load: a session it
-# runs in gets Delta's jars (fetched by bin/setup beside the Kafka source's) and these.
+# runs in gets Delta's jars (bin/setup fetches them, jars/delta-spark.xml) and these.
+DELTA_JARS_DIR = STATE_DIR / "jars" / "delta"
 DELTA_CONF = {"spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
               "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
               "spark.databricks.delta.snapshotPartitions": "2"}
@@ -34,11 +35,9 @@ DELTA_CONF = {"spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
 
 def delta_jars() -> list[str]:
     """Delta's jars for a Spark session (spark.jars), beside the pipeline's own."""
-    from ipcount.storage.spark import SPARK_JARS_DIR
-
-    jars = sorted(str(p) for p in SPARK_JARS_DIR.glob("delta-*.jar"))
+    jars = sorted(str(p) for p in DELTA_JARS_DIR.glob("delta-*.jar"))
     if not any(Path(j).name.startswith("delta-spark") for j in jars):
-        raise FileNotFoundError(f"no delta-spark jar in {SPARK_JARS_DIR}: run bin/setup")
+        raise FileNotFoundError(f"no delta-spark jar in {DELTA_JARS_DIR}: run bin/setup")
     return jars
 
 

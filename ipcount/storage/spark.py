@@ -47,9 +47,8 @@ def spark_env() -> dict[str, str]:
 
 
 def spark_jars(jars_dir: Path = SPARK_JARS_DIR, parse_jar: Path = PARSE_JAR) -> list[str]:
-    """The Kafka connector's jars, which pyspark's own jars do not include, and the record parse's. (Delta's jars beside
-    them are the lab's, for the benchmark's peer: the pipeline's sessions load no Delta.)"""
-    jars = sorted(str(p) for p in jars_dir.glob("*.jar") if not p.name.startswith("delta-"))
+    """The Kafka connector's jars, which pyspark's own jars do not include, and the record parse's."""
+    jars = sorted(str(p) for p in jars_dir.glob("*.jar"))
     needed = ("spark-sql-kafka", "kafka-clients")
     missing = [n for n in needed if not any(Path(j).name.startswith(n) for j in jars)]
     if missing:
