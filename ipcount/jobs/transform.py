@@ -13,7 +13,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StructField, StructType
 
 from ipcount.rules import records as R
-from ipcount.rules.errors import MissingJarsError, first_line
+from ipcount.rules.errors import MissingJarsError
 from ipcount.storage.spark import PARSE_JAR, is_remote
 
 if TYPE_CHECKING:
@@ -75,8 +75,9 @@ def _check_parse_function(spark: SparkSession) -> bool:
     try:
         spark.range(0).select(probe).schema
     except Exception as e:  # noqa: BLE001 - classic and Connect raise different classes
+        cause = (str(e).splitlines() or [type(e).__name__])[0]  # whole: Connect's first line can be long
         raise MissingJarsError(
-            f"this Spark has no function ipcount.parse ({first_line(e)}): its JVM needs "
+            f"this Spark has no function ipcount.parse ({cause}): its JVM needs "
             f"{PARSE_JAR.name} (an installation has it in {PARSE_JAR.parent}; a Spark Connect server of "
             "your own takes it in --jars) and spark.sql.catalog.ipcount=ipcount.parse.ParseCatalog") from e
     return True

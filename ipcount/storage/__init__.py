@@ -3,7 +3,7 @@ decides what an epoch is (that is :mod:`ipcount.rules`).
 
 - :mod:`.broker`  the broker outside Spark (kafka-python): log offsets, start positions, group commits
 - :mod:`.delta`   Delta table helpers: delta-rs reads, table creation, commits once per transaction id
-- :mod:`.retry`   the one retry loop: races lost to concurrent commits, a broker not ready yet
+- :mod:`.retry`   the retry loop: races lost to concurrent commits, a broker not ready yet
 - :mod:`.ledger`  the offset ledger: write-ahead and commit MERGEs, reads
 - :mod:`.sink`    the counts, dead-letter and late-record tables, written idempotently per epoch
 - :mod:`.table_files`  data files Spark's executors write into (and read from) a table's location

@@ -417,8 +417,9 @@ def rs_create_table(path: str, schema, properties: Mapping[str, str] | None = No
                     partition_by: list[str] | None = None) -> None:
     """Create an empty Delta table at ``path`` with delta-rs (with :data:`CHECKPOINT_EVERY`) unless one is there; one
     made by an older version (delta-spark's included) gets the (nullable) columns and the table properties it lacks, and
-    keeps its partitioning. Of concurrent creators one wins version 0 (:func:`rs_commit_once`) and the others find its
-    table; what a creator killed before its commit left behind is no table, and is created over."""
+    keeps its partitioning. Of concurrent creators one wins version 0 (put-if-absent, like :func:`rs_commit_once`'s
+    commits) and the others find its table; what a creator killed before its commit left behind is no table, and is
+    created over."""
     from deltalake import CommitProperties, DeltaTable, Schema
     from deltalake.exceptions import DeltaError, TableNotFoundError
 

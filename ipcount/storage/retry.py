@@ -1,5 +1,5 @@
-"""The one retry loop of every call that may lose a race (a Delta commit, a plan) or meet a service not ready yet (a
-group coordinator still loading)."""
+"""The retry loop of calls that may lose a race (a Delta commit, a plan) or meet a service not ready yet (a group
+coordinator still loading). The table set's claim keeps a loop of its own: it checks again after a successful record."""
 from __future__ import annotations
 
 import logging
@@ -26,7 +26,8 @@ def retrying(action: Callable[[], T], errors: type[BaseException] | tuple[type[B
             return action()
         except errors as e:
             wait = pause(attempt)
-            if attempt == attempts or (deadline is not None and time.monotonic() + wait > deadline):
+            out_of_attempts = attempts is not None and attempt >= attempts
+            if out_of_attempts or (deadline is not None and time.monotonic() + wait > deadline):
                 if gave_up is None:
                     raise
                 raise gave_up() from None
