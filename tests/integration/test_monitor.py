@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ipcount.jobs.group_commit import commit_group_offsets_from_ledger
-from ipcount.rules.config import PipelineConfig
+from ipcount.rules.config import REPO_ROOT, PipelineConfig
 from ipcount.rules.private_files import write_private_file
 from ipcount.storage import broker as broker_io
 from ipcount.storage.maintenance import maintain
@@ -112,7 +112,9 @@ def server(broker, tmp_path_factory):
     env = service_env(home, cfg, port)
     # A second user, who may read the epoch DAG but not the backfill DAG (per-DAG permissions,
     # as FAB or Keycloak give them; the simple auth manager knows roles only).
+    # (The auth manager is the tests' own module: the api-server imports it from the checkout.)
     env.update({"AIRFLOW__CORE__AUTH_MANAGER": AUTH_MANAGER, "IPCOUNT_TEST_DAG_DENY": f"{RESTRICTED}:ipcount_backfill",
+                "PYTHONPATH": str(REPO_ROOT),
                 "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"admin:admin,{RESTRICTED}:viewer"})
     # The monitor asks the broker over SASL_SSL, logged in with an Airflow connection of type
     # kafka, as in a secured deployment (the tests' own clients use PLAINTEXT).
