@@ -490,7 +490,7 @@ def rs_commit_once(path: str, app_id: str, version: int, user_metadata: str,
                                                    app_transactions=[Transaction(app_id, version), *extra]))
         return None if committed is False else at
     return retrying(attempt, rs_concurrent_errors(), f"{path}: a concurrent commit came first", attempts,
-                    pause=lambda n: min(0.05 * n, 1.0), again="checking again",
+                    pause=commit_race_pause, again="checking again",
                     gave_up=lambda: CommitContention(f"could not commit to {path} after {attempts} attempts: other "
                                                      "writers kept committing first. Nothing of this commit was "
                                                      "written; run the command again"))
@@ -530,6 +530,11 @@ def check_fillable(table, known: Iterable[str]) -> None:
         raise ConfigError(f"{table.table_uri} has column(s) {', '.join(required)} that a newer version of the "
                           "pipeline added as NOT NULL, which this version cannot fill, so it wrote nothing there: "
                           "run the newer version")
+
+
+def commit_race_pause(attempt: int) -> float:
+    """Seconds to wait after a concurrent writer won the ``attempt``-th commit race: short, growing, at most one."""
+    return min(0.05 * attempt, 1.0)
 
 
 def retry_on_conflict(action: Callable[[], T], what: str, attempts: int = 10) -> T:

@@ -20,8 +20,8 @@ from ipcount.rules.finality import ChainCommit, adds_no_rows, finalized_below, g
 from ipcount.rules.publish import CHANGE_DATA_FEED, has_change_feed
 from ipcount.rules.ledger import SCHEDULED, EpochPlan, PartitionMetrics
 from ipcount.rules.maintenance import COUNTS_PARTITIONS, DAY_MS, log_properties, partition_value
-from ipcount.storage.delta import (arrow_schema, check_fillable, commit_infos, conform, latest, open_table,
-                                   query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
+from ipcount.storage.delta import (arrow_schema, check_fillable, commit_infos, commit_race_pause, conform, latest,
+                                   open_table, query_arrow, retry_on_conflict, rs_append_once, rs_commit_once,
                                    rs_concurrent_errors, rs_create_table, sql_timestamp, version_with_metadata,
                                    with_table_columns)
 from ipcount.storage.retry import retrying
@@ -457,7 +457,7 @@ class Sink:
                     log.info("%s: retired the transactions of epochs %d..%d", path, floor + 1, upto)
             try:
                 floors[path] = retrying(raise_floor, rs_concurrent_errors(), f"{path}: a concurrent commit came first",
-                                        RETIRE_ATTEMPTS, pause=lambda n: min(0.05 * n, 1.0), again="retiring again")
+                                        RETIRE_ATTEMPTS, pause=commit_race_pause, again="retiring again")
             except rs_concurrent_errors():  # left for the next run
                 floors[path] = latest(path).transaction_version(self.floor_id) or 0
         return floors
